@@ -1,0 +1,383 @@
+//! The token bucket: a pure function of (state, limit, cost, now).
+//!
+//! A bucket holds up to `burst` tokens and refills at `rate`, lazily: nothing
+//! runs between requests. The state is a single instant, the moment the
+//! bucket will be full again (the "theoretical arrival time" of GCRA, which
+//! is a token bucket written as one number):
+//!
+//! ```text
+//! interval  = time to refill one token          (unit / rate, rounded up to 1 µs)
+//! tolerance = burst × interval                  (time to refill an empty bucket)
+//! debt      = max(full_at − now, 0)             (time until full)
+//! tokens    = (tolerance − debt) / interval
+//! ```
+//!
+//! Spending `cost` tokens adds `cost × interval` to the debt; the request is
+//! admitted when the debt stays within the tolerance. Everything is integer
+//! microseconds, so the same arithmetic gives the same answer in Redis's Lua.
+//!
+//! Rounding the interval up means the sustained rate is at most the nominal
+//! rate (never above it): 3000/second refills one token every 334 µs.
+
+use std::fmt;
+use std::time::Duration;
+
+pub use crate::clock::Micros;
+
+/// The largest time a bucket may take to refill from empty: about 100 years.
+/// Keeps every instant below 2^53 µs so Lua's doubles hold it exactly.
+pub const MAX_TOLERANCE: Micros = 100 * 365 * 86_400 * 1_000_000;
+
+/// The unit of a rate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RateUnit {
+    /// Per second.
+    Second,
+    /// Per minute.
+    Minute,
+    /// Per hour.
+    Hour,
+    /// Per day.
+    Day,
+}
+
+impl RateUnit {
+    /// The unit's length in microseconds.
+    pub const fn micros(self) -> Micros {
+        match self {
+            Self::Second => 1_000_000,
+            Self::Minute => 60_000_000,
+            Self::Hour => 3_600_000_000,
+            Self::Day => 86_400_000_000,
+        }
+    }
+
+    /// The unit's name as written in the limits table.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Second => "second",
+            Self::Minute => "minute",
+            Self::Hour => "hour",
+            Self::Day => "day",
+        }
+    }
+
+    /// Parses `second`, `minute`, `hour` or `day` (also `s`, `m`, `h`, `d` and
+    /// plurals).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.trim().to_ascii_lowercase().as_str() {
+            "s" | "sec" | "second" | "seconds" => Self::Second,
+            "m" | "min" | "minute" | "minutes" => Self::Minute,
+            "h" | "hour" | "hours" => Self::Hour,
+            "d" | "day" | "days" => Self::Day,
+            _ => return None,
+        })
+    }
+}
+
+/// A sustained rate: `count` tokens per `unit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Rate {
+    /// Tokens per unit; at least 1.
+    pub count: u64,
+    /// The unit.
+    pub unit: RateUnit,
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, self.unit.as_str())
+    }
+}
+
+impl std::str::FromStr for Rate {
+    type Err = String;
+
+    /// Parses `N/unit`, for example `600/minute`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (count, unit) = s
+            .split_once('/')
+            .ok_or_else(|| format!("rate {s:?} must look like N/unit, for example 600/minute"))?;
+        let count = count
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| format!("rate {s:?}: {count:?} is not a whole number"))?;
+        let unit = RateUnit::parse(unit).ok_or_else(|| {
+            format!("rate {s:?}: unit {unit:?} must be second, minute, hour or day")
+        })?;
+        Ok(Self { count, unit })
+    }
+}
+
+/// Why a burst and rate do not make a usable limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    /// Burst is zero.
+    #[error("burst must be at least 1")]
+    ZeroBurst,
+    /// Rate is zero.
+    #[error("rate must be at least 1 per unit")]
+    ZeroRate,
+    /// More than one token per microsecond.
+    #[error("rate {0} is finer than one token per microsecond; at most 1000000/second")]
+    TooFast(Rate),
+    /// Refilling from empty would take longer than [`MAX_TOLERANCE`].
+    #[error("burst {burst} at {rate} takes more than 100 years to refill; lower the burst or raise the rate")]
+    TooSlow {
+        /// The burst.
+        burst: u64,
+        /// The rate.
+        rate: Rate,
+    },
+}
+
+/// A validated bucket shape: capacity and refill interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Limit {
+    burst: u64,
+    interval: Micros,
+}
+
+impl Limit {
+    /// A bucket of `burst` tokens refilling at `rate`.
+    pub fn new(burst: u64, rate: Rate) -> Result<Self, LimitError> {
+        if burst == 0 {
+            return Err(LimitError::ZeroBurst);
+        }
+        if rate.count == 0 {
+            return Err(LimitError::ZeroRate);
+        }
+        if rate.count > rate.unit.micros() {
+            return Err(LimitError::TooFast(rate));
+        }
+        let interval = rate.unit.micros().div_ceil(rate.count);
+        match burst.checked_mul(interval) {
+            Some(tolerance) if tolerance <= MAX_TOLERANCE => Ok(Self { burst, interval }),
+            _ => Err(LimitError::TooSlow { burst, rate }),
+        }
+    }
+
+    /// Capacity in tokens.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// Microseconds to refill one token.
+    pub fn interval(&self) -> Micros {
+        self.interval
+    }
+
+    /// Microseconds to refill an empty bucket.
+    pub fn tolerance(&self) -> Micros {
+        self.burst * self.interval
+    }
+}
+
+/// What a store keeps per bucket. A bucket with no state is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketState {
+    /// The instant the bucket is full again.
+    pub full_at: Micros,
+    /// The refill interval `full_at` was computed with, so that a limit
+    /// change converts the debt in tokens, not in time.
+    pub interval: Micros,
+    /// The capacity the state was written under, so that a smaller burst
+    /// clamps the debt.
+    pub burst: u64,
+}
+
+impl BucketState {
+    /// The state of a full bucket at `now` (equivalent to no state).
+    pub fn full(limit: &Limit, now: Micros) -> Self {
+        Self {
+            full_at: now,
+            interval: limit.interval,
+            burst: limit.burst,
+        }
+    }
+
+    /// True when the bucket is full at `now`: it is then indistinguishable
+    /// from a bucket that was never used and may be dropped.
+    pub fn is_full(&self, now: Micros) -> bool {
+        self.full_at <= now
+    }
+}
+
+/// The answer for one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// The bucket admits the cost.
+    pub allowed: bool,
+    /// Whole tokens left (after the spend when allowed).
+    pub remaining: u64,
+    /// Zero when allowed; otherwise the exact wait until the same cost fits.
+    pub retry_after: Micros,
+    /// Time until the bucket is full again.
+    pub reset_after: Micros,
+}
+
+impl Verdict {
+    /// `retry_after` as a [`Duration`].
+    pub fn retry_after(&self) -> Duration {
+        Duration::from_micros(self.retry_after)
+    }
+
+    /// `reset_after` as a [`Duration`].
+    pub fn reset_after(&self) -> Duration {
+        Duration::from_micros(self.reset_after)
+    }
+}
+
+/// A cost that no amount of waiting lets through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("cost {cost} exceeds the bucket's capacity of {burst}")]
+pub struct CostExceedsBurst {
+    /// The cost asked for.
+    pub cost: u64,
+    /// The bucket's capacity.
+    pub burst: u64,
+}
+
+/// The bucket's debt at `now`, carried over from `state` into `limit`'s terms.
+///
+/// The stored instant is never moved backwards, so a clock that steps back
+/// sees a larger debt (fewer tokens), never a smaller one. When the limit has
+/// changed since the state was written, the debt is converted in tokens (the
+/// spent tokens stay spent) and clamped to the new capacity.
+fn debt(state: Option<BucketState>, limit: &Limit, now: Micros) -> Micros {
+    let Some(state) = state else { return 0 };
+    let debt = state.full_at.saturating_sub(now);
+    if state.interval == limit.interval && state.burst == limit.burst {
+        return debt;
+    }
+    let tokens_owed = debt.div_ceil(state.interval.max(1));
+    tokens_owed
+        .saturating_mul(limit.interval)
+        .min(limit.tolerance())
+}
+
+/// Decides whether a bucket admits `cost` tokens at `now`.
+///
+/// Returns the verdict and the state to store if the cost is spent. A denied
+/// request spends nothing: the caller keeps the old state. A cost above the
+/// capacity is an error, since it could never be admitted.
+pub fn decide(
+    state: Option<BucketState>,
+    limit: &Limit,
+    cost: u64,
+    now: Micros,
+) -> Result<(Verdict, BucketState), CostExceedsBurst> {
+    if cost > limit.burst {
+        return Err(CostExceedsBurst {
+            cost,
+            burst: limit.burst,
+        });
+    }
+    let tolerance = limit.tolerance();
+    let debt_now = debt(state, limit, now);
+    // cost <= burst, so this is at most the tolerance and cannot overflow.
+    let debt_after = debt_now + cost * limit.interval;
+    if debt_after <= tolerance {
+        let verdict = Verdict {
+            allowed: true,
+            remaining: (tolerance - debt_after) / limit.interval,
+            retry_after: 0,
+            reset_after: debt_after,
+        };
+        let next = BucketState {
+            full_at: now + debt_after,
+            interval: limit.interval,
+            burst: limit.burst,
+        };
+        Ok((verdict, next))
+    } else {
+        let verdict = Verdict {
+            allowed: false,
+            remaining: tolerance.saturating_sub(debt_now) / limit.interval,
+            retry_after: debt_after - tolerance,
+            reset_after: debt_now,
+        };
+        Ok((verdict, state.unwrap_or_else(|| BucketState::full(limit, now))))
+    }
+}
+
+/// One bucket's part in a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charge {
+    /// The bucket's shape.
+    pub limit: Limit,
+    /// Tokens to spend.
+    pub cost: u64,
+    /// False for shadow-mode rules: they are evaluated and charged when they
+    /// admit, but never cause a rejection.
+    pub enforce: bool,
+}
+
+/// The outcome of [`plan`]: one verdict per charge, and whether to write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// One verdict per charge, in order.
+    pub verdicts: Vec<Verdict>,
+    /// The states to store, one per charge: `Some` where the bucket changes.
+    pub writes: Vec<Option<BucketState>>,
+    /// True when every enforced charge admits its cost.
+    pub allowed: bool,
+}
+
+/// Decides a set of buckets together: all-or-nothing.
+///
+/// The request is allowed when every enforced charge admits it. Only then,
+/// and only when `spend` is true, is anything written: each charge that
+/// admitted its cost (shadow ones included) is spent. When the request is
+/// rejected nothing is spent, and the verdicts of buckets that would have
+/// admitted the cost report what they hold now rather than after a spend.
+/// Each bucket must appear at most once (merge costs beforehand); costs
+/// must not exceed capacities (check beforehand; such a charge is reported
+/// as denied with an unbounded wait).
+pub fn plan(states: &[Option<BucketState>], charges: &[Charge], now: Micros, spend: bool) -> Plan {
+    debug_assert_eq!(states.len(), charges.len());
+    let mut verdicts = Vec::with_capacity(charges.len());
+    let mut next = Vec::with_capacity(charges.len());
+    let mut allowed = true;
+    for (state, charge) in states.iter().zip(charges) {
+        let (verdict, state) = decide(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
+            let debt = debt(*state, &charge.limit, now);
+            let verdict = Verdict {
+                allowed: false,
+                remaining: charge.limit.tolerance().saturating_sub(debt) / charge.limit.interval,
+                retry_after: Micros::MAX,
+                reset_after: debt,
+            };
+            (verdict, BucketState::full(&charge.limit, now))
+        });
+        allowed &= verdict.allowed || !charge.enforce;
+        verdicts.push(verdict);
+        next.push(state);
+    }
+    let writes = if allowed && spend {
+        verdicts
+            .iter()
+            .zip(next)
+            .map(|(v, s)| v.allowed.then_some(s))
+            .collect()
+    } else {
+        if !allowed {
+            // Nothing is spent: report what the admitting buckets hold now.
+            for (v, c) in verdicts.iter_mut().zip(charges) {
+                if v.allowed {
+                    v.remaining += c.cost;
+                    v.reset_after -= c.cost * c.limit.interval;
+                }
+            }
+        }
+        vec![None; charges.len()]
+    };
+    Plan {
+        verdicts,
+        writes,
+        allowed,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,281 @@
+//! Properties of the bucket arithmetic, and the seed scenario.
+
+use super::*;
+use proptest::prelude::*;
+
+const T0: Micros = 1_700_000_000_000_000;
+
+fn limit(burst: u64, count: u64, unit: RateUnit) -> Limit {
+    Limit::new(burst, Rate { count, unit }).unwrap()
+}
+
+/// Runs requests through one bucket; returns (time, cost) of each admitted one.
+fn run(limit: &Limit, events: &[(Micros, u64)]) -> Vec<(Micros, u64)> {
+    let mut state = None;
+    let mut admitted = Vec::new();
+    for &(now, cost) in events {
+        let (verdict, next) = decide(state, limit, cost, now).unwrap();
+        if verdict.allowed {
+            state = Some(next);
+            admitted.push((now, cost));
+        } else {
+            assert_eq!(next, state.unwrap_or(BucketState::full(limit, now)));
+        }
+    }
+    admitted
+}
+
+#[test]
+fn seed_scenario_dashboard_burst_then_ten_per_second() {
+    // 600 requests/minute with a burst of 30.
+    let limit = limit(30, 600, RateUnit::Minute);
+    assert_eq!(limit.interval(), 100_000);
+    let mut state = None;
+    // A dashboard fires 30 requests at once: all pass, the 31st waits 100 ms.
+    for i in 0..30 {
+        let (v, next) = decide(state, &limit, 1, T0).unwrap();
+        assert!(v.allowed, "request {i} of the burst");
+        assert_eq!(v.remaining, 29 - i);
+        state = Some(next);
+    }
+    let (v, _) = decide(state, &limit, 1, T0).unwrap();
+    assert!(!v.allowed);
+    assert_eq!(v.retry_after, 100_000);
+    assert_eq!(v.reset_after, 3_000_000);
+    // Then it settles at 10/s: one request every 100 ms always passes...
+    for i in 1..=100 {
+        let (v, next) = decide(state, &limit, 1, T0 + i * 100_000).unwrap();
+        assert!(v.allowed, "steady request {i}");
+        assert_eq!(v.remaining, 0);
+        state = Some(next);
+        // ...and an extra one in between never does.
+        let (v, _) = decide(state, &limit, 1, T0 + i * 100_000 + 50_000).unwrap();
+        assert!(!v.allowed);
+        assert_eq!(v.retry_after, 50_000);
+    }
+}
+
+#[test]
+fn seed_scenario_hammering_client_gets_burst_plus_rate() {
+    let limit = limit(30, 600, RateUnit::Minute);
+    // 3,000 requests/s for 10 s: request i at i/3000 s.
+    let events: Vec<_> = (0..30_000u64).map(|i| (T0 + i * 1_000_000 / 3_000, 1)).collect();
+    let admitted = run(&limit, &events);
+    // The burst of 30, then one token every 100 ms: at 0.1 s, 0.2 s, ... 9.9 s
+    // (the last request is at 9.9997 s, before the 100th refill).
+    assert_eq!(admitted.len(), 30 + 99);
+    assert_eq!(events.len() - admitted.len(), 29_871);
+}
+
+#[test]
+fn cost_above_capacity_is_an_error_not_a_wait() {
+    let limit = limit(30, 600, RateUnit::Minute);
+    assert_eq!(
+        decide(None, &limit, 31, T0),
+        Err(CostExceedsBurst { cost: 31, burst: 30 })
+    );
+    assert!(decide(None, &limit, 30, T0).unwrap().0.allowed);
+}
+
+#[test]
+fn limit_validation() {
+    let r = |count, unit| Rate { count, unit };
+    assert_eq!(Limit::new(0, r(1, RateUnit::Second)), Err(LimitError::ZeroBurst));
+    assert_eq!(Limit::new(1, r(0, RateUnit::Second)), Err(LimitError::ZeroRate));
+    assert!(matches!(Limit::new(1, r(2_000_000, RateUnit::Second)), Err(LimitError::TooFast(_))));
+    assert!(matches!(Limit::new(1_000_000, r(1, RateUnit::Day)), Err(LimitError::TooSlow { .. })));
+    // 3000/s does not divide a second: the interval rounds up, never down.
+    assert_eq!(Limit::new(1, r(3000, RateUnit::Second)).unwrap().interval(), 334);
+    assert_eq!("600/minute".parse::<Rate>(), Ok(r(600, RateUnit::Minute)));
+    assert_eq!("5/h".parse::<Rate>(), Ok(r(5, RateUnit::Hour)));
+    assert!("5/fortnight".parse::<Rate>().unwrap_err().contains("fortnight"));
+    assert!("five/second".parse::<Rate>().is_err());
+}
+
+#[test]
+fn limit_change_keeps_spent_tokens_spent_and_clamps_to_new_burst() {
+    let old = limit(10, 10, RateUnit::Second); // 100 ms per token
+    let (_, state) = decide(None, &old, 4, T0).unwrap(); // 6 left
+    // Slower refill, same burst: still 6 left, not more.
+    let slower = limit(10, 1, RateUnit::Second);
+    let (v, _) = decide(Some(state), &slower, 1, T0).unwrap();
+    assert_eq!(v.remaining, 5);
+    // Smaller burst: 4 tokens owed exceed a burst of 3, so the bucket is
+    // clamped to empty, not left owing more than it can hold.
+    let small = limit(3, 10, RateUnit::Second);
+    let (v, _) = decide(Some(state), &small, 1, T0).unwrap();
+    assert!(!v.allowed);
+    assert_eq!(v.remaining, 0);
+    assert_eq!(v.reset_after, 300_000);
+    assert_eq!(v.retry_after, 100_000);
+}
+
+#[test]
+fn plan_is_all_or_nothing_and_reports_unspent_tokens_on_rejection() {
+    let roomy = limit(10, 1, RateUnit::Second);
+    let tight = limit(2, 1, RateUnit::Hour);
+    let charges = [
+        Charge { limit: roomy, cost: 3, enforce: true },
+        Charge { limit: tight, cost: 3 - 1, enforce: true },
+    ];
+    let p = plan(&[None, None], &charges, T0, true);
+    assert!(p.allowed);
+    assert_eq!(p.verdicts[0].remaining, 7);
+    assert_eq!(p.verdicts[1].remaining, 0);
+    assert!(p.writes.iter().all(Option::is_some));
+    // Second time the tight bucket is empty: nothing is spent anywhere, and
+    // the roomy bucket reports the 7 it still holds.
+    let states = [p.writes[0], p.writes[1]];
+    let p = plan(&states, &charges, T0, true);
+    assert!(!p.allowed);
+    assert!(p.writes.iter().all(Option::is_none));
+    assert!(p.verdicts[0].allowed);
+    assert_eq!(p.verdicts[0].remaining, 7);
+    assert_eq!(p.verdicts[0].reset_after, 3_000_000);
+    assert!(!p.verdicts[1].allowed);
+    assert_eq!(p.verdicts[1].retry_after, 7_200_000_000); // two tokens at 1/hour
+}
+
+#[test]
+fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
+    let open = limit(10, 1, RateUnit::Second);
+    let empty_shadow = limit(1, 1, RateUnit::Hour);
+    let charges = [
+        Charge { limit: open, cost: 1, enforce: true },
+        Charge { limit: empty_shadow, cost: 1, enforce: false },
+    ];
+    let spent_shadow = Some(BucketState { full_at: T0 + 3_600_000_000, ..BucketState::full(&empty_shadow, T0) });
+    let p = plan(&[None, spent_shadow], &charges, T0, true);
+    assert!(p.allowed);
+    assert!(!p.verdicts[1].allowed);
+    assert!(p.writes[0].is_some());
+    assert!(p.writes[1].is_none());
+}
+
+#[test]
+fn dry_run_reports_as_if_spent_and_writes_nothing() {
+    let l = limit(5, 1, RateUnit::Second);
+    let p = plan(&[None], &[Charge { limit: l, cost: 2, enforce: true }], T0, false);
+    assert!(p.allowed);
+    assert_eq!(p.verdicts[0].remaining, 3);
+    assert_eq!(p.writes, vec![None]);
+}
+
+fn arb_limit() -> impl Strategy<Value = Limit> {
+    (1u64..50, 1u64..1_000, prop_oneof![Just(RateUnit::Second), Just(RateUnit::Minute), Just(RateUnit::Hour)])
+        .prop_map(|(burst, count, unit)| limit(burst, count, unit))
+}
+
+/// Time steps from tiny to a few intervals, and costs up to the burst.
+fn arb_events(limit: Limit) -> impl Strategy<Value = Vec<(Micros, u64)>> {
+    let max_step = limit.interval() * 3;
+    prop::collection::vec((0..=max_step, 1..=limit.burst()), 1..200).prop_map(|steps| {
+        let mut now = T0;
+        steps
+            .into_iter()
+            .map(|(dt, cost)| {
+                now += dt;
+                (now, cost)
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// In any interval [a, b] the bucket admits at most burst + rate × (b − a).
+    #[test]
+    fn never_admits_more_than_burst_plus_rate_times_elapsed(
+        (limit, events) in arb_limit().prop_flat_map(|l| (Just(l), arb_events(l)))
+    ) {
+        let admitted = run(&limit, &events);
+        for i in 0..admitted.len() {
+            let mut spent = 0;
+            for &(t, cost) in &admitted[i..] {
+                spent += cost;
+                let elapsed = t - admitted[i].0;
+                // cost × interval ≤ tolerance + elapsed, i.e. in tokens:
+                prop_assert!(spent * limit.interval() <= limit.tolerance() + elapsed,
+                    "spent {} within {} µs", spent, elapsed);
+            }
+        }
+    }
+
+    /// After waiting exactly `retry_after` the same request is admitted; one
+    /// microsecond earlier it is not. Rounding never makes it early.
+    #[test]
+    fn retry_after_is_exact(
+        (limit, events) in arb_limit().prop_flat_map(|l| (Just(l), arb_events(l))),
+        cost_pick in 0u64..1000,
+    ) {
+        let mut state = None;
+        for &(now, cost) in &events {
+            let (v, next) = decide(state, &limit, cost, now).unwrap();
+            if v.allowed { state = Some(next); }
+        }
+        let now = events.last().unwrap().0;
+        let cost = 1 + cost_pick % limit.burst();
+        let (v, _) = decide(state, &limit, cost, now).unwrap();
+        if !v.allowed {
+            prop_assert!(v.retry_after > 0);
+            let (later, _) = decide(state, &limit, cost, now + v.retry_after).unwrap();
+            prop_assert!(later.allowed);
+            let (early, _) = decide(state, &limit, cost, now + v.retry_after - 1).unwrap();
+            prop_assert!(!early.allowed);
+            // The whole-second header value rounds up, so it is never early.
+            let header_secs = v.retry_after.div_ceil(1_000_000);
+            prop_assert!(header_secs * 1_000_000 >= v.retry_after);
+        } else {
+            prop_assert_eq!(v.retry_after, 0);
+        }
+    }
+
+    /// A clock that steps backwards never creates tokens: the stored instant
+    /// never moves back, and admissions stay within burst + rate × the span of
+    /// clock readings seen (a step back and forth again adds nothing).
+    #[test]
+    fn backwards_clock_never_creates_tokens(
+        limit in arb_limit(),
+        steps in prop::collection::vec((-5_000_000i64..5_000_000, 1u64..10), 1..200),
+    ) {
+        let mut now = T0 as i64;
+        let (mut earliest, mut latest) = (T0, T0);
+        let mut state: Option<BucketState> = None;
+        let mut spent = 0u64;
+        for (dt, cost) in steps {
+            now = (now + dt).max(0);
+            latest = latest.max(now as Micros);
+            earliest = earliest.min(now as Micros);
+            let cost = cost.min(limit.burst());
+            let (v, next) = decide(state, &limit, cost, now as Micros).unwrap();
+            if v.allowed {
+                if let Some(prev) = state {
+                    prop_assert!(next.full_at >= prev.full_at);
+                }
+                state = Some(next);
+                spent += cost;
+            } else {
+                prop_assert_eq!(Some(next), state);
+            }
+            prop_assert!(spent * limit.interval() <= limit.tolerance() + (latest - earliest));
+        }
+    }
+
+    /// A rejected request leaves the bucket exactly as it was.
+    #[test]
+    fn denied_request_spends_nothing(
+        (limit, events) in arb_limit().prop_flat_map(|l| (Just(l), arb_events(l)))
+    ) {
+        let mut state = None;
+        for &(now, cost) in &events {
+            let (v, next) = decide(state, &limit, cost, now).unwrap();
+            if v.allowed {
+                state = Some(next);
+            } else {
+                let again = decide(state, &limit, cost, now).unwrap().0;
+                prop_assert_eq!(again, v);
+            }
+        }
+    }
+}
