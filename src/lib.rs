@@ -7,3 +7,4 @@
 
 pub mod bucket;
 pub mod clock;
+pub mod store;
