@@ -5,6 +5,13 @@
 //! `limiter` (rules → charges → decision) ← `grpc` / `admin` ← `server`.
 //! The limits table (`limits`) feeds the limiter its rules.
 
+pub mod admin;
 pub mod bucket;
+pub mod cli;
 pub mod clock;
+pub mod grpc;
+pub mod limiter;
+pub mod limits;
+pub mod server;
 pub mod store;
+pub mod telemetry;

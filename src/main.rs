@@ -1,1 +1,55 @@
-fn main() {}
+//! The `tollgate` binary: parses the command line and hands over to the
+//! library.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use tollgate::cli::{self, Cli, Command};
+use tollgate::clock::SystemClock;
+use tollgate::server::{self, Listeners};
+use tollgate::telemetry::{self, LogFormat};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match dispatch(Cli::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => {
+            telemetry::init_logs(args.log_format);
+            let listeners = Listeners::bind(args.grpc_addr, args.admin_addr).await?;
+            server::run(args.config(), listeners, Arc::new(SystemClock), shutdown_signal()).await?;
+        }
+        Command::Limits(command) => {
+            telemetry::init_logs(LogFormat::Text);
+            cli::limits(command).await?;
+        }
+        Command::Check(args) => cli::check(args).await?,
+    }
+    Ok(())
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutting down: finishing in-flight requests");
+}

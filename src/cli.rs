@@ -1,0 +1,326 @@
+//! The command line: `serve`, `limits` and `check`.
+//!
+//! Every `serve` flag also reads an environment variable (`TOLLGATE_…`);
+//! a flag given on the command line wins over the environment, which wins
+//! over the built-in default.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::bucket::Rate;
+use crate::grpc::proto::v1::ShouldAllowRequest;
+use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use crate::limiter::Unmatched;
+use crate::limits::LimitRow;
+use crate::limits::table::LimitsTable;
+use crate::server::{ServeConfig, StoreSpec};
+use crate::telemetry::LogFormat;
+
+/// Tollgate: a rate-limit decision service.
+#[derive(Debug, Parser)]
+#[command(name = "tollgate", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the decision service.
+    Serve(ServeArgs),
+    /// Manage the limits table.
+    #[command(subcommand)]
+    Limits(LimitsCommand),
+    /// Ask a running server for a decision and print it.
+    Check(CheckArgs),
+}
+
+/// `tollgate serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// gRPC listen address (port 0 picks a free port).
+    #[arg(long, env = "TOLLGATE_GRPC_ADDR", default_value = "127.0.0.1:50051")]
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address: /healthz, /readyz, /metrics, /v1/limits.
+    #[arg(long, env = "TOLLGATE_ADMIN_ADDR", default_value = "127.0.0.1:8090")]
+    pub admin_addr: SocketAddr,
+    /// The limits table.
+    #[command(flatten)]
+    pub limits: LimitsLocation,
+    /// Where bucket state lives: `memory` (in this process).
+    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
+    pub store: StoreSpec,
+    /// How often the limits table is re-read (e.g. 1s, 500ms).
+    #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub reload_interval: Duration,
+    /// Most buckets held in memory; beyond it idle buckets, then the ones
+    /// closest to full, are dropped.
+    #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 1_000_000)]
+    pub max_buckets: usize,
+    /// What to do with requests no rule applies to.
+    #[arg(long, env = "TOLLGATE_UNMATCHED", value_enum, default_value = "allow")]
+    pub unmatched: Unmatched,
+    /// Log format.
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// The server configuration these flags describe.
+    pub fn config(&self) -> ServeConfig {
+        ServeConfig {
+            limits: self.limits.limits.clone(),
+            store: self.store.clone(),
+            reload_interval: self.reload_interval,
+            max_buckets: self.max_buckets,
+            unmatched: self.unmatched,
+            ..ServeConfig::default()
+        }
+    }
+}
+
+/// Where the limits table is.
+#[derive(Debug, Args)]
+pub struct LimitsLocation {
+    /// The limits table: a SQLite file path or `sqlite:` URL (created and
+    /// seeded when missing).
+    #[arg(long, env = "TOLLGATE_LIMITS", default_value = "tollgate-limits.db")]
+    pub limits: String,
+}
+
+/// `tollgate limits …`.
+#[derive(Debug, Subcommand)]
+pub enum LimitsCommand {
+    /// Print every row.
+    List {
+        /// The limits table.
+        #[command(flatten)]
+        location: LimitsLocation,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Add a row, or change the row with the same tenant, resource and scope.
+    Set(SetArgs),
+    /// Delete a row by name.
+    Delete {
+        /// The limits table.
+        #[command(flatten)]
+        location: LimitsLocation,
+        /// The row's name.
+        #[arg(long)]
+        name: String,
+    },
+}
+
+/// `tollgate limits set`.
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    /// The limits table.
+    #[command(flatten)]
+    pub location: LimitsLocation,
+    /// Tenant ('' or omitted: the default rows).
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// Resource ('' or omitted: any resource).
+    #[arg(long, default_value = "")]
+    pub resource: String,
+    /// `key` (one bucket per key) or `tenant` (one ceiling for all keys).
+    #[arg(long, default_value = "key")]
+    pub scope: String,
+    /// Capacity: the largest burst.
+    #[arg(long)]
+    pub burst: i64,
+    /// Sustained rate as N/unit, e.g. 600/minute.
+    #[arg(long)]
+    pub rate: String,
+    /// `enforce` or `shadow`.
+    #[arg(long, default_value = "enforce")]
+    pub mode: String,
+    /// When the shared store is down: `allow`, `deny` or `local`.
+    #[arg(long, default_value = "allow")]
+    pub on_store_unavailable: String,
+    /// The row's name (default: TENANT-RESOURCE-SCOPE).
+    #[arg(long)]
+    pub name: Option<String>,
+}
+
+/// `tollgate check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// The server's gRPC address.
+    #[arg(long, env = "TOLLGATE_SERVER", default_value = "http://127.0.0.1:50051")]
+    pub server: String,
+    /// Tenant.
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// Key.
+    #[arg(long)]
+    pub key: String,
+    /// Cost in tokens.
+    #[arg(long, default_value_t = 1)]
+    pub cost: u64,
+    /// Resource.
+    #[arg(long, default_value = "")]
+    pub resource: String,
+    /// Decide without spending.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Ask this many times in a row, one line each.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+}
+
+/// Parses `1s`, `250ms`, `2m`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().map_err(|_| format!("{s:?} must look like 500ms, 1s, 2m or 1h"))?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "s" | "" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
+    })
+    .and_then(|d| if d.is_zero() { Err(format!("{s:?} must be more than zero")) } else { Ok(d) })
+}
+
+/// Runs a `limits` subcommand, printing to stdout.
+pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
+    match command {
+        LimitsCommand::List { location, json } => {
+            let table = LimitsTable::open(&location.limits).await?;
+            let rows = table.rows().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print!("{}", render_rows(&rows));
+            }
+            for row in &rows {
+                if let Err(err) = row.validate() {
+                    eprintln!("warning: {err}");
+                }
+            }
+        }
+        LimitsCommand::Set(args) => {
+            let rate: Rate = args.rate.parse().map_err(anyhow::Error::msg)?;
+            let row = LimitRow {
+                name: args.name.clone().unwrap_or_else(|| {
+                    let or = |s: &str, d: &str| if s.is_empty() { d.to_owned() } else { s.to_owned() };
+                    format!("{}-{}-{}", or(&args.tenant, "default"), or(&args.resource, "any"), args.scope)
+                }),
+                tenant: args.tenant,
+                resource: args.resource,
+                scope: args.scope,
+                burst: args.burst,
+                rate: i64::try_from(rate.count)?,
+                rate_unit: rate.unit.as_str().into(),
+                mode: args.mode,
+                on_store_unavailable: args.on_store_unavailable,
+                updated_at: String::new(),
+            };
+            let rule = row.validate()?;
+            let table = LimitsTable::open(&args.location.limits).await?;
+            table.upsert(&row).await?;
+            println!("set {rule}");
+        }
+        LimitsCommand::Delete { location, name } => {
+            let table = LimitsTable::open(&location.limits).await?;
+            if !table.delete(&name).await? {
+                anyhow::bail!("no row is named {name:?}; `tollgate limits list` shows the names");
+            }
+            println!("deleted {name}");
+        }
+    }
+    Ok(())
+}
+
+/// Renders rows as an aligned table.
+pub fn render_rows(rows: &[LimitRow]) -> String {
+    let mut lines = vec![[
+        "NAME".to_owned(),
+        "TENANT".into(),
+        "RESOURCE".into(),
+        "SCOPE".into(),
+        "BURST".into(),
+        "RATE".into(),
+        "MODE".into(),
+        "STORE_DOWN".into(),
+        "UPDATED_AT".into(),
+    ]];
+    let or = |s: &str, d: &str| if s.is_empty() { d.to_owned() } else { s.to_owned() };
+    for r in rows {
+        lines.push([
+            r.name.clone(),
+            or(&r.tenant, "(default)"),
+            or(&r.resource, "(any)"),
+            r.scope.clone(),
+            r.burst.to_string(),
+            format!("{}/{}", r.rate, r.rate_unit),
+            r.mode.clone(),
+            r.on_store_unavailable.clone(),
+            r.updated_at.clone(),
+        ]);
+    }
+    let widths: Vec<usize> = (0..9).map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for line in lines {
+        let cells: Vec<String> = line.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Runs `check`: prints one line per decision.
+pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
+    let mut client = RateLimiterClient::connect(args.server.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    for i in 1..=args.repeat.max(1) {
+        let response = client
+            .should_allow(ShouldAllowRequest {
+                key: args.key.clone(),
+                cost: args.cost,
+                tenant: args.tenant.clone(),
+                resource: args.resource.clone(),
+                dry_run: args.dry_run,
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+            .into_inner();
+        let prefix = if args.repeat > 1 { format!("#{i:<3} ") } else { String::new() };
+        println!("{prefix}{}", describe(&response));
+    }
+    Ok(())
+}
+
+fn describe(r: &crate::grpc::proto::v1::ShouldAllowResponse) -> String {
+    let secs = |d: &Option<prost_types::Duration>| {
+        d.as_ref().map_or(0.0, |d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
+    };
+    if r.limit_name.is_empty() {
+        return format!("{}  (no rule applies: unlimited)", if r.allowed { "ALLOWED" } else { "REJECTED" });
+    }
+    let mut headers: Vec<_> = r.headers.iter().collect();
+    headers.sort();
+    let headers: Vec<String> = headers.into_iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    format!(
+        "{:<8}  remaining {}/{}  retry_after {:.3}s  reset_after {:.3}s  rule {} ({}){}  [{}]",
+        if r.allowed { "ALLOWED" } else { "REJECTED" },
+        r.remaining,
+        r.limit,
+        secs(&r.retry_after),
+        secs(&r.reset_after),
+        r.limit_name,
+        r.rate,
+        if r.shadow { "  shadow: would reject" } else { "" },
+        headers.join(", "),
+    )
+}

@@ -1,0 +1,167 @@
+//! The gRPC surface: Tollgate's own `tollgate.v1.RateLimiter` service.
+//!
+//! Protobuf types stop here: requests become [`Item`]s, [`Decision`]s
+//! become responses, errors become statuses in [`status`].
+
+pub mod codec;
+pub mod status;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::bucket::Micros;
+use crate::limiter::{Decision, Item, Limiter};
+use crate::telemetry::metrics::{self, Outcome};
+
+/// Code generated from `proto/`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod proto {
+    /// `tollgate.v1`.
+    pub mod v1 {
+        tonic::include_proto!("tollgate.v1");
+    }
+
+    /// The encoded descriptors of every Tollgate proto, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tollgate_descriptor");
+}
+
+use proto::v1::rate_limiter_server::RateLimiter;
+use proto::v1::{
+    ShouldAllowBatchRequest, ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse,
+};
+
+pub use proto::v1::rate_limiter_server::RateLimiterServer;
+
+/// The `api` label of decisions made through this service.
+const API: &str = "native";
+
+/// Implements `tollgate.v1.RateLimiter` over a [`Limiter`].
+pub struct RateLimiterService {
+    limiter: Arc<Limiter>,
+}
+
+impl RateLimiterService {
+    /// The service over `limiter`.
+    pub fn new(limiter: Arc<Limiter>) -> Self {
+        Self { limiter }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimiter for RateLimiterService {
+    async fn should_allow(
+        &self,
+        request: Request<ShouldAllowRequest>,
+    ) -> Result<Response<ShouldAllowResponse>, Status> {
+        let req = request.get_ref();
+        let item = Item {
+            key: &req.key,
+            cost: req.cost,
+            tenant: &req.tenant,
+            resource: &req.resource,
+        };
+        match self.limiter.decide(item, req.dry_run).await {
+            Ok(decision) => {
+                record(&decision, item.cost);
+                Ok(Response::new(to_response(&decision)))
+            }
+            Err(err) => {
+                metrics::decision(API, Outcome::Error, "", item.cost.max(1));
+                Err(status::from_decide_error(err))
+            }
+        }
+    }
+
+    async fn should_allow_batch(
+        &self,
+        request: Request<ShouldAllowBatchRequest>,
+    ) -> Result<Response<ShouldAllowBatchResponse>, Status> {
+        let req = request.get_ref();
+        let items: Vec<Item<'_>> = req
+            .items
+            .iter()
+            .map(|i| Item {
+                key: &i.key,
+                cost: i.cost,
+                tenant: &i.tenant,
+                resource: &i.resource,
+            })
+            .collect();
+        match self.limiter.decide_batch(&items, req.dry_run).await {
+            Ok(batch) => {
+                for (decision, item) in batch.items.iter().zip(&items) {
+                    record(decision, item.cost);
+                }
+                Ok(Response::new(ShouldAllowBatchResponse {
+                    allowed: batch.allowed,
+                    results: batch.items.iter().map(to_response).collect(),
+                    retry_after: Some(duration(batch.retry_after)),
+                }))
+            }
+            Err(err) => {
+                metrics::decision(API, Outcome::Error, "", items.len() as u64);
+                Err(status::from_decide_error(err))
+            }
+        }
+    }
+}
+
+fn record(decision: &Decision, cost: u64) {
+    let outcome = match (decision.allowed, decision.shadow) {
+        (false, _) => Outcome::Rejected,
+        (true, true) => Outcome::ShadowRejected,
+        (true, false) => Outcome::Allowed,
+    };
+    let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
+    metrics::decision(API, outcome, rule, cost.max(1));
+}
+
+/// Builds the response, including the HTTP header values.
+pub fn to_response(decision: &Decision) -> ShouldAllowResponse {
+    let Some(rule) = &decision.rule else {
+        // No rule applied: unlimited, so there is no budget to report.
+        return ShouldAllowResponse {
+            allowed: decision.allowed,
+            retry_after: Some(duration(0)),
+            reset_after: Some(duration(0)),
+            ..Default::default()
+        };
+    };
+    ShouldAllowResponse {
+        allowed: decision.allowed,
+        remaining: decision.remaining,
+        retry_after: Some(duration(decision.retry_after)),
+        reset_after: Some(duration(decision.reset_after)),
+        limit: rule.limit.burst(),
+        limit_name: rule.name.clone(),
+        shadow: decision.shadow,
+        headers: headers(decision, rule.limit.burst()),
+        rate: rule.rate.to_string(),
+    }
+}
+
+/// `RateLimit-*` and `Retry-After` values. Seconds round up, so a caller
+/// that waits what the header says is never early.
+pub fn headers(decision: &Decision, limit: u64) -> HashMap<String, String> {
+    let mut headers = HashMap::with_capacity(4);
+    headers.insert("RateLimit-Limit".to_owned(), limit.to_string());
+    headers.insert("RateLimit-Remaining".to_owned(), decision.remaining.to_string());
+    headers.insert("RateLimit-Reset".to_owned(), whole_seconds(decision.reset_after).to_string());
+    if !decision.allowed {
+        headers.insert("Retry-After".to_owned(), whole_seconds(decision.retry_after).to_string());
+    }
+    headers
+}
+
+fn whole_seconds(us: Micros) -> u64 {
+    us.div_ceil(1_000_000)
+}
+
+fn duration(us: Micros) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: (us / 1_000_000) as i64,
+        nanos: ((us % 1_000_000) * 1_000) as i32,
+    }
+}

@@ -1,0 +1,23 @@
+//! The one place errors become gRPC statuses.
+//!
+//! Caller mistakes carry a message that says what to fix. Store failures
+//! are logged here with their details and reach the caller only as
+//! UNAVAILABLE with a generic message.
+
+use tonic::Status;
+
+use crate::limiter::DecideError;
+
+/// Converts a decision error into the status the caller sees.
+pub fn from_decide_error(err: DecideError) -> Status {
+    match err {
+        DecideError::InvalidField(_) | DecideError::InvalidBatch(_) | DecideError::CostExceedsCapacity { .. } => {
+            Status::invalid_argument(err.to_string())
+        }
+        DecideError::NoRule { .. } => Status::failed_precondition(err.to_string()),
+        DecideError::Store(store) => {
+            tracing::warn!(error = %store, transient = store.is_transient(), "store call failed");
+            Status::unavailable("the rate-limit store is unavailable; retry shortly")
+        }
+    }
+}

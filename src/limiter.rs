@@ -1,0 +1,330 @@
+//! From a request to a decision: rules, then charges, then one atomic store
+//! call, then the answer for each item.
+//!
+//! The limiter knows nothing of protobuf or HTTP: the gRPC layer turns its
+//! [`Decision`]s into responses and its [`DecideError`]s into statuses.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::bucket::{Charge, Micros, Verdict};
+use crate::limits::watch::LiveLimits;
+use crate::limits::{Mode, Rule, Scope, check_label};
+use crate::store::{BucketKey, Store, StoreError};
+
+/// Longest key, in bytes.
+pub const MAX_KEY_LEN: usize = 256;
+/// Most items in one batch.
+pub const MAX_BATCH_ITEMS: usize = 1000;
+
+/// One thing to decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Item<'a> {
+    /// Whose budget.
+    pub key: &'a str,
+    /// Tokens to spend; 0 means 1.
+    pub cost: u64,
+    /// Selects the tenant's rules; '' for the default rules.
+    pub tenant: &'a str,
+    /// The endpoint family; '' for none in particular.
+    pub resource: &'a str,
+}
+
+/// What to do with a request no rule applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unmatched {
+    /// Admit it, unlimited (the default).
+    #[default]
+    Allow,
+    /// Refuse it with FAILED_PRECONDITION.
+    Deny,
+}
+
+/// Why a request could not be decided. Being over the limit is not an
+/// error; it is a [`Decision`].
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    /// A field is missing, too long or malformed. The message starts with
+    /// the field's name, such as `key` or `items[2].tenant`.
+    #[error("{0}")]
+    InvalidField(String),
+    /// The batch is empty or too large.
+    #[error("{0}")]
+    InvalidBatch(String),
+    /// The request spends more than a rule's capacity: it could never pass.
+    #[error(
+        "{what} costs {cost} tokens but rule {rule:?} has a capacity (burst) of {burst}; \
+         it can never be allowed, so lower the cost or raise the rule's burst"
+    )]
+    CostExceedsCapacity {
+        /// `the request`, `items[i]`, or the items that share the bucket.
+        what: String,
+        /// The rule.
+        rule: String,
+        /// Its capacity.
+        burst: u64,
+        /// The cost asked for.
+        cost: u64,
+    },
+    /// No rule applies and the server refuses unlimited requests.
+    #[error(
+        "no limit applies to tenant {tenant:?} (resource {resource:?}) and this server refuses \
+         unlimited requests; add a row for the tenant or a default row (tenant '') to the limits table"
+    )]
+    NoRule {
+        /// The tenant.
+        tenant: String,
+        /// The resource.
+        resource: String,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The decision for one item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// The item may go ahead.
+    pub allowed: bool,
+    /// A shadow-mode rule would have rejected it.
+    pub shadow: bool,
+    /// Whole tokens left in the tightest bucket.
+    pub remaining: u64,
+    /// Zero when allowed; otherwise the exact wait until it would be.
+    pub retry_after: Micros,
+    /// Time until the tightest bucket is full.
+    pub reset_after: Micros,
+    /// The rule of the tightest bucket; `None` when no rule applied.
+    pub rule: Option<Arc<Rule>>,
+}
+
+/// The decision for a set of items decided together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchDecision {
+    /// Every item was allowed and charged.
+    pub allowed: bool,
+    /// Zero when allowed; otherwise the longest wait among the items.
+    pub retry_after: Micros,
+    /// One decision per item, in order.
+    pub items: Vec<Decision>,
+}
+
+/// Decides requests against the rules in force, using one store.
+pub struct Limiter {
+    limits: Arc<LiveLimits>,
+    store: Arc<dyn Store>,
+    unmatched: Unmatched,
+}
+
+/// Which charge and rule an item touches.
+struct Touch {
+    item: usize,
+    charge: usize,
+    rule: Arc<Rule>,
+}
+
+impl Limiter {
+    /// A limiter over `limits` and `store`.
+    pub fn new(limits: Arc<LiveLimits>, store: Arc<dyn Store>, unmatched: Unmatched) -> Self {
+        Self {
+            limits,
+            store,
+            unmatched,
+        }
+    }
+
+    /// The rules in force.
+    pub fn limits(&self) -> &Arc<LiveLimits> {
+        &self.limits
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Decides one item.
+    pub async fn decide(&self, item: Item<'_>, dry_run: bool) -> Result<Decision, DecideError> {
+        let mut batch = self.decide_all(&[item], dry_run, false).await?;
+        Ok(batch.items.swap_remove(0))
+    }
+
+    /// Decides several items together: all are charged, or none is.
+    pub async fn decide_batch(&self, items: &[Item<'_>], dry_run: bool) -> Result<BatchDecision, DecideError> {
+        if items.is_empty() {
+            return Err(DecideError::InvalidBatch(
+                "items is empty; send 1 to 1000 items".into(),
+            ));
+        }
+        if items.len() > MAX_BATCH_ITEMS {
+            return Err(DecideError::InvalidBatch(format!(
+                "items has {} entries; at most {MAX_BATCH_ITEMS} are allowed, so split the batch",
+                items.len()
+            )));
+        }
+        self.decide_all(items, dry_run, true).await
+    }
+
+    async fn decide_all(&self, items: &[Item<'_>], dry_run: bool, batch: bool) -> Result<BatchDecision, DecideError> {
+        let field = |i: usize, name: &str| if batch { format!("items[{i}].{name}") } else { name.to_owned() };
+        for (i, item) in items.iter().enumerate() {
+            check_item(item, |name| field(i, name)).map_err(DecideError::InvalidField)?;
+        }
+
+        let rules = self.limits.snapshot();
+        let mut buckets: Vec<BucketKey> = Vec::new();
+        let mut charges: Vec<Charge> = Vec::new();
+        let mut touches: Vec<Touch> = Vec::new();
+        let mut index: HashMap<BucketKey, usize> = HashMap::new();
+        for (i, item) in items.iter().enumerate() {
+            let cost = item.cost.max(1);
+            let mut matched = false;
+            for rule in rules.applicable(item.tenant, item.resource) {
+                matched = true;
+                let enforce = rule.mode == Mode::Enforce;
+                if enforce && cost > rule.limit.burst() {
+                    return Err(DecideError::CostExceedsCapacity {
+                        what: if batch { format!("items[{i}]") } else { "the request".into() },
+                        rule: rule.name.clone(),
+                        burst: rule.limit.burst(),
+                        cost,
+                    });
+                }
+                let key = if rule.scope == Scope::Key { item.key } else { "" };
+                let bucket = BucketKey::new(item.tenant, rule.scope.tag(), &rule.resource, key);
+                let charge = match index.get(&bucket) {
+                    Some(&c) => {
+                        charges[c].cost += cost;
+                        if enforce && charges[c].cost > rule.limit.burst() {
+                            return Err(DecideError::CostExceedsCapacity {
+                                what: format!("together, the items sharing bucket {:?}", bucket.as_str()),
+                                rule: rule.name.clone(),
+                                burst: rule.limit.burst(),
+                                cost: charges[c].cost,
+                            });
+                        }
+                        c
+                    }
+                    None => {
+                        index.insert(bucket.clone(), buckets.len());
+                        buckets.push(bucket);
+                        charges.push(Charge {
+                            limit: rule.limit,
+                            cost,
+                            enforce,
+                        });
+                        charges.len() - 1
+                    }
+                };
+                touches.push(Touch {
+                    item: i,
+                    charge,
+                    rule: rule.clone(),
+                });
+            }
+            if !matched && self.unmatched == Unmatched::Deny {
+                return Err(DecideError::NoRule {
+                    tenant: item.tenant.into(),
+                    resource: item.resource.into(),
+                });
+            }
+        }
+
+        let plan = if charges.is_empty() {
+            None
+        } else {
+            Some(self.store.apply(&buckets, &charges, !dry_run).await?)
+        };
+        let mut decisions: Vec<Decision> = (0..items.len())
+            .map(|_| Decision {
+                allowed: true,
+                shadow: false,
+                remaining: 0,
+                retry_after: 0,
+                reset_after: 0,
+                rule: None,
+            })
+            .collect();
+        if let Some(plan) = &plan {
+            summarise(&mut decisions, &touches, &charges, &plan.verdicts);
+        }
+        let allowed = plan.as_ref().is_none_or(|p| p.allowed);
+        let retry_after = decisions.iter().map(|d| d.retry_after).max().unwrap_or(0);
+        Ok(BatchDecision {
+            allowed,
+            retry_after,
+            items: decisions,
+        })
+    }
+}
+
+/// Fills each item's decision from the verdicts of the buckets it touched:
+/// rejected by any enforced bucket; the tightest bucket is the one that must
+/// wait longest when rejected, else the one with the fewest tokens left.
+fn summarise(decisions: &mut [Decision], touches: &[Touch], charges: &[Charge], verdicts: &[Verdict]) {
+    // For each item: (is the pick enforced, verdict, rule).
+    let mut picks: Vec<Option<(bool, Verdict, &Arc<Rule>)>> = vec![None; decisions.len()];
+    for touch in touches {
+        let verdict = verdicts[touch.charge];
+        let enforce = charges[touch.charge].enforce;
+        let decision = &mut decisions[touch.item];
+        if enforce {
+            decision.allowed &= verdict.allowed;
+        } else if !verdict.allowed {
+            decision.shadow = true;
+        }
+        let candidate = (enforce, verdict, &touch.rule);
+        let pick = &mut picks[touch.item];
+        let better = match pick {
+            None => true,
+            Some((picked_enforce, picked, _)) => tighter(enforce, &verdict, *picked_enforce, picked),
+        };
+        if better {
+            *pick = Some(candidate);
+        }
+    }
+    for (decision, pick) in decisions.iter_mut().zip(picks) {
+        let Some((_, verdict, rule)) = pick else { continue };
+        decision.remaining = verdict.remaining;
+        decision.reset_after = verdict.reset_after;
+        decision.retry_after = if decision.allowed { 0 } else { verdict.retry_after };
+        decision.rule = Some(rule.clone());
+    }
+}
+
+/// Whether bucket `a` is tighter than `b`: enforced beats shadow; a
+/// rejection beats an admission; then the longer wait, then fewer tokens,
+/// then the longer time to full.
+fn tighter(a_enforce: bool, a: &Verdict, b_enforce: bool, b: &Verdict) -> bool {
+    if a_enforce != b_enforce {
+        return a_enforce;
+    }
+    if a.allowed != b.allowed {
+        return !a.allowed;
+    }
+    if !a.allowed {
+        return a.retry_after > b.retry_after;
+    }
+    (a.remaining, std::cmp::Reverse(a.reset_after)) < (b.remaining, std::cmp::Reverse(b.reset_after))
+}
+
+fn check_item(item: &Item<'_>, field: impl Fn(&str) -> String) -> Result<(), String> {
+    if item.key.is_empty() {
+        return Err(format!(
+            "{} is empty; send the caller's API key, user id or IP address",
+            field("key")
+        ));
+    }
+    if item.key.len() > MAX_KEY_LEN {
+        return Err(format!(
+            "{} is {} bytes; at most {MAX_KEY_LEN} are allowed (hash longer keys first)",
+            field("key"),
+            item.key.len()
+        ));
+    }
+    check_label(&field("tenant"), item.tenant)?;
+    check_label(&field("resource"), item.resource)?;
+    Ok(())
+}

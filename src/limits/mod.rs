@@ -1,0 +1,319 @@
+//! Limits as data: the rules that say how much each tenant may spend.
+//!
+//! Rows come from the limits table ([`table`]) as plain [`LimitRow`]s and are
+//! validated into [`Rule`]s, which cannot hold a bad value. A [`RuleSet`] is
+//! one validated snapshot of the whole table, indexed for the hot path;
+//! [`watch`] reloads it while the server runs.
+//!
+//! Which rules apply to a request for `(tenant, resource)`: for each scope
+//! (`key`: one bucket per key; `tenant`: one ceiling shared by all the
+//! tenant's keys) there are two slots:
+//!
+//! - the any-resource slot (rows with `resource = ''`), which every request
+//!   of the tenant meets, and
+//! - the resource slot (rows with `resource` equal to the request's), which
+//!   only requests for that resource meet, on top of the any-resource one.
+//!
+//! In each slot the most specific row wins: the tenant's own row, else the
+//! default row (`tenant = ''`). So a request meets at most four rules, and
+//! all of them must admit it.
+
+pub mod table;
+pub mod watch;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::bucket::{Limit, Rate, RateUnit};
+
+/// Longest tenant or resource name, in bytes.
+pub const MAX_LABEL_LEN: usize = 128;
+
+/// Checks a tenant or resource name: at most [`MAX_LABEL_LEN`] bytes of
+/// ASCII letters, digits, `.`, `_` and `-` (empty is allowed and means
+/// "default" or "any").
+pub fn check_label(what: &str, value: &str) -> Result<(), String> {
+    if value.len() > MAX_LABEL_LEN {
+        return Err(format!(
+            "{what} is {} bytes; at most {MAX_LABEL_LEN} are allowed",
+            value.len()
+        ));
+    }
+    if let Some(bad) = value
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "{what} {value:?} contains {bad:?}; use ASCII letters, digits, '.', '_' and '-'"
+        ));
+    }
+    Ok(())
+}
+
+/// Who shares a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// One bucket per key.
+    Key,
+    /// One bucket shared by all the tenant's keys: a ceiling.
+    Tenant,
+}
+
+impl Scope {
+    /// As written in the table.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Key => "key",
+            Self::Tenant => "tenant",
+        }
+    }
+
+    /// The short tag used in bucket names.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Self::Key => "k",
+            Self::Tenant => "t",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Whether a rule rejects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Rejects requests over the limit.
+    Enforce,
+    /// Never rejects; reports `shadow: true` when it would have.
+    Shadow,
+}
+
+/// What a rule does when the shared store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreUnavailable {
+    /// Fail open: admit.
+    Allow,
+    /// Fail closed: reject.
+    Deny,
+    /// Decide with in-process buckets.
+    Local,
+}
+
+fn parse_enum<T: for<'de> Deserialize<'de>>(what: &str, value: &str, allowed: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(value.to_owned()))
+        .map_err(|_| format!("{what} is {value:?}; it must be one of {allowed}"))
+}
+
+/// One row of the limits table, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitRow {
+    /// The row's unique name; reported as `limit_name` when it decides.
+    pub name: String,
+    /// The tenant the row applies to; '' for the default rows.
+    pub tenant: String,
+    /// The resource the row applies to; '' for any resource.
+    pub resource: String,
+    /// `key` or `tenant`.
+    pub scope: String,
+    /// Capacity: the largest burst.
+    pub burst: i64,
+    /// Sustained rate: tokens per `rate_unit`.
+    pub rate: i64,
+    /// `second`, `minute`, `hour` or `day`.
+    pub rate_unit: String,
+    /// `enforce` or `shadow`.
+    pub mode: String,
+    /// `allow`, `deny` or `local`.
+    pub on_store_unavailable: String,
+    /// When the row last changed (set by the table).
+    #[serde(default)]
+    pub updated_at: String,
+}
+
+impl LimitRow {
+    /// Validates the row into a [`Rule`]. The error names the row.
+    pub fn validate(&self) -> Result<Rule, RowError> {
+        self.check().map_err(|reason| RowError {
+            row: self.describe(),
+            reason,
+        })
+    }
+
+    /// How error messages name this row.
+    pub fn describe(&self) -> String {
+        format!(
+            "row {:?} (tenant {:?}, resource {:?}, scope {:?})",
+            self.name, self.tenant, self.resource, self.scope
+        )
+    }
+
+    fn check(&self) -> Result<Rule, String> {
+        if self.name.trim().is_empty() {
+            return Err("name is empty; every row needs a unique name".into());
+        }
+        check_label("tenant", &self.tenant)?;
+        check_label("resource", &self.resource)?;
+        let scope = parse_enum("scope", &self.scope, "key, tenant")?;
+        let mode = parse_enum("mode", &self.mode, "enforce, shadow")?;
+        let on_store_unavailable =
+            parse_enum("on_store_unavailable", &self.on_store_unavailable, "allow, deny, local")?;
+        let unit = RateUnit::parse(&self.rate_unit)
+            .ok_or_else(|| format!("rate_unit is {:?}; it must be second, minute, hour or day", self.rate_unit))?;
+        let burst = u64::try_from(self.burst).map_err(|_| format!("burst is {}; it must be at least 1", self.burst))?;
+        let count = u64::try_from(self.rate).map_err(|_| format!("rate is {}; it must be at least 1", self.rate))?;
+        let rate = Rate { count, unit };
+        let limit = Limit::new(burst, rate).map_err(|e| e.to_string())?;
+        Ok(Rule {
+            name: self.name.clone(),
+            tenant: self.tenant.clone(),
+            resource: self.resource.clone(),
+            scope,
+            limit,
+            rate,
+            mode,
+            on_store_unavailable,
+        })
+    }
+}
+
+/// A row that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{row}: {reason}")]
+pub struct RowError {
+    /// Which row.
+    pub row: String,
+    /// What is wrong and how to fix it.
+    pub reason: String,
+}
+
+/// A validated rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// Unique name.
+    pub name: String,
+    /// '' for the default rows.
+    pub tenant: String,
+    /// '' for any resource.
+    pub resource: String,
+    /// Who shares a bucket.
+    pub scope: Scope,
+    /// The bucket shape.
+    pub limit: Limit,
+    /// The rate as configured (for display).
+    pub rate: Rate,
+    /// Enforce or shadow.
+    pub mode: Mode,
+    /// Behaviour when the shared store is down.
+    pub on_store_unavailable: OnStoreUnavailable,
+}
+
+type Slots = [Option<Arc<Rule>>; 2];
+
+#[derive(Debug, Default)]
+struct TenantRules {
+    any: Slots,
+    by_resource: HashMap<String, Slots>,
+}
+
+/// One validated snapshot of the limits table, indexed for lookup.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    tenants: HashMap<String, TenantRules>,
+    rules: Vec<Arc<Rule>>,
+}
+
+impl RuleSet {
+    /// Validates every row. Any invalid row rejects the whole set, so that a
+    /// half-applied table never takes effect; the error names the row.
+    pub fn from_rows(rows: &[LimitRow]) -> Result<Self, RowError> {
+        let mut set = Self::default();
+        let mut names: HashMap<&str, &LimitRow> = HashMap::new();
+        for row in rows {
+            let rule = Arc::new(row.validate()?);
+            if let Some(first) = names.insert(&row.name, row) {
+                return Err(RowError {
+                    row: row.describe(),
+                    reason: format!("name {:?} is also used by {}", row.name, first.describe()),
+                });
+            }
+            let tenant = set.tenants.entry(rule.tenant.clone()).or_default();
+            let slots = if rule.resource.is_empty() {
+                &mut tenant.any
+            } else {
+                tenant.by_resource.entry(rule.resource.clone()).or_default()
+            };
+            let slot = &mut slots[rule.scope.index()];
+            if let Some(other) = slot {
+                return Err(RowError {
+                    row: row.describe(),
+                    reason: format!(
+                        "rule {:?} already covers the same tenant, resource and scope",
+                        other.name
+                    ),
+                });
+            }
+            *slot = Some(rule.clone());
+            set.rules.push(rule);
+        }
+        Ok(set)
+    }
+
+    /// Every rule, in table order.
+    pub fn rules(&self) -> &[Arc<Rule>] {
+        &self.rules
+    }
+
+    /// Number of rules.
+    pub fn len(&self) -> usize {
+        self.rules.len()
+    }
+
+    /// True when the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
+    /// The rules a request for `(tenant, resource)` must pass (see the module
+    /// docs), at most four: per key, then the tenant ceiling; for each, the
+    /// any-resource rule before the resource's own.
+    pub fn applicable<'a>(&'a self, tenant: &str, resource: &str) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        let own = self.tenants.get(tenant);
+        let default = self.tenants.get("");
+        let slots = |rules: Option<&'a TenantRules>, resource: &str| -> Option<&'a Slots> {
+            let rules = rules?;
+            if resource.is_empty() {
+                Some(&rules.any)
+            } else {
+                rules.by_resource.get(resource)
+            }
+        };
+        let pick = |resource: &str, scope: Scope| -> Option<&'a Arc<Rule>> {
+            let in_slot = |rules| slots(rules, resource).and_then(|s: &'a Slots| s[scope.index()].as_ref());
+            in_slot(own).or_else(|| in_slot(default))
+        };
+        let mut found = [pick("", Scope::Key), None, pick("", Scope::Tenant), None];
+        if !resource.is_empty() {
+            found[1] = pick(resource, Scope::Key);
+            found[3] = pick(resource, Scope::Tenant);
+        }
+        found.into_iter().flatten()
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (burst {}, {})", self.name, self.limit.burst(), self.rate)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,87 @@
+//! Every metric Tollgate exports, registered in this one file.
+//!
+//! Labels stay bounded: API, outcome and rule names (one per row of the
+//! limits table), never keys or tenants.
+
+use std::sync::OnceLock;
+
+use metrics::{counter, describe_counter, describe_gauge, gauge};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Decisions, by `api`, `outcome` and `rule`.
+pub const DECISIONS: &str = "tollgate_decisions_total";
+/// Tokens asked for, by `api`, `outcome` and `rule`.
+pub const TOKENS: &str = "tollgate_decision_tokens_total";
+/// Limits table reloads, by `result` (`success`, `failure`).
+pub const RELOADS: &str = "tollgate_limits_reloads_total";
+/// Rules in force.
+pub const RULES: &str = "tollgate_rules_loaded";
+/// Buckets held in memory.
+pub const BUCKETS: &str = "tollgate_buckets";
+/// The in-memory bucket cap.
+pub const BUCKETS_MAX: &str = "tollgate_buckets_max";
+/// Buckets dropped from memory, by `reason` (`idle`, `capacity`).
+pub const EVICTIONS: &str = "tollgate_bucket_evictions_total";
+
+/// How a decision ended, as the `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Admitted.
+    Allowed,
+    /// Rejected by an enforced rule.
+    Rejected,
+    /// Admitted, but a shadow rule would have rejected.
+    ShadowRejected,
+    /// Refused as invalid.
+    Error,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Allowed => "allowed",
+            Self::Rejected => "rejected",
+            Self::ShadowRejected => "shadow_rejected",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// The process-wide Prometheus recorder, installed on first use.
+pub fn handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let handle = PrometheusBuilder::new()
+            .install_recorder()
+            .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder().handle());
+        describe_counter!(DECISIONS, "Rate-limit decisions, by API, outcome and deciding rule.");
+        describe_counter!(TOKENS, "Tokens asked for, by API, outcome and deciding rule.");
+        describe_counter!(RELOADS, "Limits table reloads that changed or rejected the rules.");
+        describe_gauge!(RULES, "Rules in force.");
+        describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
+        describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
+        describe_counter!(EVICTIONS, "Buckets dropped from memory, by reason.");
+        handle
+    })
+}
+
+/// Counts one decision.
+pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
+    let labels = [("api", api.to_owned()), ("outcome", outcome.label().to_owned()), ("rule", rule.to_owned())];
+    counter!(DECISIONS, &labels).increment(1);
+    counter!(TOKENS, &labels).increment(tokens);
+}
+
+/// Counts a limits reload.
+pub fn limits_reload(ok: bool, rules: usize) {
+    counter!(RELOADS, "result" => if ok { "success" } else { "failure" }).increment(1);
+    gauge!(RULES).set(rules as f64);
+}
+
+/// Publishes the in-memory store's figures (called when metrics are scraped).
+pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capacity: u64) {
+    gauge!(BUCKETS).set(buckets as f64);
+    gauge!(BUCKETS_MAX).set(max as f64);
+    counter!(EVICTIONS, "reason" => "idle").absolute(evicted_idle);
+    counter!(EVICTIONS, "reason" => "capacity").absolute(evicted_capacity);
+}
