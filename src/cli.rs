@@ -104,7 +104,8 @@ pub enum LimitsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Add a row, or change the row with the same tenant, resource and scope.
+    /// Add a row, or change the row with the same tenant, resource, scope
+    /// and mode.
     Set(SetArgs),
     /// Delete a row by name.
     Delete {
@@ -144,7 +145,7 @@ pub struct SetArgs {
     /// When the shared store is down: `allow`, `deny` or `local`.
     #[arg(long, default_value = "allow")]
     pub on_store_unavailable: String,
-    /// The row's name (default: TENANT-RESOURCE-SCOPE).
+    /// The row's name (default: TENANT-RESOURCE-SCOPE, plus -shadow).
     #[arg(long)]
     pub name: Option<String>,
 }
@@ -213,7 +214,8 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             let row = LimitRow {
                 name: args.name.clone().unwrap_or_else(|| {
                     let or = |s: &str, d: &str| if s.is_empty() { d.to_owned() } else { s.to_owned() };
-                    format!("{}-{}-{}", or(&args.tenant, "default"), or(&args.resource, "any"), args.scope)
+                    let shadow = if args.mode == "shadow" { "-shadow" } else { "" };
+                    format!("{}-{}-{}{shadow}", or(&args.tenant, "default"), or(&args.resource, "any"), args.scope)
                 }),
                 tenant: args.tenant,
                 resource: args.resource,

@@ -193,7 +193,7 @@ impl Limiter {
                     });
                 }
                 let key = if rule.scope == Scope::Key { item.key } else { "" };
-                let bucket = BucketKey::new(item.tenant, rule.scope.tag(), &rule.resource, key);
+                let bucket = BucketKey::new(item.tenant, rule.bucket_tag(), &rule.resource, key);
                 let charge = match index.get(&bucket) {
                     Some(&c) => {
                         charges[c].cost += cost;

@@ -15,8 +15,10 @@
 //!   only requests for that resource meet, on top of the any-resource one.
 //!
 //! In each slot the most specific row wins: the tenant's own row, else the
-//! default row (`tenant = ''`). So a request meets at most four rules, and
-//! all of them must admit it.
+//! default row (`tenant = ''`). Each slot holds one enforced rule and, next
+//! to it, optionally one shadow rule (to try a new limit on live traffic
+//! before enforcing it), with a bucket of its own. So a request meets at
+//! most four enforced rules, and all of them must admit it.
 
 pub mod table;
 pub mod watch;
@@ -72,17 +74,6 @@ impl Scope {
         }
     }
 
-    /// The short tag used in bucket names.
-    pub fn tag(self) -> &'static str {
-        match self {
-            Self::Key => "k",
-            Self::Tenant => "t",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
 }
 
 /// Whether a rule rejects.
@@ -216,7 +207,12 @@ pub struct Rule {
     pub on_store_unavailable: OnStoreUnavailable,
 }
 
-type Slots = [Option<Arc<Rule>>; 2];
+/// Rules of one (tenant, resource), indexed by [`slot_index`].
+type Slots = [Option<Arc<Rule>>; 4];
+
+fn slot_index(scope: Scope, mode: Mode) -> usize {
+    scope as usize * 2 + mode as usize
+}
 
 #[derive(Debug, Default)]
 struct TenantRules {
@@ -251,12 +247,12 @@ impl RuleSet {
             } else {
                 tenant.by_resource.entry(rule.resource.clone()).or_default()
             };
-            let slot = &mut slots[rule.scope.index()];
+            let slot = &mut slots[slot_index(rule.scope, rule.mode)];
             if let Some(other) = slot {
                 return Err(RowError {
                     row: row.describe(),
                     reason: format!(
-                        "rule {:?} already covers the same tenant, resource and scope",
+                        "rule {:?} already covers the same tenant, resource, scope and mode",
                         other.name
                     ),
                 });
@@ -283,8 +279,9 @@ impl RuleSet {
     }
 
     /// The rules a request for `(tenant, resource)` must pass (see the module
-    /// docs), at most four: per key, then the tenant ceiling; for each, the
-    /// any-resource rule before the resource's own.
+    /// docs): per key, then the tenant ceiling; for each, the any-resource
+    /// slot before the resource's own; in each slot, the enforced rule before
+    /// the shadow one.
     pub fn applicable<'a>(&'a self, tenant: &str, resource: &str) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
         let own = self.tenants.get(tenant);
         let default = self.tenants.get("");
@@ -296,16 +293,36 @@ impl RuleSet {
                 rules.by_resource.get(resource)
             }
         };
-        let pick = |resource: &str, scope: Scope| -> Option<&'a Arc<Rule>> {
-            let in_slot = |rules| slots(rules, resource).and_then(|s: &'a Slots| s[scope.index()].as_ref());
+        let pick = |resource: &str, scope: Scope, mode: Mode| -> Option<&'a Arc<Rule>> {
+            let in_slot =
+                |rules| slots(rules, resource).and_then(|s: &'a Slots| s[slot_index(scope, mode)].as_ref());
             in_slot(own).or_else(|| in_slot(default))
         };
-        let mut found = [pick("", Scope::Key), None, pick("", Scope::Tenant), None];
-        if !resource.is_empty() {
-            found[1] = pick(resource, Scope::Key);
-            found[3] = pick(resource, Scope::Tenant);
+        let mut found = [None; 8];
+        let resources: &[&str] = if resource.is_empty() { &[""] } else { &["", resource] };
+        let mut n = 0;
+        for scope in [Scope::Key, Scope::Tenant] {
+            for res in resources {
+                for mode in [Mode::Enforce, Mode::Shadow] {
+                    found[n] = pick(res, scope, mode);
+                    n += 1;
+                }
+            }
         }
         found.into_iter().flatten()
+    }
+}
+
+impl Rule {
+    /// The scope part of this rule's bucket names: `k` or `t`, with an `s`
+    /// added for shadow rules so they count in buckets of their own.
+    pub fn bucket_tag(&self) -> &'static str {
+        match (self.scope, self.mode) {
+            (Scope::Key, Mode::Enforce) => "k",
+            (Scope::Key, Mode::Shadow) => "ks",
+            (Scope::Tenant, Mode::Enforce) => "t",
+            (Scope::Tenant, Mode::Shadow) => "ts",
+        }
     }
 }
 

@@ -11,7 +11,7 @@ CREATE TABLE IF NOT EXISTS limits (
     mode                 TEXT    NOT NULL DEFAULT 'enforce',
     on_store_unavailable TEXT    NOT NULL DEFAULT 'allow',
     updated_at           TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
-    UNIQUE (tenant, resource, scope)
+    UNIQUE (tenant, resource, scope, mode)
 );
 
 -- Plain SQL edits keep updated_at honest too.

@@ -133,18 +133,19 @@ impl LimitsTable {
             .map_err(Into::into)
     }
 
-    /// Inserts the row, or updates the row with the same tenant, resource
-    /// and scope. Validate it first; the table only enforces uniqueness.
+    /// Inserts the row, or updates the row with the same tenant, resource,
+    /// scope and mode. Validate it first; the table only enforces uniqueness.
     pub async fn upsert(&self, row: &LimitRow) -> Result<(), TableError> {
         let mut tx = self.pool.begin().await?;
         let clash: Option<(String, String, String)> = sqlx::query(
             "SELECT tenant, resource, scope FROM limits WHERE name = ? \
-             AND NOT (tenant = ? AND resource = ? AND scope = ?)",
+             AND NOT (tenant = ? AND resource = ? AND scope = ? AND mode = ?)",
         )
         .bind(&row.name)
         .bind(&row.tenant)
         .bind(&row.resource)
         .bind(&row.scope)
+        .bind(&row.mode)
         .fetch_optional(&mut *tx)
         .await?
         .map(|r| Ok::<_, sqlx::Error>((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
@@ -157,19 +158,19 @@ impl LimitsTable {
             )));
         }
         let updated = sqlx::query(
-            "UPDATE limits SET name = ?, burst = ?, rate = ?, rate_unit = ?, mode = ?, \
+            "UPDATE limits SET name = ?, burst = ?, rate = ?, rate_unit = ?, \
              on_store_unavailable = ?, updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
-             WHERE tenant = ? AND resource = ? AND scope = ?",
+             WHERE tenant = ? AND resource = ? AND scope = ? AND mode = ?",
         )
         .bind(&row.name)
         .bind(row.burst)
         .bind(row.rate)
         .bind(&row.rate_unit)
-        .bind(&row.mode)
         .bind(&row.on_store_unavailable)
         .bind(&row.tenant)
         .bind(&row.resource)
         .bind(&row.scope)
+        .bind(&row.mode)
         .execute(&mut *tx)
         .await?
         .rows_affected();

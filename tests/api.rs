@@ -1,0 +1,321 @@
+//! The decision API through a real server and the generated client.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::{TestServer, ask, micros, req, row};
+use tollgate::grpc::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
+
+fn headers(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+#[tokio::test]
+async fn default_limit_lets_a_burst_through_then_answers_an_honest_429() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+
+    let first = ask(&mut client, req("acme", "alice")).await;
+    assert!(first.allowed);
+    assert_eq!(first.remaining, 29);
+    assert_eq!(first.limit, 30);
+    assert_eq!(first.limit_name, "default-per-key");
+    assert_eq!(first.rate, "600/minute");
+    assert!(!first.shadow);
+    assert_eq!(micros(&first.retry_after), 0);
+    assert_eq!(micros(&first.reset_after), 100_000);
+    assert_eq!(
+        first.headers,
+        headers(&[("RateLimit-Limit", "30"), ("RateLimit-Remaining", "29"), ("RateLimit-Reset", "1")])
+    );
+
+    for i in 1..30 {
+        let r = ask(&mut client, req("acme", "alice")).await;
+        assert!(r.allowed, "request {i}");
+        assert_eq!(r.remaining, 29 - i);
+    }
+    let rejected = ask(&mut client, req("acme", "alice")).await;
+    assert!(!rejected.allowed);
+    assert_eq!(rejected.remaining, 0);
+    assert_eq!(micros(&rejected.retry_after), 100_000);
+    assert_eq!(micros(&rejected.reset_after), 3_000_000);
+    assert_eq!(
+        rejected.headers,
+        headers(&[
+            ("RateLimit-Limit", "30"),
+            ("RateLimit-Remaining", "0"),
+            ("RateLimit-Reset", "3"),
+            ("Retry-After", "1"),
+        ])
+    );
+
+    // Another key and another tenant have their own buckets.
+    assert_eq!(ask(&mut client, req("acme", "bob")).await.remaining, 29);
+    assert_eq!(ask(&mut client, req("globex", "alice")).await.remaining, 29);
+
+    // One microsecond early is still too early; exactly retry_after is not.
+    server.clock.advance(Duration::from_micros(99_999));
+    assert!(!ask(&mut client, req("acme", "alice")).await.allowed);
+    server.clock.advance(Duration::from_micros(1));
+    let r = ask(&mut client, req("acme", "alice")).await;
+    assert!(r.allowed);
+    assert_eq!(r.remaining, 0);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn cost_and_dry_run() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    let heavy = ShouldAllowRequest { cost: 25, dry_run: true, ..req("", "k") };
+    let r = ask(&mut client, heavy.clone()).await;
+    assert!(r.allowed);
+    assert_eq!(r.remaining, 5, "dry run reports what a real request would leave");
+    // Nothing was spent.
+    let r = ask(&mut client, ShouldAllowRequest { dry_run: false, ..heavy.clone() }).await;
+    assert_eq!(r.remaining, 5);
+    let r = ask(&mut client, ShouldAllowRequest { cost: 6, ..req("", "k") }).await;
+    assert!(!r.allowed);
+    assert_eq!(r.remaining, 5);
+    assert_eq!(micros(&r.retry_after), 100_000);
+    // cost 0 means 1.
+    let r = ask(&mut client, ShouldAllowRequest { cost: 0, ..req("", "k") }).await;
+    assert_eq!(r.remaining, 4);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tenant_ceiling_rejection_spends_nothing_from_the_key_bucket() {
+    let server = TestServer::with_rows(&[
+        row("per-key", "", "", "key", 10, "1/hour"),
+        row("ceiling", "", "", "tenant", 3, "1/hour"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    for key in ["a", "b", "c"] {
+        let r = ask(&mut client, req("acme", key)).await;
+        assert!(r.allowed);
+    }
+    // The ceiling is shared by the tenant's keys: the fourth key is refused
+    // by it, and its own bucket is untouched.
+    let r = ask(&mut client, req("acme", "d")).await;
+    assert!(!r.allowed);
+    assert_eq!(r.limit_name, "ceiling");
+    assert_eq!(r.limit, 3);
+    assert_eq!(micros(&r.retry_after), 3_600_000_000);
+    let dry = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("other", "d") }).await;
+    assert_eq!(dry.limit_name, "ceiling", "another tenant: the tightest is its fresh ceiling");
+    server.clock.advance(Duration::from_secs(3600));
+    let r = ask(&mut client, req("acme", "d")).await;
+    assert!(r.allowed);
+    assert_eq!(r.limit_name, "ceiling");
+    assert_eq!(r.remaining, 0);
+    let per_key = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("acme", "d") }).await;
+    assert!(!per_key.allowed, "ceiling empty again");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn resource_rules_apply_on_top_and_tenant_rows_override_defaults() {
+    let server = TestServer::with_rows(&[
+        row("default-key", "", "", "key", 30, "600/minute"),
+        row("default-exports", "", "exports", "key", 2, "10/hour"),
+        row("acme-key", "acme", "", "key", 100, "6000/minute"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    let export = |tenant: &str| ShouldAllowRequest { resource: "exports".into(), ..req(tenant, "k") };
+    let r = ask(&mut client, export("acme")).await;
+    assert_eq!((r.limit_name.as_str(), r.remaining), ("default-exports", 1));
+    // The export also counted against acme's own per-key rule.
+    let r = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("acme", "k") }).await;
+    assert_eq!((r.limit_name.as_str(), r.remaining, r.limit), ("acme-key", 98, 100));
+    ask(&mut client, export("acme")).await;
+    let r = ask(&mut client, export("acme")).await;
+    assert!(!r.allowed);
+    assert_eq!(r.limit_name, "default-exports");
+    assert_eq!(micros(&r.retry_after), 360_000_000);
+    // Unknown tenants get the default rows.
+    let r = ask(&mut client, req("unknown", "k")).await;
+    assert_eq!((r.limit_name.as_str(), r.limit), ("default-key", 30));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn shadow_rule_never_rejects_but_says_it_would_have() {
+    let mut shadow = row("trial", "", "", "key", 2, "1/hour");
+    shadow.mode = "shadow".into();
+    let server = TestServer::with_rows(&[row("per-key", "", "", "key", 100, "1/second"), shadow]).await;
+    let mut client = server.client().await;
+    for i in 0..2 {
+        let r = ask(&mut client, req("t", "k")).await;
+        assert!(r.allowed && !r.shadow, "request {i}");
+    }
+    for _ in 0..3 {
+        let r = ask(&mut client, req("t", "k")).await;
+        assert!(r.allowed);
+        assert!(r.shadow);
+        assert_eq!(r.limit_name, "per-key", "the enforced rule decides");
+        assert!(!r.headers.contains_key("Retry-After"));
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn batch_charges_all_items_or_none() {
+    let server = TestServer::with_rows(&[
+        row("accounts", "", "login-account", "key", 5, "1/hour"),
+        row("ips", "", "login-ip", "key", 2, "1/hour"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    let login = |account: &str, ip: &str| ShouldAllowBatchRequest {
+        items: vec![
+            BatchItem { key: account.into(), cost: 1, tenant: String::new(), resource: "login-account".into() },
+            BatchItem { key: ip.into(), cost: 1, tenant: String::new(), resource: "login-ip".into() },
+        ],
+        dry_run: false,
+    };
+    for _ in 0..2 {
+        let r = client.should_allow_batch(login("alice", "10.0.0.1")).await.unwrap().into_inner();
+        assert!(r.allowed);
+    }
+    // The IP is spent: the whole attempt is refused and alice's account
+    // bucket is not charged.
+    let r = client.should_allow_batch(login("alice", "10.0.0.1")).await.unwrap().into_inner();
+    assert!(!r.allowed);
+    assert_eq!(micros(&r.retry_after), 3_600_000_000);
+    assert!(r.results[0].allowed, "the account alone would pass");
+    assert_eq!(r.results[0].remaining, 3, "and still holds 3");
+    assert!(!r.results[1].allowed);
+    assert_eq!(r.results[1].limit_name, "ips");
+    assert_eq!(r.results[1].headers["Retry-After"], "3600");
+    // From a fresh IP alice still has 3 attempts.
+    let r = client.should_allow_batch(login("alice", "10.0.0.2")).await.unwrap().into_inner();
+    assert!(r.allowed);
+    assert_eq!(r.results[0].remaining, 2);
+
+    // Items that land in the same bucket add up.
+    let same = ShouldAllowBatchRequest {
+        items: vec![
+            BatchItem { key: "x".into(), cost: 1, tenant: String::new(), resource: "login-ip".into() },
+            BatchItem { key: "x".into(), cost: 1, tenant: String::new(), resource: "login-ip".into() },
+        ],
+        dry_run: false,
+    };
+    let r = client.should_allow_batch(same.clone()).await.unwrap().into_inner();
+    assert!(r.allowed);
+    assert_eq!(r.results[1].remaining, 0);
+    assert!(!client.should_allow_batch(same).await.unwrap().into_inner().allowed);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn five_hundred_concurrent_calls_at_a_fresh_bucket_of_one_hundred() {
+    let server = TestServer::with_rows(&[row("hundred", "", "", "key", 100, "1/day")]).await;
+    let mut tasks = Vec::new();
+    let channels: Vec<_> = futures_channels(&server, 4).await;
+    for i in 0..500 {
+        let mut client = tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient::new(
+            channels[i % channels.len()].clone(),
+        );
+        tasks.push(tokio::spawn(async move { ask(&mut client, req("t", "hot")).await.allowed }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += usize::from(t.await.unwrap());
+    }
+    assert_eq!(admitted, 100);
+    server.stop().await;
+}
+
+async fn futures_channels(server: &TestServer, n: usize) -> Vec<tonic::transport::Channel> {
+    let mut channels = Vec::new();
+    for _ in 0..n {
+        channels.push(server.channel().await);
+    }
+    channels
+}
+
+#[tokio::test]
+async fn no_rules_means_unlimited_by_default() {
+    let server = TestServer::with_rows(&[row("acme-only", "acme", "", "key", 1, "1/hour")]).await;
+    let mut client = server.client().await;
+    for _ in 0..3 {
+        let r = ask(&mut client, req("other", "k")).await;
+        assert!(r.allowed);
+        assert_eq!(r.limit_name, "");
+        assert!(r.headers.is_empty());
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn health_and_reflection_work_without_the_proto_file() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let server = TestServer::start().await;
+    let mut health = HealthClient::new(server.channel().await);
+    for service in ["", "tollgate.v1.RateLimiter"] {
+        let status = health
+            .check(HealthCheckRequest { service: service.into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "service {service:?}");
+    }
+
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let mut reflection = ServerReflectionClient::new(server.channel().await);
+    let request = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+    let mut stream = reflection
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = stream.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection answer");
+    };
+    let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    assert_eq!(names, ["grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "tollgate.v1.RateLimiter"]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn admin_port_reports_health_limits_and_metrics() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    for _ in 0..31 {
+        ask(&mut client, req("m", "k")).await;
+    }
+    assert_eq!(server.http_get("/healthz").await.unwrap(), (200, "ok\n".into()));
+    assert_eq!(server.http_get("/readyz").await.unwrap(), (200, "ready\n".into()));
+    let (status, body) = server.http_get("/v1/limits").await.unwrap();
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["rules"][0]["name"], "default-per-key");
+    assert_eq!(v["rules"][0]["rate"], "600/minute");
+    assert_eq!(v["rules"][0]["burst"], 30);
+    assert_eq!(v["status"]["rules"], 1);
+    let (status, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    // Metrics are process-wide and other tests run in this process too, so
+    // check presence and labels rather than exact counts.
+    assert!(
+        metrics.contains(r#"tollgate_decisions_total{api="native",outcome="rejected",rule="default-per-key"}"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("tollgate_buckets "), "{metrics}");
+    assert!(metrics.contains("tollgate_rules_loaded "), "{metrics}");
+    server.stop().await;
+}

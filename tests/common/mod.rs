@@ -1,0 +1,196 @@
+//! A real Tollgate server on loopback port 0, with a hand-driven clock and
+//! its own SQLite limits table in a temporary directory.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tollgate::clock::ManualClock;
+use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::grpc::proto::v1::{ShouldAllowRequest, ShouldAllowResponse};
+use tollgate::limiter::Unmatched;
+use tollgate::limits::LimitRow;
+use tollgate::limits::table::LimitsTable;
+use tollgate::server::{self, Listeners, ServeConfig, ServeError};
+use tonic::transport::Channel;
+
+/// 2023-11-14T22:13:20Z, in microseconds.
+pub const T0: u64 = 1_700_000_000_000_000;
+
+pub struct TestServer {
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+    pub clock: Arc<ManualClock>,
+    pub table: LimitsTable,
+    pub limits_path: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), ServeError>>>,
+    _dir: tempfile::TempDir,
+}
+
+/// A row with the defaults `tollgate limits set` uses.
+pub fn row(name: &str, tenant: &str, resource: &str, scope: &str, burst: i64, rate: &str) -> LimitRow {
+    let (count, unit) = rate.split_once('/').unwrap();
+    LimitRow {
+        name: name.into(),
+        tenant: tenant.into(),
+        resource: resource.into(),
+        scope: scope.into(),
+        burst,
+        rate: count.parse().unwrap(),
+        rate_unit: unit.into(),
+        mode: "enforce".into(),
+        on_store_unavailable: "allow".into(),
+        updated_at: String::new(),
+    }
+}
+
+impl TestServer {
+    /// A server with the seeded default table.
+    pub async fn start() -> Self {
+        Self::start_with(None, Unmatched::Allow, 1_000_000).await
+    }
+
+    /// A server whose table holds exactly `rows`.
+    pub async fn with_rows(rows: &[LimitRow]) -> Self {
+        Self::start_with(Some(rows), Unmatched::Allow, 1_000_000).await
+    }
+
+    pub async fn start_with(rows: Option<&[LimitRow]>, unmatched: Unmatched, max_buckets: usize) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let limits_path = dir.path().join("limits.db").to_str().unwrap().to_owned();
+        let table = LimitsTable::open(&limits_path).await.unwrap();
+        if let Some(rows) = rows {
+            table.execute_sql("DELETE FROM limits").await.unwrap();
+            for r in rows {
+                table.upsert(r).await.unwrap();
+            }
+        }
+        let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let grpc = listeners.grpc.local_addr().unwrap();
+        let admin = listeners.admin.local_addr().unwrap();
+        let clock = Arc::new(ManualClock::new(T0));
+        let config = ServeConfig {
+            limits: limits_path.clone(),
+            reload_interval: Duration::from_millis(50),
+            max_buckets,
+            unmatched,
+            ..ServeConfig::default()
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::run(config, listeners, clock.clone(), async move {
+            let _ = stopped.await;
+        }));
+        let server = Self {
+            grpc,
+            admin,
+            clock,
+            table,
+            limits_path,
+            stop: Some(stop),
+            task: Some(task),
+            _dir: dir,
+        };
+        server.wait_ready().await;
+        server
+    }
+
+    async fn wait_ready(&self) {
+        for _ in 0..500 {
+            if let Ok(body) = self.http_get("/readyz").await {
+                if body.0 == 200 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("server did not become ready");
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    pub async fn client(&self) -> RateLimiterClient<Channel> {
+        RateLimiterClient::connect(self.url()).await.unwrap()
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(self.url()).unwrap().connect().await.unwrap()
+    }
+
+    /// A GET on the admin port: (status, body).
+    pub async fn http_get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.admin).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.admin);
+        stream.write_all(request.as_bytes()).await?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await?;
+        let status = response
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+        Ok((status, body))
+    }
+
+    /// Waits (bounded) until the server reports a limits generation of at
+    /// least `generation`, i.e. it has picked up an edit.
+    pub async fn wait_generation(&self, generation: u64) {
+        for _ in 0..500 {
+            let (_, body) = self.http_get("/v1/limits").await.unwrap();
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            if v["status"]["generation"].as_u64().unwrap() >= generation {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("limits were not reloaded to generation {generation}");
+    }
+
+    /// Waits (bounded) until /v1/limits reports a reload error; returns it.
+    pub async fn wait_reload_error(&self) -> String {
+        for _ in 0..500 {
+            let (_, body) = self.http_get("/v1/limits").await.unwrap();
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            if let Some(e) = v["status"]["last_error"].as_str() {
+                return e.to_owned();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no reload error was reported");
+    }
+
+    pub async fn stop(mut self) {
+        self.stop.take().unwrap().send(()).unwrap();
+        self.task.take().unwrap().await.unwrap().unwrap();
+    }
+}
+
+pub fn req(tenant: &str, key: &str) -> ShouldAllowRequest {
+    ShouldAllowRequest {
+        key: key.into(),
+        cost: 1,
+        tenant: tenant.into(),
+        resource: String::new(),
+        dry_run: false,
+    }
+}
+
+pub async fn ask(client: &mut RateLimiterClient<Channel>, request: ShouldAllowRequest) -> ShouldAllowResponse {
+    client.should_allow(request).await.unwrap().into_inner()
+}
+
+/// A protobuf Duration in microseconds.
+pub fn micros(d: &Option<prost_types::Duration>) -> u64 {
+    let d = d.as_ref().expect("duration present");
+    d.seconds as u64 * 1_000_000 + d.nanos as u64 / 1_000
+}
