@@ -53,7 +53,7 @@ pub struct ServeArgs {
     pub limits: LimitsLocation,
     /// Where bucket state lives: `memory` (in this process).
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
-    pub store: StoreSpec,
+    pub store: String,
     /// How often the limits table is re-read (e.g. 1s, 500ms).
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reload_interval: Duration,
@@ -70,16 +70,18 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// The server configuration these flags describe.
-    pub fn config(&self) -> ServeConfig {
-        ServeConfig {
+    /// The server configuration these flags describe. (The store is parsed
+    /// here rather than by clap so that a password in its URL never reaches
+    /// an error message.)
+    pub fn config(&self) -> Result<ServeConfig, String> {
+        Ok(ServeConfig {
             limits: self.limits.limits.clone(),
-            store: self.store.clone(),
+            store: self.store.parse::<StoreSpec>()?,
             reload_interval: self.reload_interval,
             max_buckets: self.max_buckets,
             unmatched: self.unmatched,
             ..ServeConfig::default()
-        }
+        })
     }
 }
 

@@ -54,7 +54,7 @@ pub enum DecideError {
     InvalidBatch(String),
     /// The request spends more than a rule's capacity: it could never pass.
     #[error(
-        "{what} costs {cost} tokens but rule {rule:?} has a capacity (burst) of {burst}; \
+        "cost {cost} of {what} exceeds the capacity (burst) {burst} of rule {rule:?}; \
          it can never be allowed, so lower the cost or raise the rule's burst"
     )]
     CostExceedsCapacity {
@@ -199,7 +199,7 @@ impl Limiter {
                         charges[c].cost += cost;
                         if enforce && charges[c].cost > rule.limit.burst() {
                             return Err(DecideError::CostExceedsCapacity {
-                                what: format!("together, the items sharing bucket {:?}", bucket.as_str()),
+                                what: format!("the items sharing bucket {:?}", bucket.as_str()),
                                 rule: rule.name.clone(),
                                 burst: rule.limit.burst(),
                                 cost: charges[c].cost,

@@ -25,8 +25,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             telemetry::init_logs(args.log_format);
+            let config = args.config().map_err(anyhow::Error::msg)?;
             let listeners = Listeners::bind(args.grpc_addr, args.admin_addr).await?;
-            server::run(args.config(), listeners, Arc::new(SystemClock), shutdown_signal()).await?;
+            server::run(config, listeners, Arc::new(SystemClock), shutdown_signal()).await?;
         }
         Command::Limits(command) => {
             telemetry::init_logs(LogFormat::Text);

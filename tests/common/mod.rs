@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

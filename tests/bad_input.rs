@@ -1,0 +1,173 @@
+//! Bad input gets the right status and a message that says what to fix,
+//! and never changes state.
+
+mod common;
+
+use common::{TestServer, ask, req, row};
+use tollgate::grpc::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
+use tollgate::limiter::Unmatched;
+use tonic::Code;
+
+async fn refused(server: &TestServer, request: ShouldAllowRequest) -> tonic::Status {
+    let mut client = server.client().await;
+    client.should_allow(request).await.expect_err("should be refused")
+}
+
+#[tokio::test]
+async fn each_bad_field_is_named() {
+    let server = TestServer::start().await;
+    let cases = [
+        (req("", ""), "key is empty; send the caller's API key, user id or IP address"),
+        (req("", &"k".repeat(257)), "key is 257 bytes; at most 256 are allowed (hash longer keys first)"),
+        (req(&"t".repeat(129), "k"), "tenant is 129 bytes; at most 128 are allowed"),
+        (
+            req("acme corp", "k"),
+            "tenant \"acme corp\" contains ' '; use ASCII letters, digits, '.', '_' and '-'",
+        ),
+        (
+            ShouldAllowRequest { resource: "a/b".into(), ..req("", "k") },
+            "resource \"a/b\" contains '/'; use ASCII letters, digits, '.', '_' and '-'",
+        ),
+        (
+            ShouldAllowRequest { cost: 31, ..req("acme", "k") },
+            "cost 31 of the request exceeds the capacity (burst) 30 of rule \"default-per-key\"; \
+             it can never be allowed, so lower the cost or raise the rule's burst",
+        ),
+    ];
+    for (request, message) in cases {
+        let status = refused(&server, request).await;
+        assert_eq!(status.code(), Code::InvalidArgument, "{}", status.message());
+        assert_eq!(status.message(), message);
+    }
+    // A key of exactly 256 bytes is fine, and nothing above was charged.
+    let mut client = server.client().await;
+    assert!(ask(&mut client, req("", &"k".repeat(256))).await.allowed);
+    assert_eq!(ask(&mut client, req("acme", "k")).await.remaining, 29);
+    server.stop().await;
+}
+
+fn item(key: &str, cost: u64) -> BatchItem {
+    BatchItem { key: key.into(), cost, tenant: String::new(), resource: String::new() }
+}
+
+#[tokio::test]
+async fn bad_batches_are_refused_whole() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    let batch = |items: Vec<BatchItem>| ShouldAllowBatchRequest { items, dry_run: false };
+    let cases = [
+        (batch(vec![]), "items is empty; send 1 to 1000 items"),
+        (
+            batch((0..1001).map(|i| item(&i.to_string(), 1)).collect()),
+            "items has 1001 entries; at most 1000 are allowed, so split the batch",
+        ),
+        (
+            batch(vec![item("a", 1), item("", 1)]),
+            "items[1].key is empty; send the caller's API key, user id or IP address",
+        ),
+        (
+            batch(vec![item("a", 1), item("b", 40)]),
+            "cost 40 of items[1] exceeds the capacity (burst) 30 of rule \"default-per-key\"; \
+             it can never be allowed, so lower the cost or raise the rule's burst",
+        ),
+        (
+            batch(vec![item("a", 20), item("a", 20)]),
+            "cost 40 of the items sharing bucket \":k::a\" exceeds the capacity (burst) 30 of rule \
+             \"default-per-key\"; it can never be allowed, so lower the cost or raise the rule's burst",
+        ),
+    ];
+    for (request, message) in cases {
+        let status = client.should_allow_batch(request).await.expect_err("refused");
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(status.message(), message);
+    }
+    // Nothing was charged by the refused batches.
+    assert_eq!(ask(&mut client, req("", "a")).await.remaining, 29);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_malformed_message_is_invalid_argument_not_internal() {
+    let server = TestServer::start().await;
+    let mut grpc = tonic::client::Grpc::new(server.channel().await);
+    grpc.ready().await.unwrap();
+    // Field 1 (key) declared as a 100-byte string, but only 3 bytes follow.
+    let garbage = vec![0x0a, 100, b'a', b'b', b'c'];
+    let status = grpc
+        .unary(
+            tonic::Request::new(garbage),
+            "/tollgate.v1.RateLimiter/ShouldAllow".parse().unwrap(),
+            raw::RawCodec,
+        )
+        .await
+        .expect_err("malformed");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().starts_with("the request is not a valid ShouldAllowRequest message"),
+        "{}",
+        status.message()
+    );
+    assert!(status.message().ends_with("encode it from proto/tollgate/v1/tollgate.proto"));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn unmatched_deny_refuses_requests_no_rule_covers() {
+    let server = TestServer::start_with(Some(&[row("acme", "acme", "", "key", 5, "1/second")]), Unmatched::Deny, 1000).await;
+    let status = refused(&server, req("globex", "k")).await;
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(
+        status.message(),
+        "no limit applies to tenant \"globex\" (resource \"\") and this server refuses unlimited requests; \
+         add a row for the tenant or a default row (tenant '') to the limits table"
+    );
+    let mut client = server.client().await;
+    assert!(ask(&mut client, req("acme", "k")).await.allowed);
+    server.stop().await;
+}
+
+/// Sends raw bytes as a request body, for malformed-message tests.
+mod raw {
+    use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+    use tonic::Status;
+
+    pub struct RawCodec;
+
+    impl Codec for RawCodec {
+        type Encode = Vec<u8>;
+        type Decode = Vec<u8>;
+        type Encoder = RawCodec;
+        type Decoder = RawCodec;
+        fn encoder(&mut self) -> Self::Encoder {
+            RawCodec
+        }
+        fn decoder(&mut self) -> Self::Decoder {
+            RawCodec
+        }
+    }
+
+    impl Encoder for RawCodec {
+        type Item = Vec<u8>;
+        type Error = Status;
+        fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+            use bytes::BufMut;
+            dst.put_slice(&item);
+            Ok(())
+        }
+        fn buffer_settings(&self) -> BufferSettings {
+            BufferSettings::default()
+        }
+    }
+
+    impl Decoder for RawCodec {
+        type Item = Vec<u8>;
+        type Error = Status;
+        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, Status> {
+            use bytes::Buf;
+            Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
+        }
+        fn buffer_settings(&self) -> BufferSettings {
+            BufferSettings::default()
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! The real `tollgate` binary as a child process, as a user runs it.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_tollgate");
+
+pub struct ServeProcess {
+    pub child: Child,
+    pub grpc: String,
+    pub admin: String,
+    /// Log lines after the listening line.
+    pub logs: mpsc::Receiver<String>,
+}
+
+impl ServeProcess {
+    /// `tollgate serve` on loopback port 0 in `dir`, with `args` added.
+    pub fn start(dir: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .current_dir(dir)
+            .args(["serve", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tollgate starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = loop {
+            let line = rx.recv_timeout(Duration::from_secs(30)).expect("tollgate logs its addresses");
+            if line.contains("tollgate listening") {
+                break line;
+            }
+        };
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{name}=")))
+                .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
+                .to_owned()
+        };
+        Self { grpc: field("grpc"), admin: field("admin"), child, logs: rx }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(mut self) -> (std::process::ExitStatus, Vec<String>) {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let status = self.child.wait().unwrap();
+        (status, self.logs.try_iter().collect())
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `tollgate ARGS` in `dir` and returns its output.
+pub fn tollgate(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN).current_dir(dir).args(args).output().unwrap()
+}
+
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}

@@ -1,0 +1,108 @@
+//! Limits are data: edits to the table take effect on a running server.
+
+mod common;
+
+use common::{TestServer, ask, micros, req, row};
+use tollgate::grpc::proto::v1::ShouldAllowRequest;
+
+#[tokio::test]
+async fn changing_a_tenants_tier_takes_effect_without_a_restart() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.limit, r.remaining), (30, 29));
+
+    // What `tollgate limits set --tenant acme --burst 300 --rate 6000/minute` does.
+    server.table.upsert(&row("acme-pro", "acme", "", "key", 300, "6000/minute")).await.unwrap();
+    server.wait_generation(2).await;
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!(r.limit_name, "acme-pro");
+    assert_eq!(r.limit, 300);
+    // The bucket keeps its debt: one token spent before, one now.
+    assert_eq!(r.remaining, 298);
+    // Other tenants keep the default.
+    assert_eq!(ask(&mut client, req("globex", "k")).await.limit, 30);
+
+    // A plain SQL edit works too.
+    server
+        .table
+        .execute_sql("UPDATE limits SET burst = 5, rate = 1, rate_unit = 'hour' WHERE name = 'acme-pro'")
+        .await
+        .unwrap();
+    server.wait_generation(3).await;
+    // Two tokens were spent; they stay spent under the new limit, now at
+    // one per hour: 5 - 2 = 3 left before this request, 2 after.
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.limit, r.remaining, r.rate.as_str()), (5, 2, "1/hour"));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_smaller_burst_clamps_existing_buckets() {
+    let server = TestServer::with_rows(&[row("r", "", "", "key", 100, "1/second")]).await;
+    let mut client = server.client().await;
+    let r = ask(&mut client, ShouldAllowRequest { cost: 40, ..req("t", "k") }).await;
+    assert_eq!(r.remaining, 60);
+    server.table.execute_sql("UPDATE limits SET burst = 10 WHERE name = 'r'").await.unwrap();
+    server.wait_generation(2).await;
+    // 40 tokens owed exceed the new capacity of 10: the bucket is empty, not
+    // 30 tokens in debt, and refills in 10 s.
+    let r = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("t", "k") }).await;
+    assert!(!r.allowed);
+    assert_eq!(r.limit, 10);
+    assert_eq!(micros(&r.reset_after), 10_000_000);
+    assert_eq!(micros(&r.retry_after), 1_000_000);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_invalid_row_is_named_and_the_last_good_table_stays_in_force() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    server
+        .table
+        .execute_sql(
+            "INSERT INTO limits (name, tenant, scope, burst, rate, rate_unit) \
+             VALUES ('broken', 'acme', 'key', 0, 10, 'second')",
+        )
+        .await
+        .unwrap();
+    let error = server.wait_reload_error().await;
+    assert_eq!(
+        error,
+        "row \"broken\" (tenant \"acme\", resource \"\", scope \"key\"): burst must be at least 1"
+    );
+    // Still deciding with the last good table.
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.limit_name.as_str(), r.limit), ("default-per-key", 30));
+    let (_, body) = server.http_get("/v1/limits").await.unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["rules"].as_array().unwrap().len(), 1);
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert!(metrics.contains(r#"tollgate_limits_reloads_total{result="failure"}"#), "{metrics}");
+
+    // Fixing the row applies it and clears the error.
+    server.table.execute_sql("UPDATE limits SET burst = 7 WHERE name = 'broken'").await.unwrap();
+    server.wait_generation(2).await;
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.limit_name.as_str(), r.limit), ("broken", 7));
+    let (_, body) = server.http_get("/v1/limits").await.unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(v["status"]["last_error"].is_null());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn deleting_a_tenants_row_falls_back_to_the_default() {
+    let server = TestServer::with_rows(&[
+        row("default-per-key", "", "", "key", 30, "600/minute"),
+        row("acme", "acme", "", "key", 3, "1/hour"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    assert_eq!(ask(&mut client, req("acme", "k")).await.limit_name, "acme");
+    assert!(server.table.delete("acme").await.unwrap());
+    server.wait_generation(2).await;
+    assert_eq!(ask(&mut client, req("acme", "k")).await.limit_name, "default-per-key");
+    server.stop().await;
+}
