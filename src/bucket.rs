@@ -122,7 +122,9 @@ pub enum LimitError {
     #[error("rate {0} is finer than one token per microsecond; at most 1000000/second")]
     TooFast(Rate),
     /// Refilling from empty would take longer than [`MAX_TOLERANCE`].
-    #[error("burst {burst} at {rate} takes more than 100 years to refill; lower the burst or raise the rate")]
+    #[error(
+        "burst {burst} at {rate} takes more than 100 years to refill; lower the burst or raise the rate"
+    )]
     TooSlow {
         /// The burst.
         burst: u64,
@@ -297,7 +299,10 @@ pub fn decide(
             retry_after: debt_after - tolerance,
             reset_after: debt_now,
         };
-        Ok((verdict, state.unwrap_or_else(|| BucketState::full(limit, now))))
+        Ok((
+            verdict,
+            state.unwrap_or_else(|| BucketState::full(limit, now)),
+        ))
     }
 }
 
@@ -340,16 +345,18 @@ pub fn plan(states: &[Option<BucketState>], charges: &[Charge], now: Micros, spe
     let mut next = Vec::with_capacity(charges.len());
     let mut allowed = true;
     for (state, charge) in states.iter().zip(charges) {
-        let (verdict, state) = decide(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
-            let debt = debt(*state, &charge.limit, now);
-            let verdict = Verdict {
-                allowed: false,
-                remaining: charge.limit.tolerance().saturating_sub(debt) / charge.limit.interval,
-                retry_after: Micros::MAX,
-                reset_after: debt,
-            };
-            (verdict, BucketState::full(&charge.limit, now))
-        });
+        let (verdict, state) =
+            decide(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
+                let debt = debt(*state, &charge.limit, now);
+                let verdict = Verdict {
+                    allowed: false,
+                    remaining: charge.limit.tolerance().saturating_sub(debt)
+                        / charge.limit.interval,
+                    retry_after: Micros::MAX,
+                    reset_after: debt,
+                };
+                (verdict, BucketState::full(&charge.limit, now))
+            });
         allowed &= verdict.allowed || !charge.enforce;
         verdicts.push(verdict);
         next.push(state);

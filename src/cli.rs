@@ -156,7 +156,11 @@ pub struct SetArgs {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     /// The server's gRPC address.
-    #[arg(long, env = "TOLLGATE_SERVER", default_value = "http://127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
     pub server: String,
     /// Tenant.
     #[arg(long, default_value = "")]
@@ -183,7 +187,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
-    let n: u64 = n.parse().map_err(|_| format!("{s:?} must look like 500ms, 1s, 2m or 1h"))?;
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?} must look like 500ms, 1s, 2m or 1h"))?;
     Ok(match unit {
         "ms" => Duration::from_millis(n),
         "s" | "" => Duration::from_secs(n),
@@ -191,7 +197,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => Duration::from_secs(n * 3600),
         _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
     })
-    .and_then(|d| if d.is_zero() { Err(format!("{s:?} must be more than zero")) } else { Ok(d) })
+    .and_then(|d| {
+        if d.is_zero() {
+            Err(format!("{s:?} must be more than zero"))
+        } else {
+            Ok(d)
+        }
+    })
 }
 
 /// Runs a `limits` subcommand, printing to stdout.
@@ -215,9 +227,20 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             let rate: Rate = args.rate.parse().map_err(anyhow::Error::msg)?;
             let row = LimitRow {
                 name: args.name.clone().unwrap_or_else(|| {
-                    let or = |s: &str, d: &str| if s.is_empty() { d.to_owned() } else { s.to_owned() };
+                    let or = |s: &str, d: &str| {
+                        if s.is_empty() {
+                            d.to_owned()
+                        } else {
+                            s.to_owned()
+                        }
+                    };
                     let shadow = if args.mode == "shadow" { "-shadow" } else { "" };
-                    format!("{}-{}-{}{shadow}", or(&args.tenant, "default"), or(&args.resource, "any"), args.scope)
+                    format!(
+                        "{}-{}-{}{shadow}",
+                        or(&args.tenant, "default"),
+                        or(&args.resource, "any"),
+                        args.scope
+                    )
                 }),
                 tenant: args.tenant,
                 resource: args.resource,
@@ -258,7 +281,13 @@ pub fn render_rows(rows: &[LimitRow]) -> String {
         "STORE_DOWN".into(),
         "UPDATED_AT".into(),
     ]];
-    let or = |s: &str, d: &str| if s.is_empty() { d.to_owned() } else { s.to_owned() };
+    let or = |s: &str, d: &str| {
+        if s.is_empty() {
+            d.to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
     for r in rows {
         lines.push([
             r.name.clone(),
@@ -272,10 +301,16 @@ pub fn render_rows(rows: &[LimitRow]) -> String {
             r.updated_at.clone(),
         ]);
     }
-    let widths: Vec<usize> = (0..9).map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..9)
+        .map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0))
+        .collect();
     let mut out = String::new();
     for line in lines {
-        let cells: Vec<String> = line.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let cells: Vec<String> = line
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
@@ -299,7 +334,11 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
             .await
             .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
             .into_inner();
-        let prefix = if args.repeat > 1 { format!("#{i:<3} ") } else { String::new() };
+        let prefix = if args.repeat > 1 {
+            format!("#{i:<3} ")
+        } else {
+            String::new()
+        };
         println!("{prefix}{}", describe(&response));
     }
     Ok(())
@@ -307,14 +346,21 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
 
 fn describe(r: &crate::grpc::proto::v1::ShouldAllowResponse) -> String {
     let secs = |d: &Option<prost_types::Duration>| {
-        d.as_ref().map_or(0.0, |d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
+        d.as_ref()
+            .map_or(0.0, |d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
     };
     if r.limit_name.is_empty() {
-        return format!("{}  (no rule applies: unlimited)", if r.allowed { "ALLOWED" } else { "REJECTED" });
+        return format!(
+            "{}  (no rule applies: unlimited)",
+            if r.allowed { "ALLOWED" } else { "REJECTED" }
+        );
     }
     let mut headers: Vec<_> = r.headers.iter().collect();
     headers.sort();
-    let headers: Vec<String> = headers.into_iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    let headers: Vec<String> = headers
+        .into_iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
     format!(
         "{:<8}  remaining {}/{}  retry_after {:.3}s  reset_after {:.3}s  rule {} ({}){}  [{}]",
         if r.allowed { "ALLOWED" } else { "REJECTED" },
@@ -324,7 +370,11 @@ fn describe(r: &crate::grpc::proto::v1::ShouldAllowResponse) -> String {
         secs(&r.reset_after),
         r.limit_name,
         r.rate,
-        if r.shadow { "  shadow: would reject" } else { "" },
+        if r.shadow {
+            "  shadow: would reject"
+        } else {
+            ""
+        },
         headers.join(", "),
     )
 }

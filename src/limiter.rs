@@ -152,7 +152,11 @@ impl Limiter {
     }
 
     /// Decides several items together: all are charged, or none is.
-    pub async fn decide_batch(&self, items: &[Item<'_>], dry_run: bool) -> Result<BatchDecision, DecideError> {
+    pub async fn decide_batch(
+        &self,
+        items: &[Item<'_>],
+        dry_run: bool,
+    ) -> Result<BatchDecision, DecideError> {
         if items.is_empty() {
             return Err(DecideError::InvalidBatch(
                 "items is empty; send 1 to 1000 items".into(),
@@ -167,8 +171,19 @@ impl Limiter {
         self.decide_all(items, dry_run, true).await
     }
 
-    async fn decide_all(&self, items: &[Item<'_>], dry_run: bool, batch: bool) -> Result<BatchDecision, DecideError> {
-        let field = |i: usize, name: &str| if batch { format!("items[{i}].{name}") } else { name.to_owned() };
+    async fn decide_all(
+        &self,
+        items: &[Item<'_>],
+        dry_run: bool,
+        batch: bool,
+    ) -> Result<BatchDecision, DecideError> {
+        let field = |i: usize, name: &str| {
+            if batch {
+                format!("items[{i}].{name}")
+            } else {
+                name.to_owned()
+            }
+        };
         for (i, item) in items.iter().enumerate() {
             check_item(item, |name| field(i, name)).map_err(DecideError::InvalidField)?;
         }
@@ -186,13 +201,21 @@ impl Limiter {
                 let enforce = rule.mode == Mode::Enforce;
                 if enforce && cost > rule.limit.burst() {
                     return Err(DecideError::CostExceedsCapacity {
-                        what: if batch { format!("items[{i}]") } else { "the request".into() },
+                        what: if batch {
+                            format!("items[{i}]")
+                        } else {
+                            "the request".into()
+                        },
                         rule: rule.name.clone(),
                         burst: rule.limit.burst(),
                         cost,
                     });
                 }
-                let key = if rule.scope == Scope::Key { item.key } else { "" };
+                let key = if rule.scope == Scope::Key {
+                    item.key
+                } else {
+                    ""
+                };
                 let bucket = BucketKey::new(item.tenant, rule.bucket_tag(), &rule.resource, key);
                 let charge = match index.get(&bucket) {
                     Some(&c) => {
@@ -263,7 +286,12 @@ impl Limiter {
 /// Fills each item's decision from the verdicts of the buckets it touched:
 /// rejected by any enforced bucket; the tightest bucket is the one that must
 /// wait longest when rejected, else the one with the fewest tokens left.
-fn summarise(decisions: &mut [Decision], touches: &[Touch], charges: &[Charge], verdicts: &[Verdict]) {
+fn summarise(
+    decisions: &mut [Decision],
+    touches: &[Touch],
+    charges: &[Charge],
+    verdicts: &[Verdict],
+) {
     // For each item: (is the pick enforced, verdict, rule).
     let mut picks: Vec<Option<(bool, Verdict, &Arc<Rule>)>> = vec![None; decisions.len()];
     for touch in touches {
@@ -279,17 +307,25 @@ fn summarise(decisions: &mut [Decision], touches: &[Touch], charges: &[Charge], 
         let pick = &mut picks[touch.item];
         let better = match pick {
             None => true,
-            Some((picked_enforce, picked, _)) => tighter(enforce, &verdict, *picked_enforce, picked),
+            Some((picked_enforce, picked, _)) => {
+                tighter(enforce, &verdict, *picked_enforce, picked)
+            }
         };
         if better {
             *pick = Some(candidate);
         }
     }
     for (decision, pick) in decisions.iter_mut().zip(picks) {
-        let Some((_, verdict, rule)) = pick else { continue };
+        let Some((_, verdict, rule)) = pick else {
+            continue;
+        };
         decision.remaining = verdict.remaining;
         decision.reset_after = verdict.reset_after;
-        decision.retry_after = if decision.allowed { 0 } else { verdict.retry_after };
+        decision.retry_after = if decision.allowed {
+            0
+        } else {
+            verdict.retry_after
+        };
         decision.rule = Some(rule.clone());
     }
 }
@@ -307,7 +343,8 @@ fn tighter(a_enforce: bool, a: &Verdict, b_enforce: bool, b: &Verdict) -> bool {
     if !a.allowed {
         return a.retry_after > b.retry_after;
     }
-    (a.remaining, std::cmp::Reverse(a.reset_after)) < (b.remaining, std::cmp::Reverse(b.reset_after))
+    (a.remaining, std::cmp::Reverse(a.reset_after))
+        < (b.remaining, std::cmp::Reverse(b.reset_after))
 }
 
 fn check_item(item: &Item<'_>, field: impl Fn(&str) -> String) -> Result<(), String> {

@@ -157,7 +157,12 @@ pub async fn run(
         let _ = trigger.send(true);
     });
 
-    let watcher = tokio::spawn(watch_limits(limits.clone(), table.clone(), config.reload_interval, stopped()));
+    let watcher = tokio::spawn(watch_limits(
+        limits.clone(),
+        table.clone(),
+        config.reload_interval,
+        stopped(),
+    ));
     let sweeper = memory.clone().map(|memory| {
         let stop = stopped();
         let every = config.sweep_interval;
@@ -213,7 +218,9 @@ pub async fn run(
         .await;
     admin_state.ready.store(false, Ordering::Release);
     let _ = stop_tx.send(true);
-    health.set_not_serving::<RateLimiterServer<RateLimiterService>>().await;
+    health
+        .set_not_serving::<RateLimiterServer<RateLimiterService>>()
+        .await;
 
     let _ = admin_task.await;
     let _ = watcher.await;

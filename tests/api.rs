@@ -9,7 +9,10 @@ use common::{TestServer, ask, micros, req, row};
 use tollgate::grpc::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 
 fn headers(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 #[tokio::test]
@@ -28,7 +31,11 @@ async fn default_limit_lets_a_burst_through_then_answers_an_honest_429() {
     assert_eq!(micros(&first.reset_after), 100_000);
     assert_eq!(
         first.headers,
-        headers(&[("RateLimit-Limit", "30"), ("RateLimit-Remaining", "29"), ("RateLimit-Reset", "1")])
+        headers(&[
+            ("RateLimit-Limit", "30"),
+            ("RateLimit-Remaining", "29"),
+            ("RateLimit-Reset", "1")
+        ])
     );
 
     for i in 1..30 {
@@ -69,19 +76,47 @@ async fn default_limit_lets_a_burst_through_then_answers_an_honest_429() {
 async fn cost_and_dry_run() {
     let server = TestServer::start().await;
     let mut client = server.client().await;
-    let heavy = ShouldAllowRequest { cost: 25, dry_run: true, ..req("", "k") };
+    let heavy = ShouldAllowRequest {
+        cost: 25,
+        dry_run: true,
+        ..req("", "k")
+    };
     let r = ask(&mut client, heavy.clone()).await;
     assert!(r.allowed);
-    assert_eq!(r.remaining, 5, "dry run reports what a real request would leave");
+    assert_eq!(
+        r.remaining, 5,
+        "dry run reports what a real request would leave"
+    );
     // Nothing was spent.
-    let r = ask(&mut client, ShouldAllowRequest { dry_run: false, ..heavy.clone() }).await;
+    let r = ask(
+        &mut client,
+        ShouldAllowRequest {
+            dry_run: false,
+            ..heavy.clone()
+        },
+    )
+    .await;
     assert_eq!(r.remaining, 5);
-    let r = ask(&mut client, ShouldAllowRequest { cost: 6, ..req("", "k") }).await;
+    let r = ask(
+        &mut client,
+        ShouldAllowRequest {
+            cost: 6,
+            ..req("", "k")
+        },
+    )
+    .await;
     assert!(!r.allowed);
     assert_eq!(r.remaining, 5);
     assert_eq!(micros(&r.retry_after), 100_000);
     // cost 0 means 1.
-    let r = ask(&mut client, ShouldAllowRequest { cost: 0, ..req("", "k") }).await;
+    let r = ask(
+        &mut client,
+        ShouldAllowRequest {
+            cost: 0,
+            ..req("", "k")
+        },
+    )
+    .await;
     assert_eq!(r.remaining, 4);
     server.stop().await;
 }
@@ -105,14 +140,31 @@ async fn tenant_ceiling_rejection_spends_nothing_from_the_key_bucket() {
     assert_eq!(r.limit_name, "ceiling");
     assert_eq!(r.limit, 3);
     assert_eq!(micros(&r.retry_after), 3_600_000_000);
-    let dry = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("other", "d") }).await;
-    assert_eq!(dry.limit_name, "ceiling", "another tenant: the tightest is its fresh ceiling");
+    let dry = ask(
+        &mut client,
+        ShouldAllowRequest {
+            dry_run: true,
+            ..req("other", "d")
+        },
+    )
+    .await;
+    assert_eq!(
+        dry.limit_name, "ceiling",
+        "another tenant: the tightest is its fresh ceiling"
+    );
     server.clock.advance(Duration::from_secs(3600));
     let r = ask(&mut client, req("acme", "d")).await;
     assert!(r.allowed);
     assert_eq!(r.limit_name, "ceiling");
     assert_eq!(r.remaining, 0);
-    let per_key = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("acme", "d") }).await;
+    let per_key = ask(
+        &mut client,
+        ShouldAllowRequest {
+            dry_run: true,
+            ..req("acme", "d")
+        },
+    )
+    .await;
     assert!(!per_key.allowed, "ceiling empty again");
     server.stop().await;
 }
@@ -126,12 +178,25 @@ async fn resource_rules_apply_on_top_and_tenant_rows_override_defaults() {
     ])
     .await;
     let mut client = server.client().await;
-    let export = |tenant: &str| ShouldAllowRequest { resource: "exports".into(), ..req(tenant, "k") };
+    let export = |tenant: &str| ShouldAllowRequest {
+        resource: "exports".into(),
+        ..req(tenant, "k")
+    };
     let r = ask(&mut client, export("acme")).await;
     assert_eq!((r.limit_name.as_str(), r.remaining), ("default-exports", 1));
     // The export also counted against acme's own per-key rule.
-    let r = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("acme", "k") }).await;
-    assert_eq!((r.limit_name.as_str(), r.remaining, r.limit), ("acme-key", 98, 100));
+    let r = ask(
+        &mut client,
+        ShouldAllowRequest {
+            dry_run: true,
+            ..req("acme", "k")
+        },
+    )
+    .await;
+    assert_eq!(
+        (r.limit_name.as_str(), r.remaining, r.limit),
+        ("acme-key", 98, 100)
+    );
     ask(&mut client, export("acme")).await;
     let r = ask(&mut client, export("acme")).await;
     assert!(!r.allowed);
@@ -147,7 +212,8 @@ async fn resource_rules_apply_on_top_and_tenant_rows_override_defaults() {
 async fn shadow_rule_never_rejects_but_says_it_would_have() {
     let mut shadow = row("trial", "", "", "key", 2, "1/hour");
     shadow.mode = "shadow".into();
-    let server = TestServer::with_rows(&[row("per-key", "", "", "key", 100, "1/second"), shadow]).await;
+    let server =
+        TestServer::with_rows(&[row("per-key", "", "", "key", 100, "1/second"), shadow]).await;
     let mut client = server.client().await;
     for i in 0..2 {
         let r = ask(&mut client, req("t", "k")).await;
@@ -173,18 +239,36 @@ async fn batch_charges_all_items_or_none() {
     let mut client = server.client().await;
     let login = |account: &str, ip: &str| ShouldAllowBatchRequest {
         items: vec![
-            BatchItem { key: account.into(), cost: 1, tenant: String::new(), resource: "login-account".into() },
-            BatchItem { key: ip.into(), cost: 1, tenant: String::new(), resource: "login-ip".into() },
+            BatchItem {
+                key: account.into(),
+                cost: 1,
+                tenant: String::new(),
+                resource: "login-account".into(),
+            },
+            BatchItem {
+                key: ip.into(),
+                cost: 1,
+                tenant: String::new(),
+                resource: "login-ip".into(),
+            },
         ],
         dry_run: false,
     };
     for _ in 0..2 {
-        let r = client.should_allow_batch(login("alice", "10.0.0.1")).await.unwrap().into_inner();
+        let r = client
+            .should_allow_batch(login("alice", "10.0.0.1"))
+            .await
+            .unwrap()
+            .into_inner();
         assert!(r.allowed);
     }
     // The IP is spent: the whole attempt is refused and alice's account
     // bucket is not charged.
-    let r = client.should_allow_batch(login("alice", "10.0.0.1")).await.unwrap().into_inner();
+    let r = client
+        .should_allow_batch(login("alice", "10.0.0.1"))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!r.allowed);
     assert_eq!(micros(&r.retry_after), 3_600_000_000);
     assert!(r.results[0].allowed, "the account alone would pass");
@@ -193,22 +277,47 @@ async fn batch_charges_all_items_or_none() {
     assert_eq!(r.results[1].limit_name, "ips");
     assert_eq!(r.results[1].headers["Retry-After"], "3600");
     // From a fresh IP alice still has 3 attempts.
-    let r = client.should_allow_batch(login("alice", "10.0.0.2")).await.unwrap().into_inner();
+    let r = client
+        .should_allow_batch(login("alice", "10.0.0.2"))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(r.allowed);
     assert_eq!(r.results[0].remaining, 2);
 
     // Items that land in the same bucket add up.
     let same = ShouldAllowBatchRequest {
         items: vec![
-            BatchItem { key: "x".into(), cost: 1, tenant: String::new(), resource: "login-ip".into() },
-            BatchItem { key: "x".into(), cost: 1, tenant: String::new(), resource: "login-ip".into() },
+            BatchItem {
+                key: "x".into(),
+                cost: 1,
+                tenant: String::new(),
+                resource: "login-ip".into(),
+            },
+            BatchItem {
+                key: "x".into(),
+                cost: 1,
+                tenant: String::new(),
+                resource: "login-ip".into(),
+            },
         ],
         dry_run: false,
     };
-    let r = client.should_allow_batch(same.clone()).await.unwrap().into_inner();
+    let r = client
+        .should_allow_batch(same.clone())
+        .await
+        .unwrap()
+        .into_inner();
     assert!(r.allowed);
     assert_eq!(r.results[1].remaining, 0);
-    assert!(!client.should_allow_batch(same).await.unwrap().into_inner().allowed);
+    assert!(
+        !client
+            .should_allow_batch(same)
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
     server.stop().await;
 }
 
@@ -221,7 +330,9 @@ async fn five_hundred_concurrent_calls_at_a_fresh_bucket_of_one_hundred() {
         let mut client = tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient::new(
             channels[i % channels.len()].clone(),
         );
-        tasks.push(tokio::spawn(async move { ask(&mut client, req("t", "hot")).await.allowed }));
+        tasks.push(tokio::spawn(async move {
+            ask(&mut client, req("t", "hot")).await.allowed
+        }));
     }
     let mut admitted = 0;
     for t in tasks {
@@ -262,7 +373,9 @@ async fn health_and_reflection_work_without_the_proto_file() {
     let mut health = HealthClient::new(server.channel().await);
     for service in ["", "tollgate.v1.RateLimiter"] {
         let status = health
-            .check(HealthCheckRequest { service: service.into() })
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
             .await
             .unwrap()
             .into_inner()
@@ -270,12 +383,15 @@ async fn health_and_reflection_work_without_the_proto_file() {
         assert_eq!(status, ServingStatus::Serving as i32, "service {service:?}");
     }
 
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
     let mut reflection = ServerReflectionClient::new(server.channel().await);
-    let request = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
     let mut stream = reflection
         .server_reflection_info(tokio_stream::iter([request]))
         .await
@@ -287,7 +403,14 @@ async fn health_and_reflection_work_without_the_proto_file() {
     };
     let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
     names.sort();
-    assert_eq!(names, ["grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "tollgate.v1.RateLimiter"]);
+    assert_eq!(
+        names,
+        [
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "tollgate.v1.RateLimiter"
+        ]
+    );
     server.stop().await;
 }
 
@@ -298,8 +421,14 @@ async fn admin_port_reports_health_limits_and_metrics() {
     for _ in 0..31 {
         ask(&mut client, req("m", "k")).await;
     }
-    assert_eq!(server.http_get("/healthz").await.unwrap(), (200, "ok\n".into()));
-    assert_eq!(server.http_get("/readyz").await.unwrap(), (200, "ready\n".into()));
+    assert_eq!(
+        server.http_get("/healthz").await.unwrap(),
+        (200, "ok\n".into())
+    );
+    assert_eq!(
+        server.http_get("/readyz").await.unwrap(),
+        (200, "ready\n".into())
+    );
     let (status, body) = server.http_get("/v1/limits").await.unwrap();
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -312,7 +441,9 @@ async fn admin_port_reports_health_limits_and_metrics() {
     // Metrics are process-wide and other tests run in this process too, so
     // check presence and labels rather than exact counts.
     assert!(
-        metrics.contains(r#"tollgate_decisions_total{api="native",outcome="rejected",rule="default-per-key"}"#),
+        metrics.contains(
+            r#"tollgate_decisions_total{api="native",outcome="rejected",rule="default-per-key"}"#
+        ),
         "{metrics}"
     );
     assert!(metrics.contains("tollgate_buckets "), "{metrics}");

@@ -10,26 +10,44 @@ use tonic::Code;
 
 async fn refused(server: &TestServer, request: ShouldAllowRequest) -> tonic::Status {
     let mut client = server.client().await;
-    client.should_allow(request).await.expect_err("should be refused")
+    client
+        .should_allow(request)
+        .await
+        .expect_err("should be refused")
 }
 
 #[tokio::test]
 async fn each_bad_field_is_named() {
     let server = TestServer::start().await;
     let cases = [
-        (req("", ""), "key is empty; send the caller's API key, user id or IP address"),
-        (req("", &"k".repeat(257)), "key is 257 bytes; at most 256 are allowed (hash longer keys first)"),
-        (req(&"t".repeat(129), "k"), "tenant is 129 bytes; at most 128 are allowed"),
+        (
+            req("", ""),
+            "key is empty; send the caller's API key, user id or IP address",
+        ),
+        (
+            req("", &"k".repeat(257)),
+            "key is 257 bytes; at most 256 are allowed (hash longer keys first)",
+        ),
+        (
+            req(&"t".repeat(129), "k"),
+            "tenant is 129 bytes; at most 128 are allowed",
+        ),
         (
             req("acme corp", "k"),
             "tenant \"acme corp\" contains ' '; use ASCII letters, digits, '.', '_' and '-'",
         ),
         (
-            ShouldAllowRequest { resource: "a/b".into(), ..req("", "k") },
+            ShouldAllowRequest {
+                resource: "a/b".into(),
+                ..req("", "k")
+            },
             "resource \"a/b\" contains '/'; use ASCII letters, digits, '.', '_' and '-'",
         ),
         (
-            ShouldAllowRequest { cost: 31, ..req("acme", "k") },
+            ShouldAllowRequest {
+                cost: 31,
+                ..req("acme", "k")
+            },
             "cost 31 of the request exceeds the capacity (burst) 30 of rule \"default-per-key\"; \
              it can never be allowed, so lower the cost or raise the rule's burst",
         ),
@@ -47,14 +65,22 @@ async fn each_bad_field_is_named() {
 }
 
 fn item(key: &str, cost: u64) -> BatchItem {
-    BatchItem { key: key.into(), cost, tenant: String::new(), resource: String::new() }
+    BatchItem {
+        key: key.into(),
+        cost,
+        tenant: String::new(),
+        resource: String::new(),
+    }
 }
 
 #[tokio::test]
 async fn bad_batches_are_refused_whole() {
     let server = TestServer::start().await;
     let mut client = server.client().await;
-    let batch = |items: Vec<BatchItem>| ShouldAllowBatchRequest { items, dry_run: false };
+    let batch = |items: Vec<BatchItem>| ShouldAllowBatchRequest {
+        items,
+        dry_run: false,
+    };
     let cases = [
         (batch(vec![]), "items is empty; send 1 to 1000 items"),
         (
@@ -77,7 +103,10 @@ async fn bad_batches_are_refused_whole() {
         ),
     ];
     for (request, message) in cases {
-        let status = client.should_allow_batch(request).await.expect_err("refused");
+        let status = client
+            .should_allow_batch(request)
+            .await
+            .expect_err("refused");
         assert_eq!(status.code(), Code::InvalidArgument);
         assert_eq!(status.message(), message);
     }
@@ -103,17 +132,28 @@ async fn a_malformed_message_is_invalid_argument_not_internal() {
         .expect_err("malformed");
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(
-        status.message().starts_with("the request is not a valid ShouldAllowRequest message"),
+        status
+            .message()
+            .starts_with("the request is not a valid ShouldAllowRequest message"),
         "{}",
         status.message()
     );
-    assert!(status.message().ends_with("encode it from proto/tollgate/v1/tollgate.proto"));
+    assert!(
+        status
+            .message()
+            .ends_with("encode it from proto/tollgate/v1/tollgate.proto")
+    );
     server.stop().await;
 }
 
 #[tokio::test]
 async fn unmatched_deny_refuses_requests_no_rule_covers() {
-    let server = TestServer::start_with(Some(&[row("acme", "acme", "", "key", 5, "1/second")]), Unmatched::Deny, 1000).await;
+    let server = TestServer::start_with(
+        Some(&[row("acme", "acme", "", "key", 5, "1/second")]),
+        Unmatched::Deny,
+        1000,
+    )
+    .await;
     let status = refused(&server, req("globex", "k")).await;
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(
@@ -128,8 +168,8 @@ async fn unmatched_deny_refuses_requests_no_rule_covers() {
 
 /// Sends raw bytes as a request body, for malformed-message tests.
 mod raw {
-    use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
     use tonic::Status;
+    use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 
     pub struct RawCodec;
 

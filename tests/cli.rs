@@ -11,18 +11,34 @@ fn first_five_minutes() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path();
     let server = ServeProcess::start(path, &["--reload-interval", "100ms"]);
-    assert!(path.join("tollgate-limits.db").exists(), "the limits table is created on first run");
+    assert!(
+        path.join("tollgate-limits.db").exists(),
+        "the limits table is created on first run"
+    );
     let url = format!("http://{}", server.grpc);
 
     // Check a key, then watch the burst run out.
-    let out = tollgate(path, &["check", "--server", &url, "--tenant", "acme", "--key", "alice"]);
+    let out = tollgate(
+        path,
+        &[
+            "check", "--server", &url, "--tenant", "acme", "--key", "alice",
+        ],
+    );
     assert!(out.status.success());
     let line = stdout(&out);
     assert!(line.starts_with("ALLOWED   remaining 29/30"), "{line}");
     assert!(line.contains("rule default-per-key (600/minute)"), "{line}");
-    assert!(line.contains("RateLimit-Limit: 30, RateLimit-Remaining: 29, RateLimit-Reset: 1"), "{line}");
+    assert!(
+        line.contains("RateLimit-Limit: 30, RateLimit-Remaining: 29, RateLimit-Reset: 1"),
+        "{line}"
+    );
 
-    let out = tollgate(path, &["check", "--server", &url, "--tenant", "acme", "--key", "bob", "--repeat", "32"]);
+    let out = tollgate(
+        path,
+        &[
+            "check", "--server", &url, "--tenant", "acme", "--key", "bob", "--repeat", "32",
+        ],
+    );
     let lines: Vec<String> = stdout(&out).lines().map(str::to_owned).collect();
     assert_eq!(lines.len(), 32);
     let allowed = lines.iter().filter(|l| l.contains(" ALLOWED ")).count();
@@ -32,18 +48,38 @@ fn first_five_minutes() {
     assert!(lines[31].contains("Retry-After: 1"), "{}", lines[31]);
 
     // Change the tenant's limit and see it take effect, no restart.
-    let out = tollgate(path, &["limits", "set", "--tenant", "acme", "--burst", "300", "--rate", "6000/minute"]);
+    let out = tollgate(
+        path,
+        &[
+            "limits",
+            "set",
+            "--tenant",
+            "acme",
+            "--burst",
+            "300",
+            "--rate",
+            "6000/minute",
+        ],
+    );
     assert!(out.status.success(), "{out:?}");
     assert_eq!(stdout(&out), "set acme-any-key (burst 300, 6000/minute)\n");
     let list = stdout(&tollgate(path, &["limits", "list"]));
     let header = list.lines().next().unwrap();
     assert!(header.starts_with("NAME"), "{list}");
-    assert!(list.lines().any(|l| l.starts_with("acme-any-key") && l.contains("300") && l.contains("6000/minute")), "{list}");
+    assert!(
+        list.lines().any(|l| l.starts_with("acme-any-key")
+            && l.contains("300")
+            && l.contains("6000/minute")),
+        "{list}"
+    );
 
     let mut picked_up = false;
     for i in 0..100 {
         let key = format!("carol-{i}");
-        let line = stdout(&tollgate(path, &["check", "--server", &url, "--tenant", "acme", "--key", &key]));
+        let line = stdout(&tollgate(
+            path,
+            &["check", "--server", &url, "--tenant", "acme", "--key", &key],
+        ));
         if line.contains("rule acme-any-key") {
             assert!(line.contains("remaining 299/300"), "{line}");
             picked_up = true;
@@ -54,13 +90,21 @@ fn first_five_minutes() {
     assert!(picked_up, "the new limit was never applied");
 
     // Bad input: a clear message and a failing exit status.
-    let out = tollgate(path, &["limits", "set", "--tenant", "acme", "--burst", "0", "--rate", "5/second"]);
+    let out = tollgate(
+        path,
+        &[
+            "limits", "set", "--tenant", "acme", "--burst", "0", "--rate", "5/second",
+        ],
+    );
     assert!(!out.status.success());
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
         "error: row \"acme-any-key\" (tenant \"acme\", resource \"\", scope \"key\"): burst must be at least 1\n"
     );
-    let out = tollgate(path, &["limits", "set", "--burst", "5", "--rate", "5/fortnight"]);
+    let out = tollgate(
+        path,
+        &["limits", "set", "--burst", "5", "--rate", "5/fortnight"],
+    );
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
         "error: rate \"5/fortnight\": unit \"fortnight\" must be second, minute, hour or day\n"
@@ -80,20 +124,40 @@ fn first_five_minutes() {
     // SIGTERM: a clean exit.
     let (status, logs) = server.terminate();
     assert!(status.success(), "{status:?} {logs:#?}");
-    assert!(logs.iter().any(|l| l.contains("tollgate stopped")), "{logs:#?}");
+    assert!(
+        logs.iter().any(|l| l.contains("tollgate stopped")),
+        "{logs:#?}"
+    );
 }
 
 #[test]
 fn serve_refuses_an_invalid_table_at_start_up_and_an_unknown_store() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path();
-    let out = tollgate(path, &["serve", "--store", "redis://:hunter2@127.0.0.1:6379"]);
+    let out = tollgate(
+        path,
+        &["serve", "--store", "redis://:hunter2@127.0.0.1:6379"],
+    );
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("redis://:***@127.0.0.1:6379"), "{stderr}");
-    assert!(!stderr.contains("hunter2"), "the password must not be printed: {stderr}");
+    assert!(
+        !stderr.contains("hunter2"),
+        "the password must not be printed: {stderr}"
+    );
 
-    let out = tollgate(path, &["serve", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--limits", "db/x.db"]);
+    let out = tollgate(
+        path,
+        &[
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--limits",
+            "db/x.db",
+        ],
+    );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("error: limits table:"));
 }

@@ -13,7 +13,11 @@ async fn changing_a_tenants_tier_takes_effect_without_a_restart() {
     assert_eq!((r.limit, r.remaining), (30, 29));
 
     // What `tollgate limits set --tenant acme --burst 300 --rate 6000/minute` does.
-    server.table.upsert(&row("acme-pro", "acme", "", "key", 300, "6000/minute")).await.unwrap();
+    server
+        .table
+        .upsert(&row("acme-pro", "acme", "", "key", 300, "6000/minute"))
+        .await
+        .unwrap();
     server.wait_generation(2).await;
     let r = ask(&mut client, req("acme", "k")).await;
     assert_eq!(r.limit_name, "acme-pro");
@@ -26,7 +30,9 @@ async fn changing_a_tenants_tier_takes_effect_without_a_restart() {
     // A plain SQL edit works too.
     server
         .table
-        .execute_sql("UPDATE limits SET burst = 5, rate = 1, rate_unit = 'hour' WHERE name = 'acme-pro'")
+        .execute_sql(
+            "UPDATE limits SET burst = 5, rate = 1, rate_unit = 'hour' WHERE name = 'acme-pro'",
+        )
         .await
         .unwrap();
     server.wait_generation(3).await;
@@ -41,13 +47,31 @@ async fn changing_a_tenants_tier_takes_effect_without_a_restart() {
 async fn a_smaller_burst_clamps_existing_buckets() {
     let server = TestServer::with_rows(&[row("r", "", "", "key", 100, "1/second")]).await;
     let mut client = server.client().await;
-    let r = ask(&mut client, ShouldAllowRequest { cost: 40, ..req("t", "k") }).await;
+    let r = ask(
+        &mut client,
+        ShouldAllowRequest {
+            cost: 40,
+            ..req("t", "k")
+        },
+    )
+    .await;
     assert_eq!(r.remaining, 60);
-    server.table.execute_sql("UPDATE limits SET burst = 10 WHERE name = 'r'").await.unwrap();
+    server
+        .table
+        .execute_sql("UPDATE limits SET burst = 10 WHERE name = 'r'")
+        .await
+        .unwrap();
     server.wait_generation(2).await;
     // 40 tokens owed exceed the new capacity of 10: the bucket is empty, not
     // 30 tokens in debt, and refills in 10 s.
-    let r = ask(&mut client, ShouldAllowRequest { dry_run: true, ..req("t", "k") }).await;
+    let r = ask(
+        &mut client,
+        ShouldAllowRequest {
+            dry_run: true,
+            ..req("t", "k")
+        },
+    )
+    .await;
     assert!(!r.allowed);
     assert_eq!(r.limit, 10);
     assert_eq!(micros(&r.reset_after), 10_000_000);
@@ -79,10 +103,17 @@ async fn an_invalid_row_is_named_and_the_last_good_table_stays_in_force() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["rules"].as_array().unwrap().len(), 1);
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
-    assert!(metrics.contains(r#"tollgate_limits_reloads_total{result="failure"}"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"tollgate_limits_reloads_total{result="failure"}"#),
+        "{metrics}"
+    );
 
     // Fixing the row applies it and clears the error.
-    server.table.execute_sql("UPDATE limits SET burst = 7 WHERE name = 'broken'").await.unwrap();
+    server
+        .table
+        .execute_sql("UPDATE limits SET burst = 7 WHERE name = 'broken'")
+        .await
+        .unwrap();
     server.wait_generation(2).await;
     let r = ask(&mut client, req("acme", "k")).await;
     assert_eq!((r.limit_name.as_str(), r.limit), ("broken", 7));
@@ -103,6 +134,39 @@ async fn deleting_a_tenants_row_falls_back_to_the_default() {
     assert_eq!(ask(&mut client, req("acme", "k")).await.limit_name, "acme");
     assert!(server.table.delete("acme").await.unwrap());
     server.wait_generation(2).await;
-    assert_eq!(ask(&mut client, req("acme", "k")).await.limit_name, "default-per-key");
+    assert_eq!(
+        ask(&mut client, req("acme", "k")).await.limit_name,
+        "default-per-key"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_example_table_in_deploy_loads_and_decides() {
+    let server = TestServer::start().await;
+    let sql = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/limits-example.sql"
+    ))
+    .unwrap();
+    server.table.execute_sql(&sql).await.unwrap();
+    server.wait_generation(2).await;
+    let mut client = server.client().await;
+    let export = ShouldAllowRequest {
+        resource: "exports".into(),
+        ..req("globex", "k")
+    };
+    for left in [2, 1, 0] {
+        let r = ask(&mut client, export.clone()).await;
+        assert_eq!(
+            (r.limit_name.as_str(), r.remaining),
+            ("exports-per-key", left)
+        );
+    }
+    let r = ask(&mut client, export).await;
+    assert!(!r.allowed);
+    assert_eq!(micros(&r.retry_after), 360_000_000);
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.limit_name.as_str(), r.limit), ("acme-per-key", 300));
     server.stop().await;
 }

@@ -59,7 +59,9 @@ fn seed_scenario_dashboard_burst_then_ten_per_second() {
 fn seed_scenario_hammering_client_gets_burst_plus_rate() {
     let limit = limit(30, 600, RateUnit::Minute);
     // 3,000 requests/s for 10 s: request i at i/3000 s.
-    let events: Vec<_> = (0..30_000u64).map(|i| (T0 + i * 1_000_000 / 3_000, 1)).collect();
+    let events: Vec<_> = (0..30_000u64)
+        .map(|i| (T0 + i * 1_000_000 / 3_000, 1))
+        .collect();
     let admitted = run(&limit, &events);
     // The burst of 30, then one token every 100 ms: at 0.1 s, 0.2 s, ... 9.9 s
     // (the last request is at 9.9997 s, before the 100th refill).
@@ -72,7 +74,10 @@ fn cost_above_capacity_is_an_error_not_a_wait() {
     let limit = limit(30, 600, RateUnit::Minute);
     assert_eq!(
         decide(None, &limit, 31, T0),
-        Err(CostExceedsBurst { cost: 31, burst: 30 })
+        Err(CostExceedsBurst {
+            cost: 31,
+            burst: 30
+        })
     );
     assert!(decide(None, &limit, 30, T0).unwrap().0.allowed);
 }
@@ -80,15 +85,35 @@ fn cost_above_capacity_is_an_error_not_a_wait() {
 #[test]
 fn limit_validation() {
     let r = |count, unit| Rate { count, unit };
-    assert_eq!(Limit::new(0, r(1, RateUnit::Second)), Err(LimitError::ZeroBurst));
-    assert_eq!(Limit::new(1, r(0, RateUnit::Second)), Err(LimitError::ZeroRate));
-    assert!(matches!(Limit::new(1, r(2_000_000, RateUnit::Second)), Err(LimitError::TooFast(_))));
-    assert!(matches!(Limit::new(1_000_000, r(1, RateUnit::Day)), Err(LimitError::TooSlow { .. })));
+    assert_eq!(
+        Limit::new(0, r(1, RateUnit::Second)),
+        Err(LimitError::ZeroBurst)
+    );
+    assert_eq!(
+        Limit::new(1, r(0, RateUnit::Second)),
+        Err(LimitError::ZeroRate)
+    );
+    assert!(matches!(
+        Limit::new(1, r(2_000_000, RateUnit::Second)),
+        Err(LimitError::TooFast(_))
+    ));
+    assert!(matches!(
+        Limit::new(1_000_000, r(1, RateUnit::Day)),
+        Err(LimitError::TooSlow { .. })
+    ));
     // 3000/s does not divide a second: the interval rounds up, never down.
-    assert_eq!(Limit::new(1, r(3000, RateUnit::Second)).unwrap().interval(), 334);
+    assert_eq!(
+        Limit::new(1, r(3000, RateUnit::Second)).unwrap().interval(),
+        334
+    );
     assert_eq!("600/minute".parse::<Rate>(), Ok(r(600, RateUnit::Minute)));
     assert_eq!("5/h".parse::<Rate>(), Ok(r(5, RateUnit::Hour)));
-    assert!("5/fortnight".parse::<Rate>().unwrap_err().contains("fortnight"));
+    assert!(
+        "5/fortnight"
+            .parse::<Rate>()
+            .unwrap_err()
+            .contains("fortnight")
+    );
     assert!("five/second".parse::<Rate>().is_err());
 }
 
@@ -115,8 +140,16 @@ fn plan_is_all_or_nothing_and_reports_unspent_tokens_on_rejection() {
     let roomy = limit(10, 1, RateUnit::Second);
     let tight = limit(2, 1, RateUnit::Hour);
     let charges = [
-        Charge { limit: roomy, cost: 3, enforce: true },
-        Charge { limit: tight, cost: 3 - 1, enforce: true },
+        Charge {
+            limit: roomy,
+            cost: 3,
+            enforce: true,
+        },
+        Charge {
+            limit: tight,
+            cost: 3 - 1,
+            enforce: true,
+        },
     ];
     let p = plan(&[None, None], &charges, T0, true);
     assert!(p.allowed);
@@ -141,10 +174,21 @@ fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
     let open = limit(10, 1, RateUnit::Second);
     let empty_shadow = limit(1, 1, RateUnit::Hour);
     let charges = [
-        Charge { limit: open, cost: 1, enforce: true },
-        Charge { limit: empty_shadow, cost: 1, enforce: false },
+        Charge {
+            limit: open,
+            cost: 1,
+            enforce: true,
+        },
+        Charge {
+            limit: empty_shadow,
+            cost: 1,
+            enforce: false,
+        },
     ];
-    let spent_shadow = Some(BucketState { full_at: T0 + 3_600_000_000, ..BucketState::full(&empty_shadow, T0) });
+    let spent_shadow = Some(BucketState {
+        full_at: T0 + 3_600_000_000,
+        ..BucketState::full(&empty_shadow, T0)
+    });
     let p = plan(&[None, spent_shadow], &charges, T0, true);
     assert!(p.allowed);
     assert!(!p.verdicts[1].allowed);
@@ -155,14 +199,31 @@ fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
 #[test]
 fn dry_run_reports_as_if_spent_and_writes_nothing() {
     let l = limit(5, 1, RateUnit::Second);
-    let p = plan(&[None], &[Charge { limit: l, cost: 2, enforce: true }], T0, false);
+    let p = plan(
+        &[None],
+        &[Charge {
+            limit: l,
+            cost: 2,
+            enforce: true,
+        }],
+        T0,
+        false,
+    );
     assert!(p.allowed);
     assert_eq!(p.verdicts[0].remaining, 3);
     assert_eq!(p.writes, vec![None]);
 }
 
 fn arb_limit() -> impl Strategy<Value = Limit> {
-    (1u64..50, 1u64..1_000, prop_oneof![Just(RateUnit::Second), Just(RateUnit::Minute), Just(RateUnit::Hour)])
+    (
+        1u64..50,
+        1u64..1_000,
+        prop_oneof![
+            Just(RateUnit::Second),
+            Just(RateUnit::Minute),
+            Just(RateUnit::Hour)
+        ],
+    )
         .prop_map(|(burst, count, unit)| limit(burst, count, unit))
 }
 

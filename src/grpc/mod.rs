@@ -24,7 +24,8 @@ pub mod proto {
     }
 
     /// The encoded descriptors of every Tollgate proto, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tollgate_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("tollgate_descriptor");
 }
 
 use proto::v1::rate_limiter_server::RateLimiter;
@@ -147,10 +148,19 @@ pub fn to_response(decision: &Decision) -> ShouldAllowResponse {
 pub fn headers(decision: &Decision, limit: u64) -> HashMap<String, String> {
     let mut headers = HashMap::with_capacity(4);
     headers.insert("RateLimit-Limit".to_owned(), limit.to_string());
-    headers.insert("RateLimit-Remaining".to_owned(), decision.remaining.to_string());
-    headers.insert("RateLimit-Reset".to_owned(), whole_seconds(decision.reset_after).to_string());
+    headers.insert(
+        "RateLimit-Remaining".to_owned(),
+        decision.remaining.to_string(),
+    );
+    headers.insert(
+        "RateLimit-Reset".to_owned(),
+        whole_seconds(decision.reset_after).to_string(),
+    );
     if !decision.allowed {
-        headers.insert("Retry-After".to_owned(), whole_seconds(decision.retry_after).to_string());
+        headers.insert(
+            "Retry-After".to_owned(),
+            whole_seconds(decision.retry_after).to_string(),
+        );
     }
     headers
 }

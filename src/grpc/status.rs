@@ -11,9 +11,9 @@ use crate::limiter::DecideError;
 /// Converts a decision error into the status the caller sees.
 pub fn from_decide_error(err: DecideError) -> Status {
     match err {
-        DecideError::InvalidField(_) | DecideError::InvalidBatch(_) | DecideError::CostExceedsCapacity { .. } => {
-            Status::invalid_argument(err.to_string())
-        }
+        DecideError::InvalidField(_)
+        | DecideError::InvalidBatch(_)
+        | DecideError::CostExceedsCapacity { .. } => Status::invalid_argument(err.to_string()),
         DecideError::NoRule { .. } => Status::failed_precondition(err.to_string()),
         DecideError::Store(store) => {
             tracing::warn!(error = %store, transient = store.is_transient(), "store call failed");

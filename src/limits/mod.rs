@@ -73,7 +73,6 @@ impl Scope {
             Self::Tenant => "tenant",
         }
     }
-
 }
 
 /// Whether a rule rejects.
@@ -98,7 +97,11 @@ pub enum OnStoreUnavailable {
     Local,
 }
 
-fn parse_enum<T: for<'de> Deserialize<'de>>(what: &str, value: &str, allowed: &str) -> Result<T, String> {
+fn parse_enum<T: for<'de> Deserialize<'de>>(
+    what: &str,
+    value: &str,
+    allowed: &str,
+) -> Result<T, String> {
     serde_json::from_value(serde_json::Value::String(value.to_owned()))
         .map_err(|_| format!("{what} is {value:?}; it must be one of {allowed}"))
 }
@@ -155,12 +158,21 @@ impl LimitRow {
         check_label("resource", &self.resource)?;
         let scope = parse_enum("scope", &self.scope, "key, tenant")?;
         let mode = parse_enum("mode", &self.mode, "enforce, shadow")?;
-        let on_store_unavailable =
-            parse_enum("on_store_unavailable", &self.on_store_unavailable, "allow, deny, local")?;
-        let unit = RateUnit::parse(&self.rate_unit)
-            .ok_or_else(|| format!("rate_unit is {:?}; it must be second, minute, hour or day", self.rate_unit))?;
-        let burst = u64::try_from(self.burst).map_err(|_| format!("burst is {}; it must be at least 1", self.burst))?;
-        let count = u64::try_from(self.rate).map_err(|_| format!("rate is {}; it must be at least 1", self.rate))?;
+        let on_store_unavailable = parse_enum(
+            "on_store_unavailable",
+            &self.on_store_unavailable,
+            "allow, deny, local",
+        )?;
+        let unit = RateUnit::parse(&self.rate_unit).ok_or_else(|| {
+            format!(
+                "rate_unit is {:?}; it must be second, minute, hour or day",
+                self.rate_unit
+            )
+        })?;
+        let burst = u64::try_from(self.burst)
+            .map_err(|_| format!("burst is {}; it must be at least 1", self.burst))?;
+        let count = u64::try_from(self.rate)
+            .map_err(|_| format!("rate is {}; it must be at least 1", self.rate))?;
         let rate = Rate { count, unit };
         let limit = Limit::new(burst, rate).map_err(|e| e.to_string())?;
         Ok(Rule {
@@ -282,7 +294,11 @@ impl RuleSet {
     /// docs): per key, then the tenant ceiling; for each, the any-resource
     /// slot before the resource's own; in each slot, the enforced rule before
     /// the shadow one.
-    pub fn applicable<'a>(&'a self, tenant: &str, resource: &str) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+    pub fn applicable<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
         let own = self.tenants.get(tenant);
         let default = self.tenants.get("");
         let slots = |rules: Option<&'a TenantRules>, resource: &str| -> Option<&'a Slots> {
@@ -294,12 +310,17 @@ impl RuleSet {
             }
         };
         let pick = |resource: &str, scope: Scope, mode: Mode| -> Option<&'a Arc<Rule>> {
-            let in_slot =
-                |rules| slots(rules, resource).and_then(|s: &'a Slots| s[slot_index(scope, mode)].as_ref());
+            let in_slot = |rules| {
+                slots(rules, resource).and_then(|s: &'a Slots| s[slot_index(scope, mode)].as_ref())
+            };
             in_slot(own).or_else(|| in_slot(default))
         };
         let mut found = [None; 8];
-        let resources: &[&str] = if resource.is_empty() { &[""] } else { &["", resource] };
+        let resources: &[&str] = if resource.is_empty() {
+            &[""]
+        } else {
+            &["", resource]
+        };
         let mut n = 0;
         for scope in [Scope::Key, Scope::Tenant] {
             for res in resources {
@@ -328,7 +349,13 @@ impl Rule {
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (burst {}, {})", self.name, self.limit.burst(), self.rate)
+        write!(
+            f,
+            "{} (burst {}, {})",
+            self.name,
+            self.limit.burst(),
+            self.rate
+        )
     }
 }
 

@@ -33,7 +33,8 @@ pub fn default_row() -> LimitRow {
 }
 
 /// The seeded default, as a constant for documentation.
-pub const DEFAULT_ROW: &str = "default-per-key: tenant '', resource '', scope key, burst 30, 600/minute";
+pub const DEFAULT_ROW: &str =
+    "default-per-key: tenant '', resource '', scope key, burst 30, 600/minute";
 
 /// A failure reading or writing the table.
 #[derive(Debug, thiserror::Error)]
@@ -66,7 +67,8 @@ impl LimitsTable {
         } else if location.contains("://") {
             return Err(TableError::Location(
                 location.into(),
-                "this build reads limits from SQLite only; give a file path or a sqlite: URL".into(),
+                "this build reads limits from SQLite only; give a file path or a sqlite: URL"
+                    .into(),
             ));
         } else {
             SqliteConnectOptions::new().filename(location)
@@ -94,10 +96,12 @@ impl LimitsTable {
 
     async fn migrate(&self) -> Result<(), TableError> {
         let mut tx = self.pool.begin().await?;
-        let exists: i64 = sqlx::query("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'limits'")
-            .fetch_one(&mut *tx)
-            .await?
-            .try_get(0)?;
+        let exists: i64 = sqlx::query(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'limits'",
+        )
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get(0)?;
         tx.execute(SCHEMA).await?;
         if exists == 0 {
             insert(&mut tx, &default_row()).await?;
@@ -193,7 +197,9 @@ impl LimitsTable {
     /// Runs one SQL statement: for tests and tools that edit the table the
     /// way an operator would, with plain SQL.
     pub async fn execute_sql(&self, sql: &str) -> Result<u64, TableError> {
-        let done = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned())).execute(&self.pool).await?;
+        let done = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await?;
         Ok(done.rows_affected())
     }
 

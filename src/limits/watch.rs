@@ -146,7 +146,12 @@ impl LiveLimits {
 }
 
 /// Reloads `limits` from `table` every `every` until `shutdown` completes.
-pub async fn watch(limits: Arc<LiveLimits>, table: LimitsTable, every: Duration, shutdown: impl Future<Output = ()>) {
+pub async fn watch(
+    limits: Arc<LiveLimits>,
+    table: LimitsTable,
+    every: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);

@@ -96,7 +96,8 @@ impl MemoryStore {
         let before = self.buckets.len();
         self.buckets.retain(|_, state| !state.is_full(now));
         let removed = before.saturating_sub(self.buckets.len());
-        self.evicted_idle.fetch_add(removed as u64, Ordering::Relaxed);
+        self.evicted_idle
+            .fetch_add(removed as u64, Ordering::Relaxed);
         removed
     }
 
@@ -138,7 +139,9 @@ impl MemoryStore {
     /// policy). One caller compacts at a time; others carry on, so the map
     /// may briefly exceed the cap by the number of concurrent inserts.
     fn make_room(&self, now: Micros) {
-        let Some(_compacting) = self.compacting.try_lock() else { return };
+        let Some(_compacting) = self.compacting.try_lock() else {
+            return;
+        };
         if self.buckets.len() <= self.max_buckets {
             return;
         }
@@ -161,14 +164,23 @@ impl MemoryStore {
         let (_, cutoff, _) = full_at.select_nth_unstable(excess - 1);
         let cutoff = *cutoff;
         self.buckets.retain(|_, state| state.full_at > cutoff);
-        self.evicted_capacity
-            .fetch_add(after_idle.saturating_sub(self.buckets.len()) as u64, Ordering::Relaxed);
+        self.evicted_capacity.fetch_add(
+            after_idle.saturating_sub(self.buckets.len()) as u64,
+            Ordering::Relaxed,
+        );
     }
 }
 
 impl Store for MemoryStore {
-    fn apply<'a>(&'a self, buckets: &'a [BucketKey], charges: &'a [Charge], spend: bool) -> StoreFuture<'a> {
-        Box::pin(std::future::ready(Ok(self.apply_now(buckets, charges, spend))))
+    fn apply<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        spend: bool,
+    ) -> StoreFuture<'a> {
+        Box::pin(std::future::ready(Ok(
+            self.apply_now(buckets, charges, spend)
+        )))
     }
 
     fn kind(&self) -> &'static str {
@@ -214,7 +226,11 @@ mod tests {
                 })
             })
             .collect();
-        let admitted = handles.into_iter().map(|h| h.join().unwrap()).filter(|a| *a).count();
+        let admitted = handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .filter(|a| *a)
+            .count();
         assert_eq!(admitted, 100);
         let state = store.state(&key("hot")).unwrap();
         assert_eq!(state.full_at, T0 + 100 * 86_400_000_000);

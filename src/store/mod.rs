@@ -26,7 +26,8 @@ impl BucketKey {
     /// Renders a bucket name. `scope` is a short tag (`k` per key, `t` per
     /// tenant); `key` is empty for tenant-wide buckets.
     pub fn new(tenant: &str, scope: &str, resource: &str, key: &str) -> Self {
-        let mut s = String::with_capacity(tenant.len() + scope.len() + resource.len() + key.len() + 3);
+        let mut s =
+            String::with_capacity(tenant.len() + scope.len() + resource.len() + key.len() + 3);
         for (i, part) in [tenant, scope, resource, key].into_iter().enumerate() {
             if i > 0 {
                 s.push(':');
@@ -80,7 +81,12 @@ pub trait Store: Send + Sync + 'static {
     /// Decides `charges[i]` against bucket `buckets[i]` for every `i`, as one
     /// atomic step, spending only when `spend` is true and every enforced
     /// charge admits its cost. Each bucket appears at most once.
-    fn apply<'a>(&'a self, buckets: &'a [BucketKey], charges: &'a [Charge], spend: bool) -> StoreFuture<'a>;
+    fn apply<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        spend: bool,
+    ) -> StoreFuture<'a>;
 
     /// A short name for logs and metrics: `memory`, `redis`, ...
     fn kind(&self) -> &'static str;

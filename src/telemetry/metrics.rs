@@ -54,9 +54,18 @@ pub fn handle() -> &'static PrometheusHandle {
         let handle = PrometheusBuilder::new()
             .install_recorder()
             .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder().handle());
-        describe_counter!(DECISIONS, "Rate-limit decisions, by API, outcome and deciding rule.");
-        describe_counter!(TOKENS, "Tokens asked for, by API, outcome and deciding rule.");
-        describe_counter!(RELOADS, "Limits table reloads that changed or rejected the rules.");
+        describe_counter!(
+            DECISIONS,
+            "Rate-limit decisions, by API, outcome and deciding rule."
+        );
+        describe_counter!(
+            TOKENS,
+            "Tokens asked for, by API, outcome and deciding rule."
+        );
+        describe_counter!(
+            RELOADS,
+            "Limits table reloads that changed or rejected the rules."
+        );
         describe_gauge!(RULES, "Rules in force.");
         describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
         describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
@@ -67,7 +76,11 @@ pub fn handle() -> &'static PrometheusHandle {
 
 /// Counts one decision.
 pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
-    let labels = [("api", api.to_owned()), ("outcome", outcome.label().to_owned()), ("rule", rule.to_owned())];
+    let labels = [
+        ("api", api.to_owned()),
+        ("outcome", outcome.label().to_owned()),
+        ("rule", rule.to_owned()),
+    ];
     counter!(DECISIONS, &labels).increment(1);
     counter!(TOKENS, &labels).increment(tokens);
 }

@@ -35,7 +35,14 @@ pub struct TestServer {
 }
 
 /// A row with the defaults `tollgate limits set` uses.
-pub fn row(name: &str, tenant: &str, resource: &str, scope: &str, burst: i64, rate: &str) -> LimitRow {
+pub fn row(
+    name: &str,
+    tenant: &str,
+    resource: &str,
+    scope: &str,
+    burst: i64,
+    rate: &str,
+) -> LimitRow {
     let (count, unit) = rate.split_once('/').unwrap();
     LimitRow {
         name: name.into(),
@@ -62,7 +69,11 @@ impl TestServer {
         Self::start_with(Some(rows), Unmatched::Allow, 1_000_000).await
     }
 
-    pub async fn start_with(rows: Option<&[LimitRow]>, unmatched: Unmatched, max_buckets: usize) -> Self {
+    pub async fn start_with(
+        rows: Option<&[LimitRow]>,
+        unmatched: Unmatched,
+        max_buckets: usize,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let limits_path = dir.path().join("limits.db").to_str().unwrap().to_owned();
         let table = LimitsTable::open(&limits_path).await.unwrap();
@@ -72,9 +83,12 @@ impl TestServer {
                 table.upsert(r).await.unwrap();
             }
         }
-        let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap();
+        let listeners = Listeners::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .await
+        .unwrap();
         let grpc = listeners.grpc.local_addr().unwrap();
         let admin = listeners.admin.local_addr().unwrap();
         let clock = Arc::new(ManualClock::new(T0));
@@ -105,10 +119,8 @@ impl TestServer {
 
     async fn wait_ready(&self) {
         for _ in 0..500 {
-            if let Ok(body) = self.http_get("/readyz").await {
-                if body.0 == 200 {
-                    return;
-                }
+            if matches!(self.http_get("/readyz").await, Ok((200, _))) {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -124,14 +136,21 @@ impl TestServer {
     }
 
     pub async fn channel(&self) -> Channel {
-        Channel::from_shared(self.url()).unwrap().connect().await.unwrap()
+        Channel::from_shared(self.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
     }
 
     /// A GET on the admin port: (status, body).
     pub async fn http_get(&self, path: &str) -> std::io::Result<(u16, String)> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(self.admin).await?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.admin);
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            self.admin
+        );
         stream.write_all(request.as_bytes()).await?;
         let mut response = String::new();
         stream.read_to_string(&mut response).await?;
@@ -140,7 +159,10 @@ impl TestServer {
             .nth(1)
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+        let body = response
+            .split_once("\r\n\r\n")
+            .map_or("", |(_, b)| b)
+            .to_owned();
         Ok((status, body))
     }
 
@@ -187,7 +209,10 @@ pub fn req(tenant: &str, key: &str) -> ShouldAllowRequest {
     }
 }
 
-pub async fn ask(client: &mut RateLimiterClient<Channel>, request: ShouldAllowRequest) -> ShouldAllowResponse {
+pub async fn ask(
+    client: &mut RateLimiterClient<Channel>,
+    request: ShouldAllowRequest,
+) -> ShouldAllowResponse {
     client.should_allow(request).await.unwrap().into_inner()
 }
 

@@ -21,7 +21,13 @@ impl ServeProcess {
     pub fn start(dir: &Path, args: &[&str]) -> Self {
         let mut child = Command::new(BIN)
             .current_dir(dir)
-            .args(["serve", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"])
+            .args([
+                "serve",
+                "--grpc-addr",
+                "127.0.0.1:0",
+                "--admin-addr",
+                "127.0.0.1:0",
+            ])
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -38,7 +44,9 @@ impl ServeProcess {
             }
         });
         let line = loop {
-            let line = rx.recv_timeout(Duration::from_secs(30)).expect("tollgate logs its addresses");
+            let line = rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("tollgate logs its addresses");
             if line.contains("tollgate listening") {
                 break line;
             }
@@ -49,12 +57,20 @@ impl ServeProcess {
                 .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
                 .to_owned()
         };
-        Self { grpc: field("grpc"), admin: field("admin"), child, logs: rx }
+        Self {
+            grpc: field("grpc"),
+            admin: field("admin"),
+            child,
+            logs: rx,
+        }
     }
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(mut self) -> (std::process::ExitStatus, Vec<String>) {
-        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
         let status = self.child.wait().unwrap();
         (status, self.logs.try_iter().collect())
     }
@@ -69,7 +85,11 @@ impl Drop for ServeProcess {
 
 /// Runs `tollgate ARGS` in `dir` and returns its output.
 pub fn tollgate(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN).current_dir(dir).args(args).output().unwrap()
+    Command::new(BIN)
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 pub fn stdout(output: &Output) -> String {
