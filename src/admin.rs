@@ -18,15 +18,17 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use crate::limiter::Limiter;
-use crate::store::MemoryStore;
+use crate::store::{MemoryStore, RedisStore};
 use crate::telemetry::metrics;
 
 /// What the admin handlers read.
 pub struct AdminState {
     /// The limiter, for its rules and store.
     pub limiter: Arc<Limiter>,
-    /// The in-process store, when one is in use, for its figures.
+    /// The in-process store (the store, or the local fallback), for its figures.
     pub memory: Option<Arc<MemoryStore>>,
+    /// The Redis store, when in use, for its breaker state.
+    pub redis: Option<Arc<RedisStore>>,
     /// Set once the gRPC server accepts requests.
     pub ready: AtomicBool,
 }
@@ -58,6 +60,9 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     if let Some(memory) = &state.memory {
         let (idle, capacity) = memory.evictions();
         metrics::memory_store(memory.len(), memory.max_buckets(), idle, capacity);
+    }
+    if let Some(redis) = &state.redis {
+        metrics::breaker_state("redis", redis.breaker_state() as u8);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

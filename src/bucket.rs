@@ -173,6 +173,20 @@ impl Limit {
     pub fn tolerance(&self) -> Micros {
         self.burst * self.interval
     }
+
+    /// This limit shrunk to `fraction` (0 < fraction < 1) of its burst and
+    /// rate, rounding the burst up to at least 1 and the interval up; any
+    /// other fraction leaves it unchanged. Used by the local fallback, where
+    /// each instance may hold only its share of a shared limit.
+    pub fn scaled(&self, fraction: f64) -> Self {
+        if !(fraction > 0.0 && fraction < 1.0) {
+            return *self;
+        }
+        let burst = ((self.burst as f64 * fraction).ceil() as u64).max(1);
+        let interval =
+            ((self.interval as f64 / fraction).ceil() as u64).clamp(1, MAX_TOLERANCE / burst);
+        Self { burst, interval }
+    }
 }
 
 /// What a store keeps per bucket. A bucket with no state is full.

@@ -51,9 +51,34 @@ pub struct ServeArgs {
     /// The limits table.
     #[command(flatten)]
     pub limits: LimitsLocation,
-    /// Where bucket state lives: `memory` (in this process).
-    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
+    /// Where bucket state lives: `memory` (in this process),
+    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS), or
+    /// `redis-cluster://[user:password@]host:port,host:port,…`.
+    #[arg(
+        long,
+        env = "TOLLGATE_STORE",
+        default_value = "memory",
+        hide_env_values = true
+    )]
     pub store: String,
+    /// Prefix of every Redis key.
+    #[arg(long, env = "TOLLGATE_REDIS_PREFIX", default_value = "tollgate:")]
+    pub redis_prefix: String,
+    /// Longest wait for one store call before the rule's store-unavailable
+    /// policy decides instead.
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+    /// Consecutive store failures that open the circuit breaker.
+    #[arg(long, env = "TOLLGATE_BREAKER_THRESHOLD", default_value_t = 5)]
+    pub breaker_threshold: u32,
+    /// How long the open breaker skips the store before probing it again.
+    #[arg(long, env = "TOLLGATE_BREAKER_COOLDOWN", default_value = "1s", value_parser = parse_duration)]
+    pub breaker_cooldown: Duration,
+    /// While the store is down, the share of each limit that a rule with
+    /// on_store_unavailable=local allows in this instance (e.g. 0.34 with
+    /// three instances).
+    #[arg(long, env = "TOLLGATE_LOCAL_FRACTION", default_value_t = 1.0, value_parser = parse_fraction)]
+    pub local_fraction: f64,
     /// How often the limits table is re-read (e.g. 1s, 500ms).
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reload_interval: Duration,
@@ -80,6 +105,11 @@ impl ServeArgs {
             reload_interval: self.reload_interval,
             max_buckets: self.max_buckets,
             unmatched: self.unmatched,
+            redis_prefix: self.redis_prefix.clone(),
+            store_timeout: self.store_timeout,
+            breaker_threshold: self.breaker_threshold,
+            breaker_cooldown: self.breaker_cooldown,
+            local_fraction: self.local_fraction,
             ..ServeConfig::default()
         })
     }
@@ -180,6 +210,16 @@ pub struct CheckArgs {
     /// Ask this many times in a row, one line each.
     #[arg(long, default_value_t = 1)]
     pub repeat: u32,
+}
+
+/// Parses a fraction in (0, 1].
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!(
+            "{s:?} must be a number greater than 0 and at most 1"
+        )),
+    }
 }
 
 /// Parses `1s`, `250ms`, `2m`, `1h`.

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use crate::bucket::{Charge, Micros, Verdict};
 use crate::limits::watch::LiveLimits;
-use crate::limits::{Mode, Rule, Scope, check_label};
-use crate::store::{BucketKey, Store, StoreError};
+use crate::limits::{Mode, OnStoreUnavailable, Rule, Scope, check_label};
+use crate::store::{BucketKey, MemoryStore, Outcome, Store, StoreError};
 
 /// Longest key, in bytes.
 pub const MAX_KEY_LEN: usize = 256;
@@ -98,6 +98,9 @@ pub struct Decision {
     pub reset_after: Micros,
     /// The rule of the tightest bucket; `None` when no rule applied.
     pub rule: Option<Arc<Rule>>,
+    /// Set when the store was unavailable and the decision followed the
+    /// deciding rule's store-unavailable policy instead.
+    pub degraded: Option<OnStoreUnavailable>,
 }
 
 /// The decision for a set of items decided together.
@@ -111,11 +114,24 @@ pub struct BatchDecision {
     pub items: Vec<Decision>,
 }
 
+/// How to decide while the shared store is unavailable; see
+/// [`OnStoreUnavailable`] for the per-rule choice.
+pub struct Fallback {
+    /// In-process buckets for rules whose policy is `local`.
+    pub local: Arc<MemoryStore>,
+    /// The share of each limit a `local` rule allows in one instance, in
+    /// (0, 1]; for example 1/N with N instances sharing the limit.
+    pub local_fraction: f64,
+    /// The `retry_after` of a request refused because its rule fails closed.
+    pub deny_retry_after: Micros,
+}
+
 /// Decides requests against the rules in force, using one store.
 pub struct Limiter {
     limits: Arc<LiveLimits>,
     store: Arc<dyn Store>,
     unmatched: Unmatched,
+    fallback: Option<Fallback>,
 }
 
 /// Which charge and rule an item touches.
@@ -132,7 +148,15 @@ impl Limiter {
             limits,
             store,
             unmatched,
+            fallback: None,
         }
+    }
+
+    /// Decides by each rule's store-unavailable policy when the store fails
+    /// with a transient error. Without a fallback such failures are errors.
+    pub fn with_fallback(mut self, fallback: Fallback) -> Self {
+        self.fallback = Some(fallback);
+        self
     }
 
     /// The rules in force.
@@ -192,6 +216,7 @@ impl Limiter {
         let mut buckets: Vec<BucketKey> = Vec::new();
         let mut charges: Vec<Charge> = Vec::new();
         let mut touches: Vec<Touch> = Vec::new();
+        let mut charge_rules: Vec<Arc<Rule>> = Vec::new();
         let mut index: HashMap<BucketKey, usize> = HashMap::new();
         for (i, item) in items.iter().enumerate() {
             let cost = item.cost.max(1);
@@ -238,6 +263,7 @@ impl Limiter {
                             cost,
                             enforce,
                         });
+                        charge_rules.push(rule.clone());
                         charges.len() - 1
                     }
                 };
@@ -255,10 +281,21 @@ impl Limiter {
             }
         }
 
-        let plan = if charges.is_empty() {
-            None
+        let (plan, degraded) = if charges.is_empty() {
+            (None, false)
         } else {
-            Some(self.store.apply(&buckets, &charges, !dry_run).await?)
+            match (
+                self.store.apply(&buckets, &charges, !dry_run).await,
+                &self.fallback,
+            ) {
+                (Ok(outcome), _) => (Some(outcome), false),
+                (Err(err), Some(fallback)) if err.is_transient() => {
+                    tracing::debug!(error = %err, "store unavailable; deciding by each rule's policy");
+                    let outcome = degrade(fallback, &buckets, &charges, &charge_rules, !dry_run);
+                    (Some(outcome), true)
+                }
+                (Err(err), _) => return Err(err.into()),
+            }
         };
         let mut decisions: Vec<Decision> = (0..items.len())
             .map(|_| Decision {
@@ -268,10 +305,16 @@ impl Limiter {
                 retry_after: 0,
                 reset_after: 0,
                 rule: None,
+                degraded: None,
             })
             .collect();
         if let Some(plan) = &plan {
             summarise(&mut decisions, &touches, &charges, &plan.verdicts);
+        }
+        if degraded {
+            for d in &mut decisions {
+                d.degraded = d.rule.as_ref().map(|r| r.on_store_unavailable);
+            }
         }
         let allowed = plan.as_ref().is_none_or(|p| p.allowed);
         let retry_after = decisions.iter().map(|d| d.retry_after).max().unwrap_or(0);
@@ -281,6 +324,75 @@ impl Limiter {
             items: decisions,
         })
     }
+}
+
+/// Decides without the shared store, by each charge's rule: `allow` admits
+/// (reporting the bucket as if full before this request), `deny` rejects
+/// enforced charges, `local` decides with in-process buckets scaled to the
+/// configured fraction. Still all-or-nothing: local buckets are spent only
+/// when no enforced charge is denied.
+fn degrade(
+    fallback: &Fallback,
+    buckets: &[BucketKey],
+    charges: &[Charge],
+    rules: &[Arc<Rule>],
+    spend: bool,
+) -> Outcome {
+    let mut verdicts = Vec::with_capacity(charges.len());
+    let mut local = Vec::new();
+    let mut denied = false;
+    for (i, (charge, rule)) in charges.iter().zip(rules).enumerate() {
+        let verdict = match rule.on_store_unavailable {
+            OnStoreUnavailable::Allow => Verdict {
+                allowed: true,
+                remaining: charge.limit.burst().saturating_sub(charge.cost),
+                retry_after: 0,
+                reset_after: charge.cost * charge.limit.interval(),
+            },
+            OnStoreUnavailable::Deny => {
+                denied |= charge.enforce;
+                Verdict {
+                    allowed: false,
+                    remaining: 0,
+                    retry_after: fallback.deny_retry_after,
+                    reset_after: 0,
+                }
+            }
+            OnStoreUnavailable::Local => {
+                local.push(i);
+                Verdict {
+                    allowed: true,
+                    remaining: 0,
+                    retry_after: 0,
+                    reset_after: 0,
+                }
+            }
+        };
+        verdicts.push(verdict);
+    }
+    let mut allowed = !denied;
+    if !local.is_empty() {
+        let local_buckets: Vec<BucketKey> = local.iter().map(|&i| buckets[i].clone()).collect();
+        let local_charges: Vec<Charge> = local
+            .iter()
+            .map(|&i| {
+                let limit = charges[i].limit.scaled(fallback.local_fraction);
+                Charge {
+                    limit,
+                    cost: charges[i].cost.min(limit.burst()),
+                    enforce: charges[i].enforce,
+                }
+            })
+            .collect();
+        let plan = fallback
+            .local
+            .apply_now(&local_buckets, &local_charges, spend && !denied);
+        allowed &= plan.allowed;
+        for (&i, verdict) in local.iter().zip(plan.verdicts) {
+            verdicts[i] = verdict;
+        }
+    }
+    Outcome { allowed, verdicts }
 }
 
 /// Fills each item's decision from the verdicts of the buckets it touched:

@@ -16,10 +16,13 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::admin::{self, AdminState};
 use crate::clock::Clock;
 use crate::grpc::{RateLimiterServer, RateLimiterService, proto};
+use crate::limiter::Fallback;
 use crate::limiter::{Limiter, Unmatched};
 use crate::limits::table::{LimitsTable, TableError};
 use crate::limits::watch::{LiveLimits, LoadError, watch as watch_limits};
-use crate::store::{MemoryStore, Store};
+use crate::store::{MemoryStore, RedisConfig, RedisStore, Store, StoreError, redact};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
 
 /// Largest accepted gRPC message: a full batch of maximal items fits.
 pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
@@ -29,31 +32,32 @@ pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 pub enum StoreSpec {
     /// In this process.
     Memory,
+    /// In Redis or a Redis Cluster, at this URL.
+    Redis(String),
 }
 
 impl std::str::FromStr for StoreSpec {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "memory" => Ok(Self::Memory),
-            other => Err(format!(
-                "store {:?} is not supported by this build; use `memory` (the in-process store)",
-                redact(other)
-            )),
+        if s == "memory" {
+            return Ok(Self::Memory);
         }
+        let config = RedisConfig::new(s);
+        config.validate().map_err(|e| {
+            format!("{e}\n(--store takes `memory`, redis://, rediss://, redis-cluster:// or rediss-cluster://)")
+        })?;
+        Ok(Self::Redis(s.to_owned()))
     }
 }
 
-/// Hides a password in a URL (`redis://:secret@host` → `redis://:***@host`).
-pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+impl StoreSpec {
+    /// For logs: the kind, or the URL with its password hidden.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Memory => "memory".into(),
+            Self::Redis(url) => redact(url),
         }
-        _ => url.to_owned(),
     }
 }
 
@@ -68,10 +72,25 @@ pub struct ServeConfig {
     pub reload_interval: Duration,
     /// How often idle in-memory buckets are dropped.
     pub sweep_interval: Duration,
-    /// The cap on in-memory buckets.
+    /// The cap on in-memory buckets (also for the local fallback).
     pub max_buckets: usize,
     /// What to do with requests no rule applies to.
     pub unmatched: Unmatched,
+    /// Prefix of every Redis key.
+    pub redis_prefix: String,
+    /// Longest wait for one store call.
+    pub store_timeout: Duration,
+    /// Consecutive store failures that open the circuit breaker.
+    pub breaker_threshold: u32,
+    /// How long the breaker stays open before probing again; also the
+    /// `retry_after` of requests refused by a fail-closed rule.
+    pub breaker_cooldown: Duration,
+    /// The share of each limit a `local` rule allows per instance while the
+    /// store is down, in (0, 1].
+    pub local_fraction: f64,
+    /// Use the given clock for Redis decisions instead of Redis's own `TIME`
+    /// (for tests that control time).
+    pub redis_uses_clock: bool,
 }
 
 impl Default for ServeConfig {
@@ -83,6 +102,12 @@ impl Default for ServeConfig {
             sweep_interval: Duration::from_secs(10),
             max_buckets: 1_000_000,
             unmatched: Unmatched::Allow,
+            redis_prefix: "tollgate:".into(),
+            store_timeout: Duration::from_millis(100),
+            breaker_threshold: 5,
+            breaker_cooldown: Duration::from_secs(1),
+            local_fraction: 1.0,
+            redis_uses_clock: false,
         }
     }
 }
@@ -120,6 +145,9 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    /// The store could not be set up.
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 /// Serves gRPC and admin HTTP until `shutdown` completes, then stops
@@ -133,13 +161,33 @@ pub async fn run(
     crate::telemetry::metrics::handle(); // install the recorder before the first count
     let table = LimitsTable::open(&config.limits).await?;
     let limits = Arc::new(LiveLimits::load(&table).await?);
-    let (memory, store): (Option<Arc<MemoryStore>>, Arc<dyn Store>) = match config.store {
-        StoreSpec::Memory => {
-            let memory = Arc::new(MemoryStore::new(clock.clone(), config.max_buckets));
-            (Some(memory.clone()), memory)
+    // The in-process store: the store itself, or the fallback for rules
+    // that decide locally while Redis is down.
+    let memory = Arc::new(MemoryStore::new(clock.clone(), config.max_buckets));
+    let (store, redis): (Arc<dyn Store>, Option<Arc<RedisStore>>) = match &config.store {
+        StoreSpec::Memory => (memory.clone(), None),
+        StoreSpec::Redis(url) => {
+            let redis_config = RedisConfig {
+                prefix: config.redis_prefix.clone(),
+                timeout: config.store_timeout,
+                breaker_threshold: config.breaker_threshold,
+                breaker_cooldown: config.breaker_cooldown,
+                ..RedisConfig::new(url.clone())
+            };
+            let pinned = config.redis_uses_clock.then(|| clock.clone());
+            let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
+            (redis.clone(), Some(redis))
         }
     };
-    let limiter = Arc::new(Limiter::new(limits.clone(), store, config.unmatched));
+    let mut limiter = Limiter::new(limits.clone(), store.clone(), config.unmatched);
+    if redis.is_some() {
+        limiter = limiter.with_fallback(Fallback {
+            local: memory.clone(),
+            local_fraction: config.local_fraction,
+            deny_retry_after: config.breaker_cooldown.as_micros() as u64,
+        });
+    }
+    let limiter = Arc::new(limiter);
 
     // Every task stops when `shutdown` completes, or when the gRPC server
     // itself ends.
@@ -163,9 +211,8 @@ pub async fn run(
         config.reload_interval,
         stopped(),
     ));
-    let sweeper = memory.clone().map(|memory| {
-        let stop = stopped();
-        let every = config.sweep_interval;
+    let sweeper = {
+        let (memory, stop, every) = (memory.clone(), stopped(), config.sweep_interval);
         tokio::spawn(async move {
             tokio::pin!(stop);
             let mut tick = tokio::time::interval(every);
@@ -176,23 +223,35 @@ pub async fn run(
                 }
             }
         })
-    });
+    };
 
     let grpc_addr = listeners.grpc.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
     let admin_state = Arc::new(AdminState {
         limiter: limiter.clone(),
-        memory,
+        memory: Some(memory),
+        redis,
         ready: false.into(),
     });
     let admin_server = axum::serve(listeners.admin, admin::router(admin_state.clone()))
         .with_graceful_shutdown(stopped());
     let admin_task = tokio::spawn(async move { admin_server.await });
 
+    // Not ready (health NOT_SERVING, /readyz 503) until the store answers;
+    // a Redis that is down at start-up is retried with backoff meanwhile.
     let (health, health_service) = tonic_health::server::health_reporter();
     health
-        .set_serving::<RateLimiterServer<RateLimiterService>>()
+        .set_service_status("", ServingStatus::NotServing)
         .await;
+    health
+        .set_not_serving::<RateLimiterServer<RateLimiterService>>()
+        .await;
+    let readiness = tokio::spawn(become_ready(
+        store,
+        health.clone(),
+        admin_state.clone(),
+        stopped(),
+    ));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -204,11 +263,10 @@ pub async fn run(
     tracing::info!(
         grpc = %grpc_addr,
         admin = %admin_addr,
-        store = limiter_store_kind(&config.store),
+        store = %config.store.describe(),
         limits = %table.location(),
         "tollgate listening"
     );
-    admin_state.ready.store(true, Ordering::Release);
     let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(health_service)
@@ -224,16 +282,44 @@ pub async fn run(
 
     let _ = admin_task.await;
     let _ = watcher.await;
-    if let Some(sweeper) = sweeper {
-        let _ = sweeper.await;
-    }
+    let _ = sweeper.await;
+    let _ = readiness.await;
     table.close().await;
     tracing::info!("tollgate stopped");
     served.map_err(Into::into)
 }
 
-fn limiter_store_kind(spec: &StoreSpec) -> &'static str {
-    match spec {
-        StoreSpec::Memory => "memory",
+/// Pings the store until it answers (backing off from 100 ms to 5 s), then
+/// reports the service ready.
+async fn become_ready(
+    store: Arc<dyn Store>,
+    health: HealthReporter,
+    admin: Arc<AdminState>,
+    stop: impl Future<Output = ()>,
+) {
+    tokio::pin!(stop);
+    let mut backoff = Duration::from_millis(100);
+    let mut attempts = 0u32;
+    loop {
+        match store.ping().await {
+            Ok(()) => break,
+            Err(err) => {
+                attempts += 1;
+                if attempts == 1 || attempts.is_power_of_two() {
+                    tracing::warn!(error = %err, attempts, "store not reachable yet; not ready, retrying");
+                }
+            }
+        }
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+    health.set_service_status("", ServingStatus::Serving).await;
+    health
+        .set_serving::<RateLimiterServer<RateLimiterService>>()
+        .await;
+    admin.ready.store(true, Ordering::Release);
+    tracing::info!(store = store.kind(), "store answered; ready");
 }

@@ -131,16 +131,19 @@ fn first_five_minutes() {
 }
 
 #[test]
-fn serve_refuses_an_invalid_table_at_start_up_and_an_unknown_store() {
+fn serve_refuses_a_bad_store_url_or_limits_path_without_printing_passwords() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path();
     let out = tollgate(
         path,
-        &["serve", "--store", "redis://:hunter2@127.0.0.1:6379"],
+        &["serve", "--store", "mongodb://:hunter2@127.0.0.1:27017"],
     );
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("redis://:***@127.0.0.1:6379"), "{stderr}");
+    assert!(
+        stderr.contains("mongodb://:***@127.0.0.1:27017"),
+        "{stderr}"
+    );
     assert!(
         !stderr.contains("hunter2"),
         "the password must not be printed: {stderr}"

@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 
 use crate::bucket::Micros;
 use crate::limiter::{Decision, Item, Limiter};
+use crate::limits::OnStoreUnavailable;
 use crate::telemetry::metrics::{self, Outcome};
 
 /// Code generated from `proto/`.
@@ -109,11 +110,24 @@ impl RateLimiter for RateLimiterService {
     }
 }
 
+fn degraded(decision: &Decision) -> proto::v1::Degraded {
+    use proto::v1::Degraded;
+    match decision.degraded {
+        None => Degraded::None,
+        Some(OnStoreUnavailable::Allow) => Degraded::FailedOpen,
+        Some(OnStoreUnavailable::Deny) => Degraded::FailedClosed,
+        Some(OnStoreUnavailable::Local) => Degraded::Local,
+    }
+}
+
 fn record(decision: &Decision, cost: u64) {
-    let outcome = match (decision.allowed, decision.shadow) {
-        (false, _) => Outcome::Rejected,
-        (true, true) => Outcome::ShadowRejected,
-        (true, false) => Outcome::Allowed,
+    let outcome = match (decision.degraded, decision.allowed, decision.shadow) {
+        (Some(OnStoreUnavailable::Allow), ..) => Outcome::FailedOpen,
+        (Some(OnStoreUnavailable::Deny), ..) => Outcome::FailedClosed,
+        (Some(OnStoreUnavailable::Local), ..) => Outcome::LocalFallback,
+        (None, false, _) => Outcome::Rejected,
+        (None, true, true) => Outcome::ShadowRejected,
+        (None, true, false) => Outcome::Allowed,
     };
     let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
     metrics::decision(API, outcome, rule, cost.max(1));
@@ -140,6 +154,7 @@ pub fn to_response(decision: &Decision) -> ShouldAllowResponse {
         shadow: decision.shadow,
         headers: headers(decision, rule.limit.burst()),
         rate: rule.rate.to_string(),
+        degraded: degraded(decision) as i32,
     }
 }
 

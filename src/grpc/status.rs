@@ -7,6 +7,7 @@
 use tonic::Status;
 
 use crate::limiter::DecideError;
+use crate::store::StoreError;
 
 /// Converts a decision error into the status the caller sees.
 pub fn from_decide_error(err: DecideError) -> Status {
@@ -15,6 +16,7 @@ pub fn from_decide_error(err: DecideError) -> Status {
         | DecideError::InvalidBatch(_)
         | DecideError::CostExceedsCapacity { .. } => Status::invalid_argument(err.to_string()),
         DecideError::NoRule { .. } => Status::failed_precondition(err.to_string()),
+        DecideError::Store(StoreError::Unsupported(why)) => Status::invalid_argument(why),
         DecideError::Store(store) => {
             tracing::warn!(error = %store, transient = store.is_transient(), "store call failed");
             Status::unavailable("the rate-limit store is unavailable; retry shortly")

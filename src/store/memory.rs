@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
-use super::{BucketKey, Store, StoreFuture};
+use super::{BucketKey, Outcome, PingFuture, Store, StoreFuture};
 use crate::bucket::{BucketState, Charge, Micros, Plan, plan};
 use crate::clock::Clock;
 
@@ -178,9 +178,15 @@ impl Store for MemoryStore {
         charges: &'a [Charge],
         spend: bool,
     ) -> StoreFuture<'a> {
-        Box::pin(std::future::ready(Ok(
-            self.apply_now(buckets, charges, spend)
-        )))
+        let plan = self.apply_now(buckets, charges, spend);
+        Box::pin(std::future::ready(Ok(Outcome {
+            allowed: plan.allowed,
+            verdicts: plan.verdicts,
+        })))
+    }
+
+    fn ping(&self) -> PingFuture<'_> {
+        Box::pin(std::future::ready(Ok(())))
     }
 
     fn kind(&self) -> &'static str {

@@ -6,15 +6,18 @@
 //! clock its buckets are measured by. One contract suite
 //! (`tests/store_contract.rs`) runs against every implementation.
 
+pub mod breaker;
 pub mod memory;
+pub mod redis;
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::bucket::{Charge, Plan};
+use crate::bucket::{Charge, Verdict};
 
 pub use memory::MemoryStore;
+pub use redis::{RedisConfig, RedisStore};
 
 /// The name of one bucket: tenant, scope, resource and key, rendered as
 /// `tenant:scope:resource:key`. Tenants and resources cannot contain `:`,
@@ -57,6 +60,13 @@ impl fmt::Debug for BucketKey {
 /// A store failure. Details are logged by the caller, never sent to clients.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// The store's configuration is unusable.
+    #[error("store configuration: {0}")]
+    Config(String),
+    /// The store cannot do what this request asks (for example, span two
+    /// Redis Cluster slots); the caller must change the request.
+    #[error("{0}")]
+    Unsupported(String),
     /// The store could not be reached or did not answer in time; a retry
     /// may succeed.
     #[error("store unavailable: {0}")]
@@ -73,8 +83,34 @@ impl StoreError {
     }
 }
 
+/// What a store answers for one atomic decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Every enforced charge admitted its cost (and, unless a dry run, every
+    /// admitting charge was spent).
+    pub allowed: bool,
+    /// One verdict per charge, in order.
+    pub verdicts: Vec<Verdict>,
+}
+
 /// A boxed future, so that stores can be chosen at run time.
-pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Result<Plan, StoreError>> + Send + 'a>>;
+pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Result<Outcome, StoreError>> + Send + 'a>>;
+
+/// The future of [`Store::ping`].
+pub type PingFuture<'a> = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>>;
+
+/// Hides a password in a URL (`redis://:secret@host` → `redis://:***@host`),
+/// so that URLs can be logged.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
 
 /// Applies decisions to buckets atomically.
 pub trait Store: Send + Sync + 'static {
@@ -87,6 +123,9 @@ pub trait Store: Send + Sync + 'static {
         charges: &'a [Charge],
         spend: bool,
     ) -> StoreFuture<'a>;
+
+    /// Checks that the store answers.
+    fn ping(&self) -> PingFuture<'_>;
 
     /// A short name for logs and metrics: `memory`, `redis`, ...
     fn kind(&self) -> &'static str;

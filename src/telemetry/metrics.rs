@@ -32,7 +32,13 @@ pub enum Outcome {
     Rejected,
     /// Admitted, but a shadow rule would have rejected.
     ShadowRejected,
-    /// Refused as invalid.
+    /// The store was down; the rule fails open.
+    FailedOpen,
+    /// The store was down; the rule fails closed.
+    FailedClosed,
+    /// The store was down; decided with in-process buckets.
+    LocalFallback,
+    /// Refused as invalid, or the store failed with no fallback.
     Error,
 }
 
@@ -42,6 +48,9 @@ impl Outcome {
             Self::Allowed => "allowed",
             Self::Rejected => "rejected",
             Self::ShadowRejected => "shadow_rejected",
+            Self::FailedOpen => "failed_open",
+            Self::FailedClosed => "failed_closed",
+            Self::LocalFallback => "local_fallback",
             Self::Error => "error",
         }
     }
@@ -97,4 +106,26 @@ pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capac
     gauge!(BUCKETS_MAX).set(max as f64);
     counter!(EVICTIONS, "reason" => "idle").absolute(evicted_idle);
     counter!(EVICTIONS, "reason" => "capacity").absolute(evicted_capacity);
+}
+
+/// Store call latency, by `store` and `op`.
+pub const STORE_DURATION: &str = "tollgate_store_duration_seconds";
+/// Store errors, by `store` and `kind`.
+pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
+/// Circuit breaker state by `store`: 0 closed, 1 open, 2 half-open.
+pub const BREAKER_STATE: &str = "tollgate_store_circuit_state";
+
+/// Records one store call's duration.
+pub fn store_call(store: &'static str, op: &'static str, took: std::time::Duration) {
+    metrics::histogram!(STORE_DURATION, "store" => store, "op" => op).record(took.as_secs_f64());
+}
+
+/// Counts a store error.
+pub fn store_error(store: &'static str, kind: &'static str) {
+    counter!(STORE_ERRORS, "store" => store, "kind" => kind).increment(1);
+}
+
+/// Publishes the circuit breaker's state.
+pub fn breaker_state(store: &'static str, state: u8) {
+    gauge!(BREAKER_STATE, "store" => store).set(f64::from(state));
 }

@@ -1,0 +1,405 @@
+//! The Redis store: one truth across instances.
+//!
+//! Every decision is one `EVALSHA` of `lua/token_bucket.lua`, which reads,
+//! decides and writes all of the request's buckets atomically; `NOSCRIPT`
+//! (after a restart or failover) is answered by loading the script and
+//! retrying, transparently. Connections are multiplexed: concurrent
+//! decisions are pipelined on one connection per Redis node.
+//!
+//! Key format: `PREFIX{TENANT}:SCOPE:RESOURCE:KEY`, for example
+//! `tollgate:{acme}:k::alice` (per-key bucket, any resource) or
+//! `tollgate:{acme}:t:exports:` (the tenant's ceiling on exports). The
+//! default tenant (`''`) is written `{@default}`; `@` cannot occur in tenant
+//! names. The hash tag is the tenant, so all of a request's buckets live in
+//! one Redis Cluster slot. A batch whose items belong to different tenants
+//! spans slots and is refused on a cluster (it works on a single Redis).
+//!
+//! Time comes from Redis's own clock (`TIME`, read inside the script), so
+//! instances with skewed clocks agree. Tests can pin it with a [`Clock`].
+//!
+//! Every call has a timeout, and a [`Breaker`] stops calling a Redis that
+//! keeps failing; the limiter then applies each rule's store-unavailable
+//! policy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use tokio::sync::OnceCell;
+
+use super::breaker::{Breaker, BreakerState};
+use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
+use crate::bucket::{Charge, Micros, Verdict};
+use crate::clock::Clock;
+use crate::telemetry::metrics;
+
+/// The decision script.
+pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+
+/// How to reach Redis and how patient to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS), or
+    /// `redis-cluster://[user:password@]host:port,host:port,…` (also
+    /// `rediss-cluster://`).
+    pub url: String,
+    /// Prefix of every key.
+    pub prefix: String,
+    /// Longest wait for one store call.
+    pub timeout: Duration,
+    /// Consecutive failures that open the circuit breaker.
+    pub breaker_threshold: u32,
+    /// How long the breaker stays open before probing.
+    pub breaker_cooldown: Duration,
+    /// Added to each bucket's expiry, past the moment it is full again.
+    pub expiry_margin: Duration,
+}
+
+impl RedisConfig {
+    /// Defaults for `url`: prefix `tollgate:`, 100 ms timeout, breaker
+    /// opening after 5 failures for 1 s, 1 s expiry margin.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            prefix: "tollgate:".into(),
+            timeout: Duration::from_millis(100),
+            breaker_threshold: 5,
+            breaker_cooldown: Duration::from_secs(1),
+            expiry_margin: Duration::from_secs(1),
+        }
+    }
+
+    /// True for a Redis Cluster URL.
+    pub fn is_cluster(&self) -> bool {
+        self.url.starts_with("redis-cluster://") || self.url.starts_with("rediss-cluster://")
+    }
+
+    /// The URL with any password hidden, for logs.
+    pub fn redacted_url(&self) -> String {
+        redact(&self.url)
+    }
+
+    /// Checks the URL's form without connecting.
+    pub fn validate(&self) -> Result<(), String> {
+        self.topology().map(|_| ())
+    }
+
+    fn topology(&self) -> Result<Topology, String> {
+        let bad = |why: &str| format!("store URL {:?}: {why}", self.redacted_url());
+        if let Some((scheme, rest)) = self
+            .url
+            .strip_prefix("redis-cluster://")
+            .map(|r| ("redis", r))
+            .or_else(|| {
+                self.url
+                    .strip_prefix("rediss-cluster://")
+                    .map(|r| ("rediss", r))
+            })
+        {
+            let (auth, hosts) = match rest.rsplit_once('@') {
+                Some((auth, hosts)) => (format!("{auth}@"), hosts),
+                None => (String::new(), rest),
+            };
+            let nodes: Vec<String> = hosts
+                .trim_end_matches('/')
+                .split(',')
+                .filter(|h| !h.is_empty())
+                .map(|h| format!("{scheme}://{auth}{h}"))
+                .collect();
+            if nodes.is_empty() {
+                return Err(bad("name at least one host:port after redis-cluster://"));
+            }
+            for node in &nodes {
+                redis::parse_redis_url(node).ok_or_else(|| bad("a node is not host:port"))?;
+            }
+            return Ok(Topology::Cluster(nodes));
+        }
+        if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
+            redis::parse_redis_url(&self.url).ok_or_else(|| bad("not a valid redis:// URL"))?;
+            return Ok(Topology::Standalone(self.url.clone()));
+        }
+        Err(bad(
+            "use redis://, rediss://, redis-cluster:// or rediss-cluster://",
+        ))
+    }
+}
+
+enum Topology {
+    Standalone(String),
+    Cluster(Vec<String>),
+}
+
+enum Connection {
+    Standalone(ConnectionManager),
+    /// Connected on first use (and retried on each call until it works), so
+    /// the server can start before the cluster is reachable.
+    Cluster(ClusterClient, Arc<OnceCell<ClusterConnection>>),
+}
+
+/// Buckets in Redis or a Redis Cluster.
+pub struct RedisStore {
+    connection: Connection,
+    script: redis::Script,
+    config: RedisConfig,
+    clock: Option<Arc<dyn Clock>>,
+    breaker: Breaker,
+}
+
+impl RedisStore {
+    /// A store for `config`. Does not connect: the first call does, so the
+    /// service can start while Redis is still unreachable. `clock` pins the
+    /// time for tests; `None` uses Redis's own clock.
+    pub fn new(config: RedisConfig, clock: Option<Arc<dyn Clock>>) -> Result<Self, StoreError> {
+        let connection = match config.topology().map_err(StoreError::Config)? {
+            Topology::Standalone(url) => {
+                let client = redis::Client::open(url.as_str())
+                    .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
+                let manager_config = redis::aio::ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(config.timeout))
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(config.timeout);
+                let manager = ConnectionManager::new_lazy_with_config(client, manager_config)
+                    .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
+                Connection::Standalone(manager)
+            }
+            Topology::Cluster(nodes) => {
+                let client = ClusterClient::builder(nodes)
+                    .connection_timeout(config.timeout)
+                    .response_timeout(config.timeout)
+                    .retries(2)
+                    .build()
+                    .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
+                Connection::Cluster(client, Arc::new(OnceCell::new()))
+            }
+        };
+        Ok(Self {
+            connection,
+            script: redis::Script::new(TOKEN_BUCKET_LUA),
+            breaker: Breaker::new(config.breaker_threshold, config.breaker_cooldown),
+            config,
+            clock,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
+    /// The circuit breaker's state.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.state()
+    }
+
+    /// The Redis key of a bucket (see the module docs).
+    pub fn redis_key(&self, bucket: &BucketKey) -> String {
+        let (tenant, rest) = bucket
+            .as_str()
+            .split_once(':')
+            .unwrap_or((bucket.as_str(), ""));
+        let tag = if tenant.is_empty() {
+            "@default"
+        } else {
+            tenant
+        };
+        format!("{}{{{tag}}}:{rest}", self.config.prefix)
+    }
+
+    /// Sends PING (through the breaker and timeout).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.call("ping", |mut conn| async move {
+            redis::cmd("PING")
+                .query_async::<String>(&mut conn)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Runs `op` on a connection with the breaker, the timeout and metrics.
+    async fn call<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(AnyConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        if self.breaker.admit().is_err() {
+            metrics::store_error("redis", "circuit_open");
+            return Err(StoreError::Unavailable("circuit breaker open".into()));
+        }
+        let started = tokio::time::Instant::now();
+        let result = tokio::time::timeout(self.config.timeout, async {
+            let conn = self.connection().await?;
+            f(conn).await
+        })
+        .await;
+        metrics::store_call("redis", op, started.elapsed());
+        let err = match result {
+            Ok(Ok(value)) => {
+                self.breaker.success();
+                return Ok(value);
+            }
+            Ok(Err(e)) => {
+                metrics::store_error("redis", error_kind(&e));
+                StoreError::Unavailable(e.to_string())
+            }
+            Err(_) => {
+                metrics::store_error("redis", "timeout");
+                StoreError::Unavailable(format!("no answer within {:?}", self.config.timeout))
+            }
+        };
+        self.breaker.failure();
+        Err(err)
+    }
+
+    async fn connection(&self) -> redis::RedisResult<AnyConnection> {
+        match &self.connection {
+            Connection::Standalone(manager) => Ok(AnyConnection::Standalone(manager.clone())),
+            Connection::Cluster(client, cell) => {
+                let conn = cell
+                    .get_or_try_init(|| client.get_async_connection())
+                    .await?;
+                Ok(AnyConnection::Cluster(conn.clone()))
+            }
+        }
+    }
+
+    async fn decide(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        spend: bool,
+    ) -> Result<Outcome, StoreError> {
+        let keys: Vec<String> = buckets.iter().map(|b| self.redis_key(b)).collect();
+        if matches!(self.connection, Connection::Cluster(..)) {
+            let tenant = buckets[0].tenant();
+            if let Some(other) = buckets.iter().find(|b| b.tenant() != tenant) {
+                return Err(StoreError::Unsupported(format!(
+                    "on a Redis Cluster one call can only touch one tenant's buckets, \
+                     but this one touches tenants {tenant:?} and {:?}; send them in separate calls",
+                    other.tenant()
+                )));
+            }
+        }
+        let mut invocation = self.script.prepare_invoke();
+        for key in &keys {
+            invocation.key(key);
+        }
+        let now = self
+            .clock
+            .as_ref()
+            .map(|c| c.now().to_string())
+            .unwrap_or_default();
+        invocation
+            .arg(now)
+            .arg(if spend { "1" } else { "0" })
+            .arg(self.config.expiry_margin.as_millis() as u64);
+        for c in charges {
+            invocation
+                .arg(c.limit.interval())
+                .arg(c.limit.burst())
+                .arg(c.cost)
+                .arg(if c.enforce { "1" } else { "0" });
+        }
+        let reply: Vec<i64> = self
+            .call("decide", |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        parse_reply(&reply, charges.len())
+    }
+}
+
+/// Either kind of connection, as one `ConnectionLike`.
+#[derive(Clone)]
+enum AnyConnection {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for AnyConnection {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Self::Standalone(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Self::Standalone(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+fn error_kind(e: &redis::RedisError) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connection_refusal() {
+        "connection_refused"
+    } else if e.is_io_error() || e.is_connection_dropped() {
+        "io"
+    } else {
+        "server"
+    }
+}
+
+fn parse_reply(reply: &[i64], n: usize) -> Result<Outcome, StoreError> {
+    if reply.len() != 2 + 4 * n {
+        return Err(StoreError::Protocol(format!(
+            "token_bucket.lua returned {} values for {n} buckets",
+            reply.len()
+        )));
+    }
+    let as_micros = |v: i64| -> Micros { if v < 0 { Micros::MAX } else { v as Micros } };
+    let verdicts = reply[2..]
+        .chunks_exact(4)
+        .map(|v| Verdict {
+            allowed: v[0] == 1,
+            remaining: v[1].max(0) as u64,
+            retry_after: as_micros(v[2]),
+            reset_after: as_micros(v[3]),
+        })
+        .collect();
+    Ok(Outcome {
+        allowed: reply[0] == 1,
+        verdicts,
+    })
+}
+
+impl Store for RedisStore {
+    fn apply<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        spend: bool,
+    ) -> StoreFuture<'a> {
+        Box::pin(self.decide(buckets, charges, spend))
+    }
+
+    fn ping(&self) -> super::PingFuture<'_> {
+        Box::pin(RedisStore::ping(self))
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+}
