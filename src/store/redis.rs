@@ -135,7 +135,7 @@ enum Connection {
     Standalone(ConnectionManager),
     /// Connected on first use (and retried on each call until it works), so
     /// the server can start before the cluster is reachable.
-    Cluster(ClusterClient, Arc<OnceCell<ClusterConnection>>),
+    Cluster(Box<ClusterClient>, Arc<OnceCell<ClusterConnection>>),
 }
 
 /// Buckets in Redis or a Redis Cluster.
@@ -172,7 +172,7 @@ impl RedisStore {
                     .retries(2)
                     .build()
                     .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
-                Connection::Cluster(client, Arc::new(OnceCell::new()))
+                Connection::Cluster(Box::new(client), Arc::new(OnceCell::new()))
             }
         };
         Ok(Self {
