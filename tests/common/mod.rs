@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod process;
+pub mod redis;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

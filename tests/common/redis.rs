@@ -1,0 +1,161 @@
+//! Real `redis-server` processes on loopback: one server, or a 3-node
+//! cluster. Each picks free ports, runs without persistence, and is killed
+//! when dropped.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A port that was free a moment ago (and, for cluster nodes, whose bus
+/// port, +10000, was too).
+pub fn free_port(with_bus: bool) -> u16 {
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if !with_bus || (port < 55535 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok()) {
+            return port;
+        }
+    }
+}
+
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli runs (scripts/test installs redis-tools)");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut server = Self {
+            port: free_port(extra.contains(&"--cluster-enabled")),
+            child: None,
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .current_dir(self.dir.path())
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server runs (scripts/test installs it)");
+        self.child = Some(child);
+        for _ in 0..500 {
+            if redis_cli(self.port, &["PING"]) == "PONG" {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("redis-server on port {} did not answer", self.port);
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().to_owned()
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        Command::new("kill").args([signal, &pid]).status().unwrap();
+    }
+
+    /// SIGSTOP: the server hangs, connections stay open, nothing answers.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT.
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    /// SIGKILL: the server is gone (and with it every key).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Three masters, no replicas, slots spread by `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> Self {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        for _ in 0..1000 {
+            if nodes
+                .iter()
+                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+            {
+                return Self { nodes };
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("the cluster never reached cluster_state:ok");
+    }
+
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        format!("redis-cluster://{}", hosts.join(","))
+    }
+}
