@@ -289,7 +289,7 @@ pub async fn run(
     served.map_err(Into::into)
 }
 
-/// Pings the store until it answers (backing off from 100 ms to 5 s), then
+/// Pings the store until it answers (backing off from 100 ms to 2 s), then
 /// reports the service ready.
 async fn become_ready(
     store: Arc<dyn Store>,
@@ -314,7 +314,7 @@ async fn become_ready(
             _ = &mut stop => return,
             _ = tokio::time::sleep(backoff) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
     health.set_service_status("", ServingStatus::Serving).await;
     health

@@ -75,6 +75,20 @@ impl TestServer {
         unmatched: Unmatched,
         max_buckets: usize,
     ) -> Self {
+        Self::launch(rows, |config| {
+            config.unmatched = unmatched;
+            config.max_buckets = max_buckets;
+        })
+        .await
+    }
+
+    /// A server whose table holds `rows` (or the seeded default), with its
+    /// configuration adjusted by `configure`. Returns once it is listening;
+    /// `wait_ready` waits for the store.
+    pub async fn launch_unready(
+        rows: Option<&[LimitRow]>,
+        configure: impl FnOnce(&mut ServeConfig),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let limits_path = dir.path().join("limits.db").to_str().unwrap().to_owned();
         let table = LimitsTable::open(&limits_path).await.unwrap();
@@ -93,13 +107,12 @@ impl TestServer {
         let grpc = listeners.grpc.local_addr().unwrap();
         let admin = listeners.admin.local_addr().unwrap();
         let clock = Arc::new(ManualClock::new(T0));
-        let config = ServeConfig {
+        let mut config = ServeConfig {
             limits: limits_path.clone(),
             reload_interval: Duration::from_millis(50),
-            max_buckets,
-            unmatched,
             ..ServeConfig::default()
         };
+        configure(&mut config);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(server::run(config, listeners, clock.clone(), async move {
             let _ = stopped.await;
@@ -114,12 +127,25 @@ impl TestServer {
             task: Some(task),
             _dir: dir,
         };
+        // Listening as soon as the admin port answers at all.
+        for _ in 0..500 {
+            if server.http_get("/healthz").await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        server
+    }
+
+    /// As `launch_unready`, then waits until ready.
+    pub async fn launch(rows: Option<&[LimitRow]>, configure: impl FnOnce(&mut ServeConfig)) -> Self {
+        let server = Self::launch_unready(rows, configure).await;
         server.wait_ready().await;
         server
     }
 
-    async fn wait_ready(&self) {
-        for _ in 0..500 {
+    pub async fn wait_ready(&self) {
+        for _ in 0..1500 {
             if matches!(self.http_get("/readyz").await, Ok((200, _))) {
                 return;
             }

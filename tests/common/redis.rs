@@ -39,6 +39,13 @@ impl RedisServer {
         Self::start_with(&[])
     }
 
+    /// A server on a given port (for tests that start Redis late).
+    pub fn start_on(port: u16) -> Self {
+        let mut server = Self { port, child: None, dir: tempfile::tempdir().unwrap(), extra: Vec::new() };
+        server.spawn();
+        server
+    }
+
     pub fn start_with(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut server = Self {

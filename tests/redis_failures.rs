@@ -1,0 +1,171 @@
+//! When Redis fails, the limiter must not become the outage. A real
+//! redis-server is killed, frozen (SIGSTOP) and restarted under a running
+//! Tollgate; each rule's store-unavailable policy decides meanwhile, every
+//! answer arrives before the client's deadline, and the service recovers by
+//! itself.
+
+mod common;
+
+use std::time::Duration;
+
+use common::redis::{RedisServer, free_port};
+use common::{TestServer, row};
+use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::grpc::proto::v1::{Degraded, ShouldAllowRequest, ShouldAllowResponse};
+use tollgate::limits::LimitRow;
+use tollgate::server::StoreSpec;
+use tonic::transport::Channel;
+
+/// Every call must be answered within this deadline, far above the 100 ms
+/// store timeout: a hung Redis must never hang the caller.
+const DEADLINE: Duration = Duration::from_secs(3);
+
+fn rules() -> Vec<LimitRow> {
+    let with = |mut r: LimitRow, policy: &str| {
+        r.on_store_unavailable = policy.into();
+        r
+    };
+    vec![
+        with(row("open", "open", "", "key", 5, "1/hour"), "allow"),
+        with(row("closed", "closed", "", "key", 5, "1/hour"), "deny"),
+        with(row("local", "local", "", "key", 3, "1/hour"), "local"),
+    ]
+}
+
+async fn start(redis_url: String) -> TestServer {
+    TestServer::launch(Some(&rules()), |c| {
+        c.store = StoreSpec::Redis(redis_url);
+        c.store_timeout = Duration::from_millis(100);
+        c.breaker_threshold = 3;
+        c.breaker_cooldown = Duration::from_millis(300);
+    })
+    .await
+}
+
+async fn decide(client: &mut RateLimiterClient<Channel>, tenant: &str, key: &str) -> ShouldAllowResponse {
+    let mut request = tonic::Request::new(ShouldAllowRequest {
+        key: key.into(),
+        cost: 1,
+        tenant: tenant.into(),
+        resource: String::new(),
+        dry_run: false,
+    });
+    request.set_timeout(DEADLINE);
+    client.should_allow(request).await.expect("answered before the deadline").into_inner()
+}
+
+/// The decisions every policy gives while the store is unreachable.
+async fn assert_degraded_decisions(client: &mut RateLimiterClient<Channel>, key: &str) {
+    for _ in 0..10 {
+        let r = decide(client, "open", key).await;
+        assert!(r.allowed, "fail open admits");
+        assert_eq!(r.degraded(), Degraded::FailedOpen);
+        assert_eq!(r.limit_name, "open");
+
+        let r = decide(client, "closed", key).await;
+        assert!(!r.allowed, "fail closed rejects");
+        assert_eq!(r.degraded(), Degraded::FailedClosed);
+        assert_eq!(common::micros(&r.retry_after), 300_000, "retry after the breaker's cooldown");
+        assert_eq!(r.headers["Retry-After"], "1");
+    }
+    // Local: this instance's own bucket of 3.
+    for i in 0..5 {
+        let r = decide(client, "local", key).await;
+        assert_eq!(r.degraded(), Degraded::Local);
+        assert_eq!(r.allowed, i < 3, "local request {i}");
+        assert_eq!(r.limit, 3);
+    }
+}
+
+/// Polls (bounded) until decisions are made by Redis again.
+async fn wait_recovered(client: &mut RateLimiterClient<Channel>) -> ShouldAllowResponse {
+    for i in 0..200 {
+        let r = decide(client, "open", &format!("recovery-{i}")).await;
+        if r.degraded() == Degraded::None {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the service did not recover after Redis came back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_then_restarted() {
+    let mut redis = RedisServer::start();
+    let server = start(redis.url()).await;
+    let mut client = server.client().await;
+    let r = decide(&mut client, "closed", "before").await;
+    assert!(r.allowed);
+    assert_eq!((r.degraded(), r.remaining), (Degraded::None, 4));
+
+    redis.kill();
+    assert_degraded_decisions(&mut client, "during-kill").await;
+
+    redis.restart();
+    let r = wait_recovered(&mut client).await;
+    assert!(r.allowed);
+    let r = decide(&mut client, "closed", "after").await;
+    assert_eq!((r.allowed, r.degraded(), r.remaining), (true, Degraded::None, 4));
+
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    for outcome in ["failed_open", "failed_closed", "local_fallback"] {
+        assert!(metrics.contains(&format!("outcome=\"{outcome}\"")), "{outcome} counted: {metrics}");
+    }
+    assert!(metrics.contains("tollgate_store_errors_total{store=\"redis\""), "{metrics}");
+    assert!(metrics.contains("tollgate_store_circuit_state{store=\"redis\"} 0"), "closed again: {metrics}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_then_thawed() {
+    let redis = RedisServer::start();
+    let server = start(redis.url()).await;
+    let mut client = server.client().await;
+    assert_eq!(decide(&mut client, "open", "before").await.degraded(), Degraded::None);
+
+    redis.freeze();
+    assert_degraded_decisions(&mut client, "during-freeze").await;
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert!(metrics.contains("tollgate_store_errors_total{store=\"redis\",kind=\"timeout\"}"), "{metrics}");
+
+    redis.thaw();
+    let r = wait_recovered(&mut client).await;
+    assert!(r.allowed);
+    // The bucket written before the freeze is still there.
+    let r = decide(&mut client, "open", "before").await;
+    assert_eq!((r.degraded(), r.remaining), (Degraded::None, 3));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_before_redis_is_reachable_and_becomes_ready_when_it_is() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let port = free_port(false);
+    let server = TestServer::launch_unready(Some(&rules()), |c| {
+        c.store = StoreSpec::Redis(format!("redis://127.0.0.1:{port}"));
+        c.store_timeout = Duration::from_millis(100);
+        c.breaker_cooldown = Duration::from_millis(200);
+    })
+    .await;
+    let mut health = HealthClient::new(server.channel().await);
+    let status = |service: &str| HealthCheckRequest { service: service.into() };
+    assert_eq!(server.http_get("/readyz").await.unwrap().0, 503);
+    for service in ["", "tollgate.v1.RateLimiter"] {
+        let s = health.check(status(service)).await.unwrap().into_inner().status;
+        assert_eq!(s, ServingStatus::NotServing as i32, "{service:?} not serving yet");
+    }
+    // Decisions already work, by policy.
+    let mut client = server.client().await;
+    assert_eq!(decide(&mut client, "open", "early").await.degraded(), Degraded::FailedOpen);
+
+    let _redis = RedisServer::start_on(port);
+    server.wait_ready().await;
+    let s = health.check(status("tollgate.v1.RateLimiter")).await.unwrap().into_inner().status;
+    assert_eq!(s, ServingStatus::Serving as i32);
+    let r = wait_recovered(&mut client).await;
+    assert!(r.allowed);
+    server.stop().await;
+}
