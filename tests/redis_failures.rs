@@ -42,7 +42,11 @@ async fn start(redis_url: String) -> TestServer {
     .await
 }
 
-async fn decide(client: &mut RateLimiterClient<Channel>, tenant: &str, key: &str) -> ShouldAllowResponse {
+async fn decide(
+    client: &mut RateLimiterClient<Channel>,
+    tenant: &str,
+    key: &str,
+) -> ShouldAllowResponse {
     let mut request = tonic::Request::new(ShouldAllowRequest {
         key: key.into(),
         cost: 1,
@@ -51,7 +55,11 @@ async fn decide(client: &mut RateLimiterClient<Channel>, tenant: &str, key: &str
         dry_run: false,
     });
     request.set_timeout(DEADLINE);
-    client.should_allow(request).await.expect("answered before the deadline").into_inner()
+    client
+        .should_allow(request)
+        .await
+        .expect("answered before the deadline")
+        .into_inner()
 }
 
 /// The decisions every policy gives while the store is unreachable.
@@ -65,7 +73,11 @@ async fn assert_degraded_decisions(client: &mut RateLimiterClient<Channel>, key:
         let r = decide(client, "closed", key).await;
         assert!(!r.allowed, "fail closed rejects");
         assert_eq!(r.degraded(), Degraded::FailedClosed);
-        assert_eq!(common::micros(&r.retry_after), 300_000, "retry after the breaker's cooldown");
+        assert_eq!(
+            common::micros(&r.retry_after),
+            300_000,
+            "retry after the breaker's cooldown"
+        );
         assert_eq!(r.headers["Retry-After"], "1");
     }
     // Local: this instance's own bucket of 3.
@@ -105,14 +117,26 @@ async fn redis_killed_then_restarted() {
     let r = wait_recovered(&mut client).await;
     assert!(r.allowed);
     let r = decide(&mut client, "closed", "after").await;
-    assert_eq!((r.allowed, r.degraded(), r.remaining), (true, Degraded::None, 4));
+    assert_eq!(
+        (r.allowed, r.degraded(), r.remaining),
+        (true, Degraded::None, 4)
+    );
 
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
     for outcome in ["failed_open", "failed_closed", "local_fallback"] {
-        assert!(metrics.contains(&format!("outcome=\"{outcome}\"")), "{outcome} counted: {metrics}");
+        assert!(
+            metrics.contains(&format!("outcome=\"{outcome}\"")),
+            "{outcome} counted: {metrics}"
+        );
     }
-    assert!(metrics.contains("tollgate_store_errors_total{store=\"redis\""), "{metrics}");
-    assert!(metrics.contains("tollgate_store_circuit_state{store=\"redis\"} 0"), "closed again: {metrics}");
+    assert!(
+        metrics.contains("tollgate_store_errors_total{store=\"redis\""),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tollgate_store_circuit_state{store=\"redis\"} 0"),
+        "closed again: {metrics}"
+    );
     server.stop().await;
 }
 
@@ -121,12 +145,18 @@ async fn redis_frozen_then_thawed() {
     let redis = RedisServer::start();
     let server = start(redis.url()).await;
     let mut client = server.client().await;
-    assert_eq!(decide(&mut client, "open", "before").await.degraded(), Degraded::None);
+    assert_eq!(
+        decide(&mut client, "open", "before").await.degraded(),
+        Degraded::None
+    );
 
     redis.freeze();
     assert_degraded_decisions(&mut client, "during-freeze").await;
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
-    assert!(metrics.contains("tollgate_store_errors_total{store=\"redis\",kind=\"timeout\"}"), "{metrics}");
+    assert!(
+        metrics.contains("tollgate_store_errors_total{store=\"redis\",kind=\"timeout\"}"),
+        "{metrics}"
+    );
 
     redis.thaw();
     let r = wait_recovered(&mut client).await;
@@ -151,19 +181,38 @@ async fn starts_before_redis_is_reachable_and_becomes_ready_when_it_is() {
     })
     .await;
     let mut health = HealthClient::new(server.channel().await);
-    let status = |service: &str| HealthCheckRequest { service: service.into() };
+    let status = |service: &str| HealthCheckRequest {
+        service: service.into(),
+    };
     assert_eq!(server.http_get("/readyz").await.unwrap().0, 503);
     for service in ["", "tollgate.v1.RateLimiter"] {
-        let s = health.check(status(service)).await.unwrap().into_inner().status;
-        assert_eq!(s, ServingStatus::NotServing as i32, "{service:?} not serving yet");
+        let s = health
+            .check(status(service))
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(
+            s,
+            ServingStatus::NotServing as i32,
+            "{service:?} not serving yet"
+        );
     }
     // Decisions already work, by policy.
     let mut client = server.client().await;
-    assert_eq!(decide(&mut client, "open", "early").await.degraded(), Degraded::FailedOpen);
+    assert_eq!(
+        decide(&mut client, "open", "early").await.degraded(),
+        Degraded::FailedOpen
+    );
 
     let _redis = RedisServer::start_on(port);
     server.wait_ready().await;
-    let s = health.check(status("tollgate.v1.RateLimiter")).await.unwrap().into_inner().status;
+    let s = health
+        .check(status("tollgate.v1.RateLimiter"))
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
     assert_eq!(s, ServingStatus::Serving as i32);
     let r = wait_recovered(&mut client).await;
     assert!(r.allowed);

@@ -15,7 +15,11 @@ use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, RedisConfig, RedisStore, Store, StoreError};
 
 fn store(url: String, clock: &Arc<ManualClock>, margin: Duration) -> RedisStore {
-    let config = RedisConfig { timeout: Duration::from_secs(5), expiry_margin: margin, ..RedisConfig::new(url) };
+    let config = RedisConfig {
+        timeout: Duration::from_secs(5),
+        expiry_margin: margin,
+        ..RedisConfig::new(url)
+    };
     let clock: Arc<dyn Clock> = clock.clone();
     RedisStore::new(config, Some(clock)).unwrap()
 }
@@ -43,13 +47,25 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
     // A long expiry margin: real time must not expire keys the simulated
     // clock still considers in use.
     let store = store(server.url(), &clock, Duration::from_secs(3600));
-    let mut conn = redis::Client::open(server.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut conn = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
 
-    let limits: Vec<Limit> = [(5, "10/second"), (3, "1/second"), (30, "600/minute"), (2, "3000/second"), (7, "5/hour")]
-        .iter()
-        .map(|(b, r)| Limit::new(*b, r.parse::<Rate>().unwrap()).unwrap())
+    let limits: Vec<Limit> = [
+        (5, "10/second"),
+        (3, "1/second"),
+        (30, "600/minute"),
+        (2, "3000/second"),
+        (7, "5/hour"),
+    ]
+    .iter()
+    .map(|(b, r)| Limit::new(*b, r.parse::<Rate>().unwrap()).unwrap())
+    .collect();
+    let keys: Vec<BucketKey> = (0..4)
+        .map(|i| BucketKey::new("diff", "k", "", &format!("key{i}")))
         .collect();
-    let keys: Vec<BucketKey> = (0..4).map(|i| BucketKey::new("diff", "k", "", &format!("key{i}"))).collect();
     let mut states: HashMap<BucketKey, BucketState> = HashMap::new();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut now: Micros = T0;
@@ -74,28 +90,45 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
             .map(|_| {
                 let limit = limits[rng.below(limits.len() as u64) as usize];
                 let cost = 1 + rng.below(limit.burst() + 1);
-                Charge { limit, cost, enforce: rng.below(5) != 0 }
+                Charge {
+                    limit,
+                    cost,
+                    enforce: rng.below(5) != 0,
+                }
             })
             .collect();
         let spend = rng.below(10) != 0;
 
-        let before: Vec<Option<BucketState>> = buckets.iter().map(|b| states.get(b).copied()).collect();
+        let before: Vec<Option<BucketState>> =
+            buckets.iter().map(|b| states.get(b).copied()).collect();
         let expected = plan(&before, &charges, now, spend);
         let got = store.apply(&buckets, &charges, spend).await.unwrap();
         assert_eq!(got.allowed, expected.allowed, "step {step}: allowed");
-        assert_eq!(got.verdicts, expected.verdicts, "step {step}: verdicts for {charges:?} with {before:?}");
+        assert_eq!(
+            got.verdicts, expected.verdicts,
+            "step {step}: verdicts for {charges:?} with {before:?}"
+        );
         for (bucket, write) in buckets.iter().zip(&expected.writes) {
             if let Some(state) = write {
                 states.insert(bucket.clone(), *state);
             }
             let stored: Option<String> = conn.get(store.redis_key(bucket)).await.unwrap();
-            let want = states.get(bucket).map(|s| format!("{}:{}:{}", s.full_at, s.interval, s.burst));
+            let want = states
+                .get(bucket)
+                .map(|s| format!("{}:{}:{}", s.full_at, s.interval, s.burst));
             assert_eq!(stored, want, "step {step}: stored state of {bucket:?}");
         }
-        if expected.allowed { allowed_steps += 1 } else { denied_steps += 1 }
+        if expected.allowed {
+            allowed_steps += 1
+        } else {
+            denied_steps += 1
+        }
     }
     // The sequence exercised both outcomes and the backwards clock.
-    assert!(allowed_steps > 500 && denied_steps > 500 && backwards_steps > 50, "{allowed_steps} {denied_steps} {backwards_steps}");
+    assert!(
+        allowed_steps > 500 && denied_steps > 500 && backwards_steps > 50,
+        "{allowed_steps} {denied_steps} {backwards_steps}"
+    );
 }
 
 #[tokio::test]
@@ -103,8 +136,15 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
     let server = RedisServer::start();
     let clock = Arc::new(ManualClock::new(T0));
     let store = store(server.url(), &clock, Duration::from_secs(1));
-    let c = [Charge { limit: Limit::new(1000, "1/second".parse().unwrap()).unwrap(), cost: 1, enforce: true }];
-    let b = [BucketKey::new("acme", "k", "", "alice"), BucketKey::new("acme", "t", "", "")];
+    let c = [Charge {
+        limit: Limit::new(1000, "1/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    }];
+    let b = [
+        BucketKey::new("acme", "k", "", "alice"),
+        BucketKey::new("acme", "t", "", ""),
+    ];
     let c2 = [c[0], c[0]];
     store.apply(&b, &c2, true).await.unwrap(); // loads the script
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
@@ -113,7 +153,10 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
     }
     let stats = redis_cli(server.port, &["INFO", "commandstats"]);
     assert!(stats.contains("cmdstat_evalsha:calls=100,"), "{stats}");
-    assert!(!stats.contains("cmdstat_script"), "no SCRIPT LOAD on the hot path: {stats}");
+    assert!(
+        !stats.contains("cmdstat_script"),
+        "no SCRIPT LOAD on the hot path: {stats}"
+    );
 
     // After SCRIPT FLUSH (as after a restart or failover) the next decision
     // reloads the script by itself.
@@ -134,14 +177,33 @@ async fn keys_follow_the_documented_format_and_expire_when_full() {
     };
     let pinned: Arc<dyn Clock> = clock.clone();
     let store = RedisStore::new(config, Some(pinned)).unwrap();
-    let c = [Charge { limit: Limit::new(10, "10/second".parse().unwrap()).unwrap(), cost: 3, enforce: true }];
-    store.apply(&[BucketKey::new("acme", "k", "exports", "alice:1")], &c, true).await.unwrap();
-    store.apply(&[BucketKey::new("", "t", "", "")], &c, true).await.unwrap();
-    let mut keys: Vec<String> = redis_cli(server.port, &["KEYS", "*"]).lines().map(str::to_owned).collect();
+    let c = [Charge {
+        limit: Limit::new(10, "10/second".parse().unwrap()).unwrap(),
+        cost: 3,
+        enforce: true,
+    }];
+    store
+        .apply(
+            &[BucketKey::new("acme", "k", "exports", "alice:1")],
+            &c,
+            true,
+        )
+        .await
+        .unwrap();
+    store
+        .apply(&[BucketKey::new("", "t", "", "")], &c, true)
+        .await
+        .unwrap();
+    let mut keys: Vec<String> = redis_cli(server.port, &["KEYS", "*"])
+        .lines()
+        .map(str::to_owned)
+        .collect();
     keys.sort();
     assert_eq!(keys, ["rl:{@default}:t::", "rl:{acme}:k:exports:alice:1"]);
     // Full again 300 ms after the spend, plus the 200 ms margin.
-    let ttl: i64 = redis_cli(server.port, &["PTTL", "rl:{acme}:k:exports:alice:1"]).parse().unwrap();
+    let ttl: i64 = redis_cli(server.port, &["PTTL", "rl:{acme}:k:exports:alice:1"])
+        .parse()
+        .unwrap();
     assert!(ttl > 0 && ttl <= 500, "ttl {ttl}");
     let mut gone = false;
     for _ in 0..500 {
@@ -159,8 +221,15 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
     let cluster = RedisCluster::start();
     let clock = Arc::new(ManualClock::new(T0));
     let on_cluster = store(cluster.url(), &clock, Duration::from_secs(1));
-    let c = [Charge { limit: Limit::new(10, "1/second".parse().unwrap()).unwrap(), cost: 1, enforce: true }; 2];
-    let b = [BucketKey::new("acme", "k", "", "a"), BucketKey::new("globex", "k", "", "a")];
+    let c = [Charge {
+        limit: Limit::new(10, "1/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    }; 2];
+    let b = [
+        BucketKey::new("acme", "k", "", "a"),
+        BucketKey::new("globex", "k", "", "a"),
+    ];
     let err = on_cluster.apply(&b, &c, true).await.unwrap_err();
     assert!(matches!(err, StoreError::Unsupported(_)), "{err:?}");
     assert_eq!(
@@ -168,7 +237,10 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
         "on a Redis Cluster one call can only touch one tenant's buckets, but this one touches tenants \"acme\" and \"globex\"; send them in separate calls"
     );
     // Same tenant: one slot, fine.
-    let same = [BucketKey::new("acme", "k", "", "a"), BucketKey::new("acme", "t", "", "")];
+    let same = [
+        BucketKey::new("acme", "k", "", "a"),
+        BucketKey::new("acme", "t", "", ""),
+    ];
     assert!(on_cluster.apply(&same, &c, true).await.unwrap().allowed);
 
     let server = RedisServer::start();
@@ -193,5 +265,8 @@ fn store_urls_are_checked_and_passwords_never_shown() {
             assert!(!e.contains("secret"), "{e}");
         }
     }
-    assert_eq!(RedisConfig::new("redis://:secret@h:1").redacted_url(), "redis://:***@h:1");
+    assert_eq!(
+        RedisConfig::new("redis://:secret@h:1").redacted_url(),
+        "redis://:***@h:1"
+    );
 }

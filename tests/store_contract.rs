@@ -22,11 +22,19 @@ struct Harness {
 impl Harness {
     fn memory() -> Self {
         let clock = Arc::new(ManualClock::new(T0));
-        Self { store: Arc::new(MemoryStore::new(clock.clone(), 10_000)), clock, _redis: None, _cluster: None }
+        Self {
+            store: Arc::new(MemoryStore::new(clock.clone(), 10_000)),
+            clock,
+            _redis: None,
+            _cluster: None,
+        }
     }
 
     fn redis_store(url: String, clock: &Arc<ManualClock>) -> Arc<dyn Store> {
-        let config = RedisConfig { timeout: Duration::from_secs(5), ..RedisConfig::new(url) };
+        let config = RedisConfig {
+            timeout: Duration::from_secs(5),
+            ..RedisConfig::new(url)
+        };
         let clock: Arc<dyn Clock> = clock.clone();
         Arc::new(RedisStore::new(config, Some(clock)).unwrap())
     }
@@ -34,18 +42,32 @@ impl Harness {
     fn redis() -> Self {
         let server = RedisServer::start();
         let clock = Arc::new(ManualClock::new(T0));
-        Self { store: Self::redis_store(server.url(), &clock), clock, _redis: Some(server), _cluster: None }
+        Self {
+            store: Self::redis_store(server.url(), &clock),
+            clock,
+            _redis: Some(server),
+            _cluster: None,
+        }
     }
 
     fn cluster() -> Self {
         let cluster = RedisCluster::start();
         let clock = Arc::new(ManualClock::new(T0));
-        Self { store: Self::redis_store(cluster.url(), &clock), clock, _redis: None, _cluster: Some(cluster) }
+        Self {
+            store: Self::redis_store(cluster.url(), &clock),
+            clock,
+            _redis: None,
+            _cluster: Some(cluster),
+        }
     }
 }
 
 fn charge(burst: u64, rate: &str, cost: u64) -> Charge {
-    Charge { limit: Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap(), cost, enforce: true }
+    Charge {
+        limit: Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap(),
+        cost,
+        enforce: true,
+    }
 }
 
 fn key(tenant: &str, k: &str) -> BucketKey {
@@ -83,7 +105,10 @@ async fn all_or_nothing_across_buckets(h: &Harness) {
     assert_eq!(o.verdicts[0].remaining, 9, "and is not charged");
     assert_eq!(o.verdicts[1].retry_after, 3_600_000_000);
     let o = h.store.apply(&b[..1], &c[..1], false).await.unwrap();
-    assert_eq!(o.verdicts[0].remaining, 8, "dry run after: 9 held, 8 if spent");
+    assert_eq!(
+        o.verdicts[0].remaining, 8,
+        "dry run after: 9 held, 8 if spent"
+    );
 }
 
 async fn dry_run_spends_nothing(h: &Harness) {
@@ -97,8 +122,17 @@ async fn dry_run_spends_nothing(h: &Harness) {
 }
 
 async fn shadow_charges_never_reject(h: &Harness) {
-    let b = [key("t", "enforced"), BucketKey::new("t", "ks", "", "shadow")];
-    let c = [charge(10, "1/hour", 1), Charge { enforce: false, ..charge(1, "1/hour", 1) }];
+    let b = [
+        key("t", "enforced"),
+        BucketKey::new("t", "ks", "", "shadow"),
+    ];
+    let c = [
+        charge(10, "1/hour", 1),
+        Charge {
+            enforce: false,
+            ..charge(1, "1/hour", 1)
+        },
+    ];
     assert!(h.store.apply(&b, &c, true).await.unwrap().allowed);
     let o = h.store.apply(&b, &c, true).await.unwrap();
     assert!(o.allowed, "the shadow bucket is empty but never rejects");
@@ -108,14 +142,25 @@ async fn shadow_charges_never_reject(h: &Harness) {
 
 async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
     let b = [key("t", "k")];
-    h.store.apply(&b, &[charge(100, "1/second", 40)], true).await.unwrap();
+    h.store
+        .apply(&b, &[charge(100, "1/second", 40)], true)
+        .await
+        .unwrap();
     // Same rate, burst 10: 40 owed clamps to 10, so empty for 10 s.
-    let o = h.store.apply(&b, &[charge(10, "1/second", 1)], false).await.unwrap();
+    let o = h
+        .store
+        .apply(&b, &[charge(10, "1/second", 1)], false)
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].reset_after, 10_000_000);
     assert_eq!(o.verdicts[0].retry_after, 1_000_000);
     // Faster refill, big burst: 40 tokens owed at 10/s is 4 s.
-    let o = h.store.apply(&b, &[charge(100, "10/second", 1)], false).await.unwrap();
+    let o = h
+        .store
+        .apply(&b, &[charge(100, "10/second", 1)], false)
+        .await
+        .unwrap();
     assert_eq!(o.verdicts[0].remaining, 59);
 }
 
@@ -128,7 +173,10 @@ async fn backwards_clock_creates_nothing(h: &Harness) {
     let o = h.store.apply(&b, &c, true).await.unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
-    assert_eq!(o.verdicts[0].retry_after, 11_000_000, "still owed as of T0, plus the 10 s back");
+    assert_eq!(
+        o.verdicts[0].retry_after, 11_000_000,
+        "still owed as of T0, plus the 10 s back"
+    );
     h.clock.set(T0 + 1_000_000);
     assert!(h.store.apply(&b, &c, true).await.unwrap().allowed);
 }
@@ -156,7 +204,13 @@ async fn tenants_and_keys_are_separate_buckets(h: &Harness) {
         let o = h.store.apply(&[key(tenant, k)], &c, true).await.unwrap();
         assert!(o.allowed, "{tenant}/{k}");
     }
-    assert!(!h.store.apply(&[key("a", "x")], &c, true).await.unwrap().allowed);
+    assert!(
+        !h.store
+            .apply(&[key("a", "x")], &c, true)
+            .await
+            .unwrap()
+            .allowed
+    );
 }
 
 macro_rules! contract {

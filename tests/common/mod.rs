@@ -138,7 +138,10 @@ impl TestServer {
     }
 
     /// As `launch_unready`, then waits until ready.
-    pub async fn launch(rows: Option<&[LimitRow]>, configure: impl FnOnce(&mut ServeConfig)) -> Self {
+    pub async fn launch(
+        rows: Option<&[LimitRow]>,
+        configure: impl FnOnce(&mut ServeConfig),
+    ) -> Self {
         let server = Self::launch_unready(rows, configure).await;
         server.wait_ready().await;
         server

@@ -11,7 +11,11 @@ use std::time::Duration;
 /// port, +10000, was too).
 pub fn free_port(with_bus: bool) -> u16 {
     loop {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         if !with_bus || (port < 55535 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok()) {
             return port;
         }
@@ -41,7 +45,12 @@ impl RedisServer {
 
     /// A server on a given port (for tests that start Redis late).
     pub fn start_on(port: u16) -> Self {
-        let mut server = Self { port, child: None, dir: tempfile::tempdir().unwrap(), extra: Vec::new() };
+        let mut server = Self {
+            port,
+            child: None,
+            dir: tempfile::tempdir().unwrap(),
+            extra: Vec::new(),
+        };
         server.spawn();
         server
     }
@@ -141,14 +150,21 @@ impl RedisCluster {
                 ])
             })
             .collect();
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
         let out = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", "0", "--cluster-yes"])
             .output()
             .unwrap();
-        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
         for _ in 0..1000 {
             if nodes
                 .iter()
@@ -162,7 +178,11 @@ impl RedisCluster {
     }
 
     pub fn url(&self) -> String {
-        let hosts: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
         format!("redis-cluster://{}", hosts.join(","))
     }
 }

@@ -1,0 +1,189 @@
+//! One truth across instances: three `tollgate serve` processes share one
+//! Redis (and, again, a 3-node Redis Cluster), a client sprays concurrent
+//! requests across all three, and together they admit exactly what a single
+//! bucket admits.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::process::{ServeProcess, tollgate};
+use common::redis::{RedisCluster, RedisServer};
+use tokio::time::Instant;
+use tollgate::grpc::proto::v1::ShouldAllowRequest;
+use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+
+struct Fleet {
+    instances: Vec<ServeProcess>,
+    _dirs: Vec<tempfile::TempDir>,
+}
+
+/// Three instances on `store`, each with its own limits table holding the
+/// same rules (`limits set` arguments).
+fn fleet(store: &str, rules: &[&[&str]]) -> Fleet {
+    let mut instances = Vec::new();
+    let mut dirs = Vec::new();
+    for _ in 0..3 {
+        let dir = tempfile::tempdir().unwrap();
+        for rule in rules {
+            let mut args = vec!["limits", "set"];
+            args.extend_from_slice(rule);
+            let out = tollgate(dir.path(), &args);
+            assert!(out.status.success(), "{out:?}");
+        }
+        instances.push(ServeProcess::start(
+            dir.path(),
+            &["--store", store, "--store-timeout", "2s"],
+        ));
+        dirs.push(dir);
+    }
+    Fleet {
+        instances,
+        _dirs: dirs,
+    }
+}
+
+/// Sends `per_loop` requests from `loops` concurrent loops per instance.
+/// `key_of(i)` names the key of request i. Returns (admitted, elapsed µs
+/// from the first send to the last answer, µs from the first answer to the
+/// last send).
+async fn spray(
+    fleet: &Fleet,
+    tenant: &str,
+    loops: usize,
+    per_loop: usize,
+    key_of: fn(usize) -> String,
+) -> (u64, u64, u64) {
+    let admitted = Arc::new(AtomicU64::new(0));
+    let first_answer = Arc::new(parking_lot::Mutex::new(None::<Instant>));
+    let last_send = Arc::new(parking_lot::Mutex::new(None::<Instant>));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (n, instance) in fleet.instances.iter().enumerate() {
+        for l in 0..loops {
+            let url = format!("http://{}", instance.grpc);
+            let (admitted, first_answer, last_send) =
+                (admitted.clone(), first_answer.clone(), last_send.clone());
+            let tenant = tenant.to_owned();
+            tasks.push(tokio::spawn(async move {
+                let mut client = RateLimiterClient::connect(url).await.unwrap();
+                for i in 0..per_loop {
+                    let request = ShouldAllowRequest {
+                        key: key_of((n * loops + l) * per_loop + i),
+                        cost: 1,
+                        tenant: tenant.clone(),
+                        resource: String::new(),
+                        dry_run: false,
+                    };
+                    *last_send.lock() = Some(Instant::now());
+                    let r = client.should_allow(request).await.unwrap().into_inner();
+                    first_answer.lock().get_or_insert_with(Instant::now);
+                    assert_eq!(r.degraded, 0, "decided by Redis");
+                    if r.allowed {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let outer = started.elapsed().as_micros() as u64;
+    let inner = last_send
+        .lock()
+        .unwrap()
+        .saturating_duration_since(first_answer.lock().unwrap())
+        .as_micros() as u64;
+    (admitted.load(Ordering::Relaxed), outer, inner)
+}
+
+async fn one_key_admits_exactly_its_burst(store: &str) {
+    let f = fleet(
+        store,
+        &[&["--tenant", "dist", "--burst", "200", "--rate", "1/hour"]],
+    );
+    let (admitted, _, _) = spray(&f, "dist", 4, 100, |_| "hot".into()).await;
+    // 1,200 requests across three instances; one token per hour of refill.
+    assert_eq!(admitted, 200);
+}
+
+async fn a_tenant_ceiling_is_shared_by_all_keys_and_instances(store: &str) {
+    let f = fleet(
+        store,
+        &[&[
+            "--tenant", "ceil", "--scope", "tenant", "--burst", "100", "--rate", "1/hour",
+        ]],
+    );
+    let (admitted, _, _) = spray(&f, "ceil", 4, 50, |i| format!("key-{i}")).await;
+    assert_eq!(admitted, 100, "600 requests from 600 keys");
+}
+
+async fn with_refill_never_more_than_burst_plus_rate_times_elapsed(store: &str) {
+    // 100/second: one token every 10 ms.
+    let f = fleet(
+        store,
+        &[&["--tenant", "flow", "--burst", "50", "--rate", "100/second"]],
+    );
+    let (admitted, outer, inner) = spray(&f, "flow", 4, 250, |_| "hot".into()).await;
+    // Redis decided every request between the first send and the last
+    // answer, so at most burst + elapsed / interval can have been admitted.
+    let most = 50 + outer / 10_000;
+    // And demand never stopped between the first answer and the last send,
+    // so at least the refills of that span went out (one may straddle each end).
+    let least = 50 + inner / 10_000 - 2;
+    eprintln!("admitted {admitted}; bounds [{least}, {most}] over {inner}..{outer} µs");
+    assert!(
+        admitted <= most,
+        "overshoot: {admitted} admitted, at most {most} allowed in {outer} µs"
+    );
+    assert!(
+        admitted >= least,
+        "{admitted} admitted, expected at least {least} in {inner} µs"
+    );
+}
+
+mod redis {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_key_across_three_instances() {
+        let redis = RedisServer::start();
+        one_key_admits_exactly_its_burst(&redis.url()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tenant_ceiling_across_three_instances() {
+        let redis = RedisServer::start();
+        a_tenant_ceiling_is_shared_by_all_keys_and_instances(&redis.url()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refill_across_three_instances() {
+        let redis = RedisServer::start();
+        with_refill_never_more_than_burst_plus_rate_times_elapsed(&redis.url()).await;
+    }
+}
+
+mod redis_cluster {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_key_across_three_instances() {
+        let cluster = RedisCluster::start();
+        one_key_admits_exactly_its_burst(&cluster.url()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tenant_ceiling_across_three_instances() {
+        let cluster = RedisCluster::start();
+        a_tenant_ceiling_is_shared_by_all_keys_and_instances(&cluster.url()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refill_across_three_instances() {
+        let cluster = RedisCluster::start();
+        with_refill_never_more_than_burst_plus_rate_times_elapsed(&cluster.url()).await;
+    }
+}
