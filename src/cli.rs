@@ -61,6 +61,10 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub store: String,
+    /// PEM file of the CA that signed the Redis server's certificate (for
+    /// rediss:// with a private CA).
+    #[arg(long, env = "TOLLGATE_REDIS_CA_CERT")]
+    pub redis_ca_cert: Option<std::path::PathBuf>,
     /// Prefix of every Redis key.
     #[arg(long, env = "TOLLGATE_REDIS_PREFIX", default_value = "tollgate:")]
     pub redis_prefix: String,
@@ -110,6 +114,7 @@ impl ServeArgs {
             breaker_threshold: self.breaker_threshold,
             breaker_cooldown: self.breaker_cooldown,
             local_fraction: self.local_fraction,
+            redis_ca_cert: self.redis_ca_cert.clone(),
             ..ServeConfig::default()
         })
     }

@@ -88,6 +88,8 @@ pub struct ServeConfig {
     /// The share of each limit a `local` rule allows per instance while the
     /// store is down, in (0, 1].
     pub local_fraction: f64,
+    /// CA certificate (PEM) for `rediss://` servers signed by a private CA.
+    pub redis_ca_cert: Option<std::path::PathBuf>,
     /// Use the given clock for Redis decisions instead of Redis's own `TIME`
     /// (for tests that control time).
     pub redis_uses_clock: bool,
@@ -107,6 +109,7 @@ impl Default for ServeConfig {
             breaker_threshold: 5,
             breaker_cooldown: Duration::from_secs(1),
             local_fraction: 1.0,
+            redis_ca_cert: None,
             redis_uses_clock: false,
         }
     }
@@ -172,6 +175,7 @@ pub async fn run(
                 timeout: config.store_timeout,
                 breaker_threshold: config.breaker_threshold,
                 breaker_cooldown: config.breaker_cooldown,
+                ca_cert: config.redis_ca_cert.clone(),
                 ..RedisConfig::new(url.clone())
             };
             let pinned = config.redis_uses_clock.then(|| clock.clone());

@@ -55,6 +55,9 @@ pub struct RedisConfig {
     pub breaker_cooldown: Duration,
     /// Added to each bucket's expiry, past the moment it is full again.
     pub expiry_margin: Duration,
+    /// A PEM file of the CA that signed the Redis server's certificate, for
+    /// `rediss://` with a private CA (otherwise the built-in web roots).
+    pub ca_cert: Option<std::path::PathBuf>,
 }
 
 impl RedisConfig {
@@ -68,6 +71,7 @@ impl RedisConfig {
             breaker_threshold: 5,
             breaker_cooldown: Duration::from_secs(1),
             expiry_margin: Duration::from_secs(1),
+            ca_cert: None,
         }
     }
 
@@ -152,26 +156,46 @@ impl RedisStore {
     /// service can start while Redis is still unreachable. `clock` pins the
     /// time for tests; `None` uses Redis's own clock.
     pub fn new(config: RedisConfig, clock: Option<Arc<dyn Clock>>) -> Result<Self, StoreError> {
+        // rustls needs one process-wide crypto provider for rediss://; an
+        // error only means one is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let bad = |e: &dyn std::fmt::Display| {
+            StoreError::Config(format!("{}: {e}", config.redacted_url()))
+        };
+        let certs = match &config.ca_cert {
+            Some(path) => Some(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(std::fs::read(path).map_err(|e| {
+                    StoreError::Config(format!("Redis CA certificate {}: {e}", path.display()))
+                })?),
+            }),
+            None => None,
+        };
         let connection = match config.topology().map_err(StoreError::Config)? {
             Topology::Standalone(url) => {
-                let client = redis::Client::open(url.as_str())
-                    .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
+                let client = match certs {
+                    Some(certs) => redis::Client::build_with_tls(url.as_str(), certs),
+                    None => redis::Client::open(url.as_str()),
+                }
+                .map_err(|e| bad(&e))?;
                 let manager_config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(config.timeout))
                     .set_number_of_retries(1)
                     .set_min_delay(Duration::from_millis(10))
                     .set_max_delay(config.timeout);
                 let manager = ConnectionManager::new_lazy_with_config(client, manager_config)
-                    .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
+                    .map_err(|e| bad(&e))?;
                 Connection::Standalone(manager)
             }
             Topology::Cluster(nodes) => {
-                let client = ClusterClient::builder(nodes)
+                let mut builder = ClusterClient::builder(nodes)
                     .connection_timeout(config.timeout)
                     .response_timeout(config.timeout)
-                    .retries(2)
-                    .build()
-                    .map_err(|e| StoreError::Config(format!("{}: {e}", config.redacted_url())))?;
+                    .retries(2);
+                if let Some(certs) = certs {
+                    builder = builder.certs(certs);
+                }
+                let client = builder.build().map_err(|e| bad(&e))?;
                 Connection::Cluster(Box::new(client), Arc::new(OnceCell::new()))
             }
         };

@@ -1,0 +1,220 @@
+//! Redis with a password, and over TLS: decisions work, and the password
+//! never appears in what Tollgate prints.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::process::ServeProcess;
+use common::redis::{free_port, redis_cli};
+use tollgate::grpc::proto::v1::ShouldAllowRequest;
+use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+
+const PASSWORD: &str = "s3cret-Pa55word";
+
+struct Redis {
+    child: std::process::Child,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_redis(dir: &std::path::Path, args: &[&str]) -> Redis {
+    let child = Command::new("redis-server")
+        .current_dir(dir)
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            PASSWORD,
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    Redis { child }
+}
+
+async fn decide(grpc: &str) -> tollgate::grpc::proto::v1::ShouldAllowResponse {
+    let mut client = RateLimiterClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    let request = ShouldAllowRequest {
+        key: "k".into(),
+        cost: 1,
+        tenant: "t".into(),
+        resource: String::new(),
+        dry_run: false,
+    };
+    client.should_allow(request).await.unwrap().into_inner()
+}
+
+fn wait_for(port: u16, extra: &[&str]) {
+    for _ in 0..500 {
+        let mut args = vec!["-a", PASSWORD, "--no-auth-warning"];
+        args.extend_from_slice(extra);
+        args.push("PING");
+        if redis_cli(port, &args) == "PONG" {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("redis on {port} did not start");
+}
+
+fn logs_of(server: ServeProcess) -> String {
+    let (_, logs) = server.terminate();
+    logs.join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_protected_redis() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port(false);
+    let _redis = start_redis(dir.path(), &["--port", &port.to_string()]);
+    wait_for(port, &[]);
+
+    let good = format!("redis://:{PASSWORD}@127.0.0.1:{port}");
+    let server = ServeProcess::start(dir.path(), &["--store", &good]);
+    server.wait_ready();
+    let r = decide(&server.grpc).await;
+    assert!(r.allowed);
+    assert_eq!(r.degraded, 0, "decided by Redis");
+    assert_eq!(r.remaining, 29);
+    let logs = logs_of(server);
+    assert!(
+        logs.contains(&format!("redis://:***@127.0.0.1:{port}")) || !logs.contains("redis://"),
+        "{logs}"
+    );
+
+    // A wrong password: the service runs degraded and says so, without
+    // printing either password.
+    let bad = format!("redis://:wrong-{PASSWORD}@127.0.0.1:{port}");
+    let server = ServeProcess::start(dir.path(), &["--store", &bad, "--store-timeout", "200ms"]);
+    let r = decide(&server.grpc).await;
+    assert_eq!(r.degraded, 1, "fails open by the default rule's policy");
+    std::thread::sleep(Duration::from_millis(300));
+    let logs = logs_of(server);
+    assert!(logs.contains("store not reachable yet"), "{logs}");
+    assert!(
+        !logs.contains(PASSWORD),
+        "the password leaked into the logs: {logs}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_over_tls_with_a_private_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // A private CA, and a server certificate for 127.0.0.1 signed by it.
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .current_dir(d)
+            .args(args)
+            .output()
+            .expect("openssl runs (scripts/test installs it)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=Tollgate test CA",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "key.pem",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        d.join("san.ext"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "cert.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    let port = free_port(false);
+    let _redis = start_redis(
+        d,
+        &[
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            "cert.pem",
+            "--tls-key-file",
+            "key.pem",
+            "--tls-ca-cert-file",
+            "ca.pem",
+            "--tls-auth-clients",
+            "no",
+        ],
+    );
+    wait_for(
+        port,
+        &["--tls", "--cacert", d.join("ca.pem").to_str().unwrap()],
+    );
+
+    let url = format!("rediss://:{PASSWORD}@127.0.0.1:{port}");
+    let ca = d.join("ca.pem");
+    let server = ServeProcess::start(
+        d,
+        &["--store", &url, "--redis-ca-cert", ca.to_str().unwrap()],
+    );
+    server.wait_ready();
+    let r = decide(&server.grpc).await;
+    if r.degraded != 0 {
+        panic!("not decided by Redis over TLS: {r:?}\n{}", logs_of(server));
+    }
+    assert!(r.allowed);
+    let r = decide(&server.grpc).await;
+    assert_eq!(r.remaining, 28);
+    let logs = logs_of(server);
+    assert!(!logs.contains(PASSWORD), "{logs}");
+}
