@@ -1,9 +1,9 @@
 --[[
 token_bucket.lua: decide one request against all of its buckets, atomically.
 
-The same arithmetic as src/bucket.rs (`decide` and `plan`); the differential
-test in tests/redis_store.rs feeds both the same random sequences and requires
-identical answers.
+The same arithmetic as src/bucket.rs (`decide`, `plan`) and src/bucket/window.rs
+(fixed and sliding windows); the differential test in tests/redis_store.rs
+feeds both the same random sequences and requires identical answers.
 
 KEYS[i]   the i-th bucket, `PREFIX{TAG}:SCOPE:RESOURCE:KEY`. Every key of one
           call shares the hash tag, so the script runs on one Redis Cluster
@@ -14,20 +14,26 @@ ARGV[1]   "now" in microseconds since the Unix epoch, or "" to read Redis's
           skewed clocks still agree. Tests pass a value to control time.
 ARGV[2]   "1" to spend when allowed, "0" for a dry run.
 ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
-then four per key, for key i at ARGV[4 + 4(i-1)] ...:
-          interval  microseconds to refill one token (>= 1)
-          burst     capacity in tokens (>= 1)
+then five per key, for key i at ARGV[4 + 5(i-1)] ...:
+          algorithm "t" token bucket, "f" fixed window, "s" sliding window
+          interval  token bucket: µs to refill one token; windows: the
+                    window length in µs (a whole number of milliseconds)
+          burst     token bucket: capacity; windows: requests per window
           cost      tokens to spend (>= 1)
           enforce   "1" for an enforced rule, "0" for a shadow rule
 
-Stored value per bucket: the string "FULL_AT:INTERVAL:BURST", the instant (µs)
-the bucket is full again and the limit it was written under. A missing key is
-a full bucket. The key expires (PEXPIRE) when the bucket is full again, plus
-the margin, so Redis holds only active buckets.
+Stored value per key: for a token bucket "FULL_AT:INTERVAL:BURST", the instant
+(µs) the bucket is full again and the limit it was written under; for a
+window "w:START:COUNT:PREVIOUS", the window's start, its count and the
+previous window's count. A missing key is a full bucket or an empty window; a
+value of the other kind (the rule changed algorithm) counts as missing. Each
+key expires (SET ... PX) when its state no longer matters (the bucket is full,
+the window is over), plus the margin, so Redis holds only active buckets.
 
 Returns an array: { allowed, now, then four per key: allowed, remaining,
 retry_after, reset_after }, with allowed as 1/0 and times in microseconds;
 retry_after is -1 when the cost exceeds the capacity (it can never pass).
+Windows are aligned to the Unix epoch.
 
 The request is allowed when every enforced bucket admits its cost. Only then
 (and only when spending) is anything written: each admitting bucket,
@@ -62,6 +68,88 @@ local function ceil_div(a, b)
   return q
 end
 
+-- Token bucket. Returns allowed, remaining, retry_after, reset_after, and
+-- when allowed the value to store and its lifetime (µs).
+local function decide_tokens(stored, now, interval, burst, cost)
+  local tolerance = burst * interval
+  local debt = 0
+  if stored then
+    local f, si, sb = string.match(stored, '^(%d+):(%d+):(%d+)$')
+    if f then
+      f, si, sb = tonumber(f), tonumber(si), tonumber(sb)
+      debt = math.max(f - now, 0)
+      if si ~= interval or sb ~= burst then
+        -- The limit changed: spent tokens stay spent, clamped to the new burst.
+        debt = math.min(ceil_div(debt, math.max(si, 1)) * interval, tolerance)
+      end
+    end
+  end
+  local debt_after = debt + cost * interval
+  if debt_after <= tolerance then
+    local value = string.format('%d:%d:%d', now + debt_after, interval, burst)
+    return true, floor_div(tolerance - debt_after, interval), 0, debt_after, value, debt_after
+  end
+  return false, floor_div(math.max(tolerance - debt, 0), interval), debt_after - tolerance, debt
+end
+
+-- Fixed (sliding = false) or sliding window counter.
+local function decide_window(stored, now, sliding, window, max, cost)
+  local start = floor_div(now, window) * window
+  local count, prev = 0, 0
+  if stored then
+    local s, c, p = string.match(stored, '^w:(%d+):(%d+):(%d+)$')
+    if s then
+      s, c, p = tonumber(s), tonumber(c), tonumber(p)
+      if s > start then
+        -- The clock went back: keep the stored window.
+        start, count, prev, now = s, c, p, s
+      elseif s == start then
+        count, prev = c, p
+      elseif s + window == start then
+        count, prev = 0, c
+      end
+    end
+  end
+  local w = window / 1000
+  local weighted = 0
+  if sliding then
+    weighted = ceil_div(prev * (w - floor_div(now - start, 1000)), w)
+  else
+    prev = 0
+  end
+  local used = count + weighted
+  local idle = start + (sliding and 2 * window or window)
+  local function reset(c)
+    if c == 0 and (not sliding or prev == 0) then
+      return 0
+    elseif not sliding or c == 0 then
+      return start + window - now
+    end
+    return start + 2 * window - now
+  end
+  if used + cost <= max then
+    local c = count + cost
+    return true, max - used - cost, 0, reset(c), string.format('w:%d:%d:%d', start, c, prev), idle - now
+  end
+  local retry_at = start + window
+  if sliding then
+    local avail = max - cost
+    if count <= avail then
+      retry_at = start + (w - floor_div((avail - count) * w, prev)) * 1000
+    else
+      retry_at = start + window + (w - floor_div(avail * w, count)) * 1000
+    end
+  end
+  return false, math.max(max - used, 0), retry_at - now, reset(count)
+end
+
+local function decide(stored, now, algorithm, interval, burst, cost)
+  if algorithm == 't' then
+    return decide_tokens(stored, now, interval, burst, cost)
+  end
+  return decide_window(stored, now, algorithm == 's', interval, burst, cost)
+end
+
 local now
 if ARGV[1] == '' then
   local t = redis.call('TIME')
@@ -73,52 +161,30 @@ local spend = ARGV[2] == '1'
 local margin_ms = tonumber(ARGV[3])
 
 local n = #KEYS
-local interval, burst, cost, enforce = {}, {}, {}, {}
-local allowed, remaining, retry, reset, full_at = {}, {}, {}, {}, {}
+local args, stored = {}, {}
+local allowed, remaining, retry, reset, value, ttl = {}, {}, {}, {}, {}, {}
 local all_allowed = true
 
 for i = 1, n do
-  local a = 4 + (i - 1) * 4
-  interval[i] = tonumber(ARGV[a])
-  burst[i] = tonumber(ARGV[a + 1])
-  cost[i] = tonumber(ARGV[a + 2])
-  enforce[i] = ARGV[a + 3] == '1'
-  local tolerance = burst[i] * interval[i]
-
-  -- The debt: time until full, carried into this limit's terms.
-  local debt = 0
-  local stored = redis.call('GET', KEYS[i])
-  if stored then
-    local f, si, sb = string.match(stored, '^(%d+):(%d+):(%d+)$')
-    if f then
-      f, si, sb = tonumber(f), tonumber(si), tonumber(sb)
-      debt = math.max(f - now, 0)
-      if si ~= interval[i] or sb ~= burst[i] then
-        -- The limit changed: spent tokens stay spent, clamped to the new burst.
-        debt = math.min(ceil_div(debt, math.max(si, 1)) * interval[i], tolerance)
-      end
-    end
-  end
-
-  local debt_after = debt + cost[i] * interval[i]
-  if cost[i] > burst[i] then
-    allowed[i] = false
-    remaining[i] = floor_div(math.max(tolerance - debt, 0), interval[i])
-    retry[i] = -1
-    reset[i] = debt
-  elseif debt_after <= tolerance then
-    allowed[i] = true
-    remaining[i] = floor_div(tolerance - debt_after, interval[i])
-    retry[i] = 0
-    reset[i] = debt_after
-    full_at[i] = now + debt_after
+  local a = 4 + (i - 1) * 5
+  args[i] = {
+    algorithm = ARGV[a],
+    interval = tonumber(ARGV[a + 1]),
+    burst = tonumber(ARGV[a + 2]),
+    cost = tonumber(ARGV[a + 3]),
+    enforce = ARGV[a + 4] == '1',
+  }
+  local g = args[i]
+  stored[i] = redis.call('GET', KEYS[i])
+  if g.cost > g.burst then
+    -- It can never pass: report what the bucket holds, and "never".
+    local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
+    allowed[i], remaining[i], retry[i], reset[i] = false, rem, -1, rst
   else
-    allowed[i] = false
-    remaining[i] = floor_div(math.max(tolerance - debt, 0), interval[i])
-    retry[i] = debt_after - tolerance
-    reset[i] = debt
+    allowed[i], remaining[i], retry[i], reset[i], value[i], ttl[i] =
+      decide(stored[i], now, g.algorithm, g.interval, g.burst, g.cost)
   end
-  if enforce[i] and not allowed[i] then
+  if g.enforce and not allowed[i] then
     all_allowed = false
   end
 end
@@ -126,16 +192,16 @@ end
 if all_allowed and spend then
   for i = 1, n do
     if allowed[i] then
-      local ttl_ms = ceil_div(reset[i], 1000) + margin_ms
-      redis.call('SET', KEYS[i], string.format('%d:%d:%d', full_at[i], interval[i], burst[i]), 'PX', ttl_ms)
+      redis.call('SET', KEYS[i], value[i], 'PX', ceil_div(ttl[i], 1000) + margin_ms)
     end
   end
 elseif not all_allowed then
   -- Nothing is spent: report what the admitting buckets hold now.
   for i = 1, n do
     if allowed[i] then
-      remaining[i] = remaining[i] + cost[i]
-      reset[i] = reset[i] - cost[i] * interval[i]
+      local g = args[i]
+      local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
+      remaining[i], reset[i] = rem, rst
     end
   end
 end

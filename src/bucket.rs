@@ -39,6 +39,12 @@ pub enum RateUnit {
     Hour,
     /// Per day.
     Day,
+    /// Per week (7 days).
+    Week,
+    /// Per month (30 days, as envoyproxy/ratelimit counts it).
+    Month,
+    /// Per year (365 days).
+    Year,
 }
 
 impl RateUnit {
@@ -49,6 +55,9 @@ impl RateUnit {
             Self::Minute => 60_000_000,
             Self::Hour => 3_600_000_000,
             Self::Day => 86_400_000_000,
+            Self::Week => 7 * 86_400_000_000,
+            Self::Month => 30 * 86_400_000_000,
+            Self::Year => 365 * 86_400_000_000,
         }
     }
 
@@ -59,17 +68,23 @@ impl RateUnit {
             Self::Minute => "minute",
             Self::Hour => "hour",
             Self::Day => "day",
+            Self::Week => "week",
+            Self::Month => "month",
+            Self::Year => "year",
         }
     }
 
-    /// Parses `second`, `minute`, `hour` or `day` (also `s`, `m`, `h`, `d` and
-    /// plurals).
+    /// Parses `second`, `minute`, `hour`, `day`, `week`, `month` or `year`
+    /// (also `s`, `m`, `h`, `d`, `w`, `y` and plurals).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s.trim().to_ascii_lowercase().as_str() {
             "s" | "sec" | "second" | "seconds" => Self::Second,
             "m" | "min" | "minute" | "minutes" => Self::Minute,
             "h" | "hour" | "hours" => Self::Hour,
             "d" | "day" | "days" => Self::Day,
+            "w" | "week" | "weeks" => Self::Week,
+            "month" | "months" => Self::Month,
+            "y" | "year" | "years" => Self::Year,
             _ => return None,
         })
     }
@@ -103,7 +118,9 @@ impl std::str::FromStr for Rate {
             .parse::<u64>()
             .map_err(|_| format!("rate {s:?}: {count:?} is not a whole number"))?;
         let unit = RateUnit::parse(unit).ok_or_else(|| {
-            format!("rate {s:?}: unit {unit:?} must be second, minute, hour or day")
+            format!(
+                "rate {s:?}: unit {unit:?} must be second, minute, hour, day, week, month or year"
+            )
         })?;
         Ok(Self { count, unit })
     }
@@ -133,10 +150,48 @@ pub enum LimitError {
     },
 }
 
-/// A validated bucket shape: capacity and refill interval.
+/// How a limit counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// A token bucket: bursts up to the capacity, refilled continuously.
+    #[default]
+    TokenBucket,
+    /// A counter per calendar-aligned window (envoyproxy/ratelimit's).
+    FixedWindow,
+    /// The sliding-window counter: this window's count plus the previous
+    /// window's, weighted by how much of it still overlaps.
+    SlidingWindow,
+}
+
+impl Algorithm {
+    /// As written in configuration.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::TokenBucket => "token_bucket",
+            Self::FixedWindow => "fixed_window",
+            Self::SlidingWindow => "sliding_window",
+        }
+    }
+
+    /// Parses `token_bucket`, `fixed_window` or `sliding_window`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "token_bucket" => Self::TokenBucket,
+            "fixed_window" => Self::FixedWindow,
+            "sliding_window" => Self::SlidingWindow,
+            _ => return None,
+        })
+    }
+}
+
+/// A validated limit: for a token bucket its capacity and refill interval;
+/// for a window its request count and window length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Limit {
+    algorithm: Algorithm,
+    /// Token bucket: capacity. Windows: requests per window.
     burst: u64,
+    /// Token bucket: time to refill one token. Windows: the window length.
     interval: Micros,
 }
 
@@ -154,24 +209,61 @@ impl Limit {
         }
         let interval = rate.unit.micros().div_ceil(rate.count);
         match burst.checked_mul(interval) {
-            Some(tolerance) if tolerance <= MAX_TOLERANCE => Ok(Self { burst, interval }),
+            Some(tolerance) if tolerance <= MAX_TOLERANCE => Ok(Self {
+                algorithm: Algorithm::TokenBucket,
+                burst,
+                interval,
+            }),
             _ => Err(LimitError::TooSlow { burst, rate }),
         }
     }
 
-    /// Capacity in tokens.
+    /// A fixed or sliding window allowing `rate.count` per `rate.unit`.
+    /// (For [`Algorithm::TokenBucket`] this is a bucket whose burst is the
+    /// rate's count.)
+    pub fn window(algorithm: Algorithm, rate: Rate) -> Result<Self, LimitError> {
+        if rate.count == 0 {
+            return Err(LimitError::ZeroRate);
+        }
+        if algorithm == Algorithm::TokenBucket {
+            return Self::new(rate.count, rate);
+        }
+        // The sliding window weighs counts by milliseconds: keep
+        // count × window-in-ms exact in a double.
+        if rate.count.saturating_mul(rate.unit.micros() / 1000) > window::MAX_WEIGHT {
+            return Err(LimitError::TooSlow {
+                burst: rate.count,
+                rate,
+            });
+        }
+        Ok(Self {
+            algorithm,
+            burst: rate.count,
+            interval: rate.unit.micros(),
+        })
+    }
+
+    /// How this limit counts.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Capacity in tokens (windows: requests per window).
     pub fn burst(&self) -> u64 {
         self.burst
     }
 
-    /// Microseconds to refill one token.
+    /// Microseconds to refill one token (windows: the window length).
     pub fn interval(&self) -> Micros {
         self.interval
     }
 
-    /// Microseconds to refill an empty bucket.
+    /// Microseconds to refill an empty bucket (windows: the window length).
     pub fn tolerance(&self) -> Micros {
-        self.burst * self.interval
+        match self.algorithm {
+            Algorithm::TokenBucket => self.burst * self.interval,
+            _ => self.interval,
+        }
     }
 
     /// This limit shrunk to `fraction` (0 < fraction < 1) of its burst and
@@ -183,9 +275,16 @@ impl Limit {
             return *self;
         }
         let burst = ((self.burst as f64 * fraction).ceil() as u64).max(1);
+        if self.algorithm != Algorithm::TokenBucket {
+            return Self { burst, ..*self };
+        }
         let interval =
             ((self.interval as f64 / fraction).ceil() as u64).clamp(1, MAX_TOLERANCE / burst);
-        Self { burst, interval }
+        Self {
+            algorithm: self.algorithm,
+            burst,
+            interval,
+        }
     }
 }
 
@@ -320,6 +419,67 @@ pub fn decide(
     }
 }
 
+/// What a store keeps per bucket, for any algorithm. No state means a full
+/// bucket or an empty window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// A token bucket's state.
+    Tokens(BucketState),
+    /// A fixed or sliding window's state.
+    Window(window::WindowState),
+}
+
+impl State {
+    /// The instant from which this state means the same as no state, so it
+    /// can be dropped.
+    pub fn idle_at(&self) -> Micros {
+        match self {
+            Self::Tokens(s) => s.full_at,
+            Self::Window(w) => w.idle_at,
+        }
+    }
+
+    /// True when the state can be dropped at `now`.
+    pub fn is_idle(&self, now: Micros) -> bool {
+        self.idle_at() <= now
+    }
+}
+
+/// Decides one charge under any algorithm. A state written under another
+/// algorithm (the rule changed its algorithm) counts as no state.
+pub fn decide_any(
+    state: Option<State>,
+    limit: &Limit,
+    cost: u64,
+    now: Micros,
+) -> Result<(Verdict, State), CostExceedsBurst> {
+    match limit.algorithm {
+        Algorithm::TokenBucket => {
+            let tokens = match state {
+                Some(State::Tokens(s)) => Some(s),
+                _ => None,
+            };
+            decide(tokens, limit, cost, now).map(|(v, s)| (v, State::Tokens(s)))
+        }
+        _ => {
+            let win = match state {
+                Some(State::Window(w)) => Some(w),
+                _ => None,
+            };
+            window::decide(win, limit, cost, now).map(|(v, w)| (v, State::Window(w)))
+        }
+    }
+}
+
+/// What a bucket holds at `now`, without spending: the verdict for a cost
+/// of zero.
+pub fn current(state: Option<State>, limit: &Limit, now: Micros) -> Verdict {
+    match decide_any(state, limit, 0, now) {
+        Ok((verdict, _)) => verdict,
+        Err(_) => unreachable!("a cost of zero never exceeds a capacity"),
+    }
+}
+
 /// One bucket's part in a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Charge {
@@ -338,7 +498,7 @@ pub struct Plan {
     /// One verdict per charge, in order.
     pub verdicts: Vec<Verdict>,
     /// The states to store, one per charge: `Some` where the bucket changes.
-    pub writes: Vec<Option<BucketState>>,
+    pub writes: Vec<Option<State>>,
     /// True when every enforced charge admits its cost.
     pub allowed: bool,
 }
@@ -353,23 +513,23 @@ pub struct Plan {
 /// Each bucket must appear at most once (merge costs beforehand); costs
 /// must not exceed capacities (check beforehand; such a charge is reported
 /// as denied with an unbounded wait).
-pub fn plan(states: &[Option<BucketState>], charges: &[Charge], now: Micros, spend: bool) -> Plan {
+pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, spend: bool) -> Plan {
     debug_assert_eq!(states.len(), charges.len());
     let mut verdicts = Vec::with_capacity(charges.len());
     let mut next = Vec::with_capacity(charges.len());
     let mut allowed = true;
     for (state, charge) in states.iter().zip(charges) {
         let (verdict, state) =
-            decide(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
-                let debt = debt(*state, &charge.limit, now);
+            decide_any(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
                 let verdict = Verdict {
                     allowed: false,
-                    remaining: charge.limit.tolerance().saturating_sub(debt)
-                        / charge.limit.interval,
                     retry_after: Micros::MAX,
-                    reset_after: debt,
+                    ..current(*state, &charge.limit, now)
                 };
-                (verdict, BucketState::full(&charge.limit, now))
+                (
+                    verdict,
+                    State::Tokens(BucketState::full(&charge.limit, now)),
+                )
             });
         allowed &= verdict.allowed || !charge.enforce;
         verdicts.push(verdict);
@@ -384,10 +544,9 @@ pub fn plan(states: &[Option<BucketState>], charges: &[Charge], now: Micros, spe
     } else {
         if !allowed {
             // Nothing is spent: report what the admitting buckets hold now.
-            for (v, c) in verdicts.iter_mut().zip(charges) {
+            for ((v, c), state) in verdicts.iter_mut().zip(charges).zip(states) {
                 if v.allowed {
-                    v.remaining += c.cost;
-                    v.reset_after -= c.cost * c.limit.interval;
+                    *v = current(*state, &c.limit, now);
                 }
             }
         }
@@ -399,6 +558,8 @@ pub fn plan(states: &[Option<BucketState>], charges: &[Charge], now: Micros, spe
         allowed,
     }
 }
+
+pub mod window;
 
 #[cfg(test)]
 mod tests;

@@ -107,7 +107,7 @@ fn first_five_minutes() {
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
-        "error: rate \"5/fortnight\": unit \"fortnight\" must be second, minute, hour or day\n"
+        "error: rate \"5/fortnight\": unit \"fortnight\" must be second, minute, hour, day, week, month or year\n"
     );
     let out = tollgate(path, &["check", "--server", &url, "--key", ""]);
     assert!(!out.status.success());

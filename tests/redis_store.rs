@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::T0;
 use common::redis::{RedisCluster, RedisServer, redis_cli};
 use redis::AsyncCommands;
-use tollgate::bucket::{BucketState, Charge, Limit, Micros, Rate, plan};
+use tollgate::bucket::{Algorithm, Charge, Limit, Micros, Rate, State, plan};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, RedisConfig, RedisStore, Store, StoreError};
 
@@ -53,7 +53,7 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
         .await
         .unwrap();
 
-    let limits: Vec<Limit> = [
+    let mut limits: Vec<Limit> = [
         (5, "10/second"),
         (3, "1/second"),
         (30, "600/minute"),
@@ -63,10 +63,16 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
     .iter()
     .map(|(b, r)| Limit::new(*b, r.parse::<Rate>().unwrap()).unwrap())
     .collect();
+    // Windows too: fixed and sliding, per second and per minute.
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        for rate in ["4/second", "9/minute"] {
+            limits.push(Limit::window(algorithm, rate.parse().unwrap()).unwrap());
+        }
+    }
     let keys: Vec<BucketKey> = (0..4)
         .map(|i| BucketKey::new("diff", "k", "", &format!("key{i}")))
         .collect();
-    let mut states: HashMap<BucketKey, BucketState> = HashMap::new();
+    let mut states: HashMap<BucketKey, State> = HashMap::new();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut now: Micros = T0;
     let (mut allowed_steps, mut denied_steps, mut backwards_steps) = (0, 0, 0);
@@ -99,8 +105,7 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
             .collect();
         let spend = rng.below(10) != 0;
 
-        let before: Vec<Option<BucketState>> =
-            buckets.iter().map(|b| states.get(b).copied()).collect();
+        let before: Vec<Option<State>> = buckets.iter().map(|b| states.get(b).copied()).collect();
         let expected = plan(&before, &charges, now, spend);
         let got = store.apply(&buckets, &charges, spend).await.unwrap();
         assert_eq!(got.allowed, expected.allowed, "step {step}: allowed");
@@ -113,9 +118,10 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
                 states.insert(bucket.clone(), *state);
             }
             let stored: Option<String> = conn.get(store.redis_key(bucket)).await.unwrap();
-            let want = states
-                .get(bucket)
-                .map(|s| format!("{}:{}:{}", s.full_at, s.interval, s.burst));
+            let want = states.get(bucket).map(|s| match s {
+                State::Tokens(s) => format!("{}:{}:{}", s.full_at, s.interval, s.burst),
+                State::Window(w) => format!("w:{}:{}:{}", w.start, w.count, w.previous),
+            });
             assert_eq!(stored, want, "step {step}: stored state of {bucket:?}");
         }
         if expected.allowed {

@@ -213,6 +213,41 @@ async fn tenants_and_keys_are_separate_buckets(h: &Harness) {
     );
 }
 
+async fn fixed_and_sliding_windows(h: &Harness) {
+    use tollgate::bucket::Algorithm;
+    let minute = 1_700_000_040_000_000; // on a minute boundary
+    h.clock.set(minute + 50_000_000);
+    let window = |a| Charge {
+        limit: Limit::window(a, "3/minute".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    };
+    let fixed = [window(Algorithm::FixedWindow)];
+    let sliding = [window(Algorithm::SlidingWindow)];
+    let (bf, bs) = ([key("w", "fixed")], [key("w", "sliding")]);
+    for left in [2, 1, 0] {
+        assert_eq!(
+            h.store.apply(&bf, &fixed, true).await.unwrap().verdicts[0].remaining,
+            left
+        );
+        assert_eq!(
+            h.store.apply(&bs, &sliding, true).await.unwrap().verdicts[0].remaining,
+            left
+        );
+    }
+    let o = h.store.apply(&bf, &fixed, true).await.unwrap();
+    assert!(!o.allowed);
+    assert_eq!(o.verdicts[0].retry_after, 10_000_000, "the next minute");
+    // 15 s into the next minute the fixed window is fresh, while the sliding
+    // window still counts 75% of the 3 (rounded up: 3).
+    h.clock.set(minute + 75_000_000);
+    assert!(h.store.apply(&bf, &fixed, true).await.unwrap().allowed);
+    let o = h.store.apply(&bs, &sliding, true).await.unwrap();
+    assert!(!o.allowed);
+    // ceil(3 × (60 − e) / 60) ≤ 2 from e = 20 s.
+    assert_eq!(o.verdicts[0].retry_after, 5_000_000);
+}
+
 macro_rules! contract {
     ($($test:ident),* $(,)?) => {
         mod memory {
@@ -239,4 +274,5 @@ contract!(
     backwards_clock_creates_nothing,
     five_hundred_racers_admit_exactly_one_hundred,
     tenants_and_keys_are_separate_buckets,
+    fixed_and_sliding_windows,
 );

@@ -189,7 +189,7 @@ fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
         full_at: T0 + 3_600_000_000,
         ..BucketState::full(&empty_shadow, T0)
     });
-    let p = plan(&[None, spent_shadow], &charges, T0, true);
+    let p = plan(&[None, spent_shadow.map(State::Tokens)], &charges, T0, true);
     assert!(p.allowed);
     assert!(!p.verdicts[1].allowed);
     assert!(p.writes[0].is_some());

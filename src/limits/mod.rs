@@ -165,7 +165,7 @@ impl LimitRow {
         )?;
         let unit = RateUnit::parse(&self.rate_unit).ok_or_else(|| {
             format!(
-                "rate_unit is {:?}; it must be second, minute, hour or day",
+                "rate_unit is {:?}; it must be second, minute, hour, day, week, month or year",
                 self.rate_unit
             )
         })?;

@@ -100,8 +100,8 @@ fn invalid_rows_are_named_with_what_to_fix() {
             "rate must be at least 1 per unit",
         ),
         (
-            row("r", "", "", "key", 1, "1/week"),
-            "rate_unit is \"week\"",
+            row("r", "", "", "key", 1, "1/fortnight"),
+            "rate_unit is \"fortnight\"",
         ),
     ];
     for (row, expected) in cases {

@@ -25,14 +25,14 @@ use dashmap::DashMap;
 use parking_lot::Mutex;
 
 use super::{BucketKey, Outcome, PingFuture, Store, StoreFuture};
-use crate::bucket::{BucketState, Charge, Micros, Plan, plan};
+use crate::bucket::{Charge, Micros, Plan, State, plan};
 use crate::clock::Clock;
 
 const STRIPES: usize = 4096;
 
 /// Buckets held in this process.
 pub struct MemoryStore {
-    buckets: DashMap<BucketKey, BucketState>,
+    buckets: DashMap<BucketKey, State>,
     stripes: Box<[Mutex<()>]>,
     stripe_hasher: RandomState,
     clock: Arc<dyn Clock>,
@@ -81,7 +81,7 @@ impl MemoryStore {
     }
 
     /// The stored state of a bucket, if any (for tests and inspection).
-    pub fn state(&self, bucket: &BucketKey) -> Option<BucketState> {
+    pub fn state(&self, bucket: &BucketKey) -> Option<State> {
         self.buckets.get(bucket).map(|e| *e)
     }
 
@@ -94,7 +94,7 @@ impl MemoryStore {
     pub fn sweep_idle(&self) -> usize {
         let now = self.clock.now();
         let before = self.buckets.len();
-        self.buckets.retain(|_, state| !state.is_full(now));
+        self.buckets.retain(|_, state| !state.is_idle(now));
         let removed = before.saturating_sub(self.buckets.len());
         self.evicted_idle
             .fetch_add(removed as u64, Ordering::Relaxed);
@@ -110,7 +110,7 @@ impl MemoryStore {
         stripes.dedup();
         let guards: Vec<_> = stripes.iter().map(|&i| self.stripes[i].lock()).collect();
 
-        let states: Vec<Option<BucketState>> = buckets.iter().map(|b| self.state(b)).collect();
+        let states: Vec<Option<State>> = buckets.iter().map(|b| self.state(b)).collect();
         let plan = plan(&states, charges, now, spend);
         let mut added = false;
         for (bucket, write) in buckets.iter().zip(&plan.writes) {
@@ -146,7 +146,7 @@ impl MemoryStore {
             return;
         }
         let before = self.buckets.len();
-        self.buckets.retain(|_, state| !state.is_full(now));
+        self.buckets.retain(|_, state| !state.is_idle(now));
         let after_idle = self.buckets.len();
         self.evicted_idle
             .fetch_add(before.saturating_sub(after_idle) as u64, Ordering::Relaxed);
@@ -156,14 +156,14 @@ impl MemoryStore {
             return;
         }
         // Find the full_at below which `after_idle - target` buckets lie.
-        let mut full_at: Vec<Micros> = self.buckets.iter().map(|e| e.full_at).collect();
+        let mut full_at: Vec<Micros> = self.buckets.iter().map(|e| e.idle_at()).collect();
         let excess = full_at.len().saturating_sub(target);
         if excess == 0 {
             return;
         }
         let (_, cutoff, _) = full_at.select_nth_unstable(excess - 1);
         let cutoff = *cutoff;
-        self.buckets.retain(|_, state| state.full_at > cutoff);
+        self.buckets.retain(|_, state| state.idle_at() > cutoff);
         self.evicted_capacity.fetch_add(
             after_idle.saturating_sub(self.buckets.len()) as u64,
             Ordering::Relaxed,
@@ -239,7 +239,7 @@ mod tests {
             .count();
         assert_eq!(admitted, 100);
         let state = store.state(&key("hot")).unwrap();
-        assert_eq!(state.full_at, T0 + 100 * 86_400_000_000);
+        assert_eq!(state.idle_at(), T0 + 100 * 86_400_000_000);
     }
 
     #[test]
@@ -272,7 +272,7 @@ mod tests {
             .map(|t| {
                 store
                     .state(&key(&format!("k{t}")))
-                    .map_or(0, |s| (s.full_at - T0) / 86_400_000_000)
+                    .map_or(0, |s| (s.idle_at() - T0) / 86_400_000_000)
             })
             .sum();
         assert_eq!(spent, 200);

@@ -31,7 +31,7 @@ use tokio::sync::OnceCell;
 
 use super::breaker::{Breaker, BreakerState};
 use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
-use crate::bucket::{Charge, Micros, Verdict};
+use crate::bucket::{Algorithm, Charge, Micros, Verdict};
 use crate::clock::Clock;
 use crate::telemetry::metrics;
 
@@ -322,6 +322,11 @@ impl RedisStore {
             .arg(self.config.expiry_margin.as_millis() as u64);
         for c in charges {
             invocation
+                .arg(match c.limit.algorithm() {
+                    Algorithm::TokenBucket => "t",
+                    Algorithm::FixedWindow => "f",
+                    Algorithm::SlidingWindow => "s",
+                })
                 .arg(c.limit.interval())
                 .arg(c.limit.burst())
                 .arg(c.cost)

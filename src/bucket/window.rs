@@ -1,0 +1,309 @@
+//! Fixed and sliding windows: pure functions of (state, limit, cost, now).
+//!
+//! Windows are aligned to the Unix epoch (a minute window starts on the
+//! minute), as envoyproxy/ratelimit aligns them, so every instance agrees on
+//! where a window starts.
+//!
+//! - Fixed window: a counter per window; it admits while
+//!   `count + cost <= limit` and resets when the next window starts.
+//! - Sliding window counter: the estimate is this window's count plus the
+//!   previous window's count weighted by the share of the previous window
+//!   still inside the sliding window (in whole milliseconds, rounded so the
+//!   estimate is never low). It avoids the fixed window's double burst at a
+//!   window boundary.
+//!
+//! Like the token bucket, a rejected request spends nothing, `retry_after`
+//! is exact and never early, and a clock that steps back never resets a
+//! window: the stored window is kept until time passes it again.
+
+use super::{CostExceedsBurst, Limit, Micros, Verdict};
+use crate::bucket::Algorithm;
+
+/// The largest `limit × window-in-ms` of a sliding window, so that the
+/// weighting stays exact in a double (Lua) and a u64.
+pub const MAX_WEIGHT: u64 = 1 << 52;
+
+/// What a store keeps per window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowState {
+    /// Start of the window `count` belongs to.
+    pub start: Micros,
+    /// Requests counted in that window.
+    pub count: u64,
+    /// Requests counted in the window before it (sliding windows only).
+    pub previous: u64,
+    /// From this instant the state means nothing (the window, and for a
+    /// sliding window the next one too, is over).
+    pub idle_at: Micros,
+}
+
+/// The counts that apply at `now`: the stored ones rolled forward to the
+/// window `now` falls in. Returns (window start, count, previous, now),
+/// where `now` is moved up to the stored window's start if the clock went
+/// back before it.
+fn rolled(state: Option<WindowState>, window: Micros, now: Micros) -> (Micros, u64, u64, Micros) {
+    let start = now - now % window;
+    match state {
+        Some(s) if s.start > start => (s.start, s.count, s.previous, s.start),
+        Some(s) if s.start == start => (start, s.count, s.previous, now),
+        Some(s) if s.start + window == start => (start, 0, s.count, now),
+        _ => (start, 0, 0, now),
+    }
+}
+
+/// Decides `cost` against a fixed or sliding window.
+pub fn decide(
+    state: Option<WindowState>,
+    limit: &Limit,
+    cost: u64,
+    now: Micros,
+) -> Result<(Verdict, WindowState), CostExceedsBurst> {
+    let max = limit.burst();
+    if cost > max {
+        return Err(CostExceedsBurst { cost, burst: max });
+    }
+    let window = limit.interval();
+    let (start, count, previous, now) = rolled(state, window, now);
+    let sliding = limit.algorithm() == Algorithm::SlidingWindow;
+    let (previous, weighted) = if sliding {
+        (previous, weigh(previous, window, now - start))
+    } else {
+        (0, 0)
+    };
+    let used = count + weighted;
+    let idle_at = start + if sliding { 2 * window } else { window };
+    if used + cost <= max {
+        let count = count + cost;
+        let verdict = Verdict {
+            allowed: true,
+            remaining: max - used - cost,
+            retry_after: 0,
+            reset_after: reset_after(sliding, start, window, count, previous, now),
+        };
+        Ok((
+            verdict,
+            WindowState {
+                start,
+                count,
+                previous,
+                idle_at,
+            },
+        ))
+    } else {
+        let retry_at = if sliding {
+            sliding_retry_at(start, window, count, previous, max - cost)
+        } else {
+            start + window
+        };
+        let verdict = Verdict {
+            allowed: false,
+            remaining: max.saturating_sub(used),
+            retry_after: retry_at - now,
+            reset_after: reset_after(sliding, start, window, count, previous, now),
+        };
+        Ok((
+            verdict,
+            WindowState {
+                start,
+                count,
+                previous,
+                idle_at,
+            },
+        ))
+    }
+}
+
+/// `previous` weighted by the share of the previous window still inside the
+/// sliding window, `elapsed` into the current one: in whole milliseconds
+/// (elapsed rounded down), the result rounded up.
+fn weigh(previous: u64, window: Micros, elapsed: Micros) -> u64 {
+    let w = window / 1000;
+    let e = elapsed / 1000;
+    (previous * (w - e)).div_ceil(w)
+}
+
+/// The first instant a sliding window admits `cost` = `max - avail`.
+fn sliding_retry_at(
+    start: Micros,
+    window: Micros,
+    count: u64,
+    previous: u64,
+    avail: u64,
+) -> Micros {
+    let w = window / 1000;
+    if count <= avail {
+        // Within this window, once the previous window's weight has shrunk:
+        // ceil(previous × (w − e) / w) ≤ avail − count.
+        let e = w - ((avail - count) * w) / previous;
+        start + e * 1000
+    } else {
+        // In the next window, where this window's count is the previous one.
+        let e = w - (avail * w) / count;
+        start + window + e * 1000
+    }
+}
+
+/// Time until the window forgets everything counted so far.
+fn reset_after(
+    sliding: bool,
+    start: Micros,
+    window: Micros,
+    count: u64,
+    previous: u64,
+    now: Micros,
+) -> Micros {
+    let end = start + window;
+    match (sliding, count, previous) {
+        (false, 0, _) | (true, 0, 0) => 0,
+        (false, _, _) | (true, 0, _) => end - now,
+        (true, _, _) => end + window - now,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{Rate, RateUnit};
+    use proptest::prelude::*;
+
+    const MIN: Micros = 60_000_000;
+    /// A minute boundary.
+    const T0: Micros = 1_700_000_040_000_000;
+
+    fn limit(algorithm: Algorithm, count: u64) -> Limit {
+        Limit::window(
+            algorithm,
+            Rate {
+                count,
+                unit: RateUnit::Minute,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn fixed_window_counts_per_aligned_window() {
+        assert_eq!(T0 % MIN, 0);
+        let l = limit(Algorithm::FixedWindow, 3);
+        let mut state = None;
+        for left in [2, 1, 0] {
+            let (v, s) = decide(state, &l, 1, T0 + 10_000_000).unwrap();
+            assert!(v.allowed);
+            assert_eq!(v.remaining, left);
+            assert_eq!(v.reset_after, 50_000_000);
+            state = Some(s);
+        }
+        let (v, s) = decide(state, &l, 1, T0 + 59_000_000).unwrap();
+        assert!(!v.allowed);
+        assert_eq!(
+            (v.remaining, v.retry_after, v.reset_after),
+            (0, 1_000_000, 1_000_000)
+        );
+        assert_eq!(Some(s), state, "a rejection spends nothing");
+        // The next minute starts over.
+        let (v, _) = decide(state, &l, 3, T0 + MIN).unwrap();
+        assert_eq!((v.allowed, v.remaining), (true, 0));
+        // A clock stepping back into the previous minute does not reset it.
+        let (v, _) = decide(state, &l, 1, T0 - 1).unwrap();
+        assert!(!v.allowed);
+    }
+
+    #[test]
+    fn sliding_window_weighs_the_previous_window() {
+        let l = limit(Algorithm::SlidingWindow, 10);
+        let (_, s) = decide(None, &l, 10, T0 + 30_000_000).unwrap();
+        // 15 s into the next minute, 75% of the previous 10 still count: 8 (rounded up).
+        let now = T0 + MIN + 15_000_000;
+        let (v, _) = decide(Some(s), &l, 2, now).unwrap();
+        assert!(v.allowed);
+        assert_eq!(v.remaining, 0);
+        let (v, _) = decide(Some(s), &l, 3, now).unwrap();
+        assert!(!v.allowed);
+        assert_eq!(v.remaining, 2);
+        // Three fit once the weight is down to 7, ceil(10 × (60 − e) / 60) = 7:
+        // at e = 18 s, 3 s from now.
+        assert_eq!(v.retry_after, 3_000_000);
+        let (later, _) = decide(Some(s), &l, 3, now + v.retry_after).unwrap();
+        assert!(later.allowed);
+        let (early, _) = decide(Some(s), &l, 3, now + v.retry_after - 1_000).unwrap();
+        assert!(!early.allowed);
+    }
+
+    #[test]
+    fn window_limits_validate() {
+        let r = |count, unit| Rate { count, unit };
+        assert!(Limit::window(Algorithm::FixedWindow, r(0, RateUnit::Second)).is_err());
+        assert!(Limit::window(Algorithm::SlidingWindow, r(1_000_000, RateUnit::Year)).is_err());
+        assert!(Limit::window(Algorithm::SlidingWindow, r(1_000_000, RateUnit::Day)).is_ok());
+    }
+
+    fn arb_limit() -> impl Strategy<Value = Limit> {
+        (
+            prop_oneof![Just(Algorithm::FixedWindow), Just(Algorithm::SlidingWindow)],
+            1u64..20,
+            prop_oneof![Just(RateUnit::Second), Just(RateUnit::Minute)],
+        )
+            .prop_map(|(a, count, unit)| Limit::window(a, Rate { count, unit }).unwrap())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Retry-after is exact: at `retry_after` the same request passes, a
+        /// millisecond earlier it does not (whole-ms weighting).
+        #[test]
+        fn retry_after_is_honest(
+            limit in arb_limit(),
+            steps in prop::collection::vec((0u64..3_000_000, 1u64..20), 1..60),
+        ) {
+            let mut now = T0;
+            let mut state = None;
+            for (dt, cost) in steps {
+                now += dt;
+                let cost = cost.min(limit.burst());
+                let (v, s) = decide(state, &limit, cost, now).unwrap();
+                if v.allowed {
+                    state = Some(s);
+                } else {
+                    prop_assert!(v.retry_after > 0);
+                    let (later, _) = decide(state, &limit, cost, now + v.retry_after).unwrap();
+                    prop_assert!(later.allowed, "not allowed after retry_after {}", v.retry_after);
+                    if v.retry_after > 1_000 {
+                        let (early, _) = decide(state, &limit, cost, now + v.retry_after - 1_000).unwrap();
+                        prop_assert!(!early.allowed);
+                    }
+                }
+            }
+        }
+
+        /// A fixed window never admits more than its limit per window; a
+        /// sliding window never more than twice its limit in any window
+        /// length (and its estimate never exceeds the limit).
+        #[test]
+        fn never_over_the_limit_in_a_window(
+            limit in arb_limit(),
+            steps in prop::collection::vec((0u64..2_000_000, 1u64..5), 1..200),
+        ) {
+            let mut now = T0;
+            let mut state: Option<WindowState> = None;
+            let mut admitted: Vec<(Micros, u64)> = Vec::new();
+            for (dt, cost) in steps {
+                now += dt;
+                let cost = cost.min(limit.burst());
+                let (v, s) = decide(state, &limit, cost, now).unwrap();
+                if v.allowed {
+                    state = Some(s);
+                    admitted.push((now, cost));
+                }
+            }
+            let w = limit.interval();
+            for &(t, _) in &admitted {
+                let start = t - t % w;
+                let in_window: u64 = admitted.iter().filter(|(u, _)| *u >= start && *u < start + w).map(|(_, c)| c).sum();
+                prop_assert!(in_window <= limit.burst());
+                let sliding: u64 = admitted.iter().filter(|(u, _)| *u + w > t && *u <= t).map(|(_, c)| c).sum();
+                prop_assert!(sliding <= 2 * limit.burst());
+            }
+        }
+    }
+}
