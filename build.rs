@@ -15,7 +15,14 @@ fn main() -> Result<(), Box<dyn Error>> {
         // Malformed requests are the caller's mistake: answer INVALID_ARGUMENT,
         // not the INTERNAL that the stock prost codec uses.
         .codec_path("crate::grpc::codec::StrictProstCodec")
-        .compile_with_config(config, &["proto/tollgate/v1/tollgate.proto"], &["proto"])?;
+        .compile_with_config(
+            config,
+            &[
+                "proto/tollgate/v1/tollgate.proto",
+                "proto/envoy/service/ratelimit/v3/rls.proto",
+            ],
+            &["proto"],
+        )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

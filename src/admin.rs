@@ -6,6 +6,7 @@
 //! | `/readyz`     | 200 once the limits are loaded and the server accepts  |
 //! | `/metrics`    | Prometheus text format                                 |
 //! | `/v1/limits`  | JSON: the rules in force and the last reload's status  |
+//! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +18,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::envoy::LiveEnvoyConfig;
 use crate::limiter::Limiter;
 use crate::store::{MemoryStore, RedisStore};
 use crate::telemetry::metrics;
@@ -25,6 +27,8 @@ use crate::telemetry::metrics;
 pub struct AdminState {
     /// The limiter, for its rules and store.
     pub limiter: Arc<Limiter>,
+    /// The Envoy configuration, for its status.
+    pub envoy: Arc<LiveEnvoyConfig>,
     /// The in-process store (the store, or the local fallback), for its figures.
     pub memory: Option<Arc<MemoryStore>>,
     /// The Redis store, when in use, for its breaker state.
@@ -41,11 +45,12 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(render_metrics))
         .route("/v1/limits", get(limits))
+        .route("/v1/envoy-config", get(envoy_config))
         .with_state(state)
 }
 
 async fn index() -> &'static str {
-    "Tollgate admin port: /healthz /readyz /metrics /v1/limits\n"
+    "Tollgate admin port: /healthz /readyz /metrics /v1/limits /v1/envoy-config\n"
 }
 
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
@@ -69,6 +74,10 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
         metrics::handle().render(),
     )
         .into_response()
+}
+
+async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
+    Json(json!({ "status": state.envoy.status() }))
 }
 
 async fn limits(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {

@@ -96,6 +96,16 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
+    /// for Envoy's rate limit service API; re-read every reload interval.
+    #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
+    pub envoy_config: Option<std::path::PathBuf>,
+    /// Envoy API global shadow mode: count, but never answer OVER_LIMIT.
+    #[arg(long, env = "TOLLGATE_ENVOY_SHADOW_MODE")]
+    pub envoy_shadow_mode: bool,
+    /// Add RateLimit-* and Retry-After to Envoy's response_headers_to_add.
+    #[arg(long, env = "TOLLGATE_ENVOY_RESPONSE_HEADERS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub envoy_response_headers: bool,
 }
 
 impl ServeArgs {
@@ -115,6 +125,11 @@ impl ServeArgs {
             breaker_cooldown: self.breaker_cooldown,
             local_fraction: self.local_fraction,
             redis_ca_cert: self.redis_ca_cert.clone(),
+            envoy_config: self.envoy_config.clone(),
+            envoy_options: crate::envoy::service::EnvoyOptions {
+                shadow_mode: self.envoy_shadow_mode,
+                response_headers: self.envoy_response_headers,
+            },
             ..ServeConfig::default()
         })
     }

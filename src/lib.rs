@@ -9,6 +9,7 @@ pub mod admin;
 pub mod bucket;
 pub mod cli;
 pub mod clock;
+pub mod envoy;
 pub mod grpc;
 pub mod limiter;
 pub mod limits;

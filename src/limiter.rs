@@ -195,6 +195,29 @@ impl Limiter {
         self.decide_all(items, dry_run, true).await
     }
 
+    /// Applies charges to the store as one atomic decision; when the store
+    /// is unavailable, decides by each charge's policy instead (the second
+    /// value is then true). Every API reaches the store through here.
+    pub async fn apply(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        policies: &[OnStoreUnavailable],
+        spend: bool,
+    ) -> Result<(Outcome, bool), DecideError> {
+        match (
+            self.store.apply(buckets, charges, spend).await,
+            &self.fallback,
+        ) {
+            (Ok(outcome), _) => Ok((outcome, false)),
+            (Err(err), Some(fallback)) if err.is_transient() => {
+                tracing::debug!(error = %err, "store unavailable; deciding by each rule's policy");
+                Ok((degrade(fallback, buckets, charges, policies, spend), true))
+            }
+            (Err(err), _) => Err(err.into()),
+        }
+    }
+
     async fn decide_all(
         &self,
         items: &[Item<'_>],
@@ -284,18 +307,12 @@ impl Limiter {
         let (plan, degraded) = if charges.is_empty() {
             (None, false)
         } else {
-            match (
-                self.store.apply(&buckets, &charges, !dry_run).await,
-                &self.fallback,
-            ) {
-                (Ok(outcome), _) => (Some(outcome), false),
-                (Err(err), Some(fallback)) if err.is_transient() => {
-                    tracing::debug!(error = %err, "store unavailable; deciding by each rule's policy");
-                    let outcome = degrade(fallback, &buckets, &charges, &charge_rules, !dry_run);
-                    (Some(outcome), true)
-                }
-                (Err(err), _) => return Err(err.into()),
-            }
+            let policies: Vec<OnStoreUnavailable> = charge_rules
+                .iter()
+                .map(|r| r.on_store_unavailable)
+                .collect();
+            let (outcome, degraded) = self.apply(&buckets, &charges, &policies, !dry_run).await?;
+            (Some(outcome), degraded)
         };
         let mut decisions: Vec<Decision> = (0..items.len())
             .map(|_| Decision {
@@ -335,14 +352,14 @@ fn degrade(
     fallback: &Fallback,
     buckets: &[BucketKey],
     charges: &[Charge],
-    rules: &[Arc<Rule>],
+    policies: &[OnStoreUnavailable],
     spend: bool,
 ) -> Outcome {
     let mut verdicts = Vec::with_capacity(charges.len());
     let mut local = Vec::new();
     let mut denied = false;
-    for (i, (charge, rule)) in charges.iter().zip(rules).enumerate() {
-        let verdict = match rule.on_store_unavailable {
+    for (i, (charge, policy)) in charges.iter().zip(policies).enumerate() {
+        let verdict = match policy {
             OnStoreUnavailable::Allow => Verdict {
                 allowed: true,
                 remaining: charge.limit.burst().saturating_sub(charge.cost),

@@ -15,6 +15,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin::{self, AdminState};
 use crate::clock::Clock;
+use crate::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitServiceServer};
+use crate::envoy::{ConfigError, LiveEnvoyConfig};
 use crate::grpc::{RateLimiterServer, RateLimiterService, proto};
 use crate::limiter::Fallback;
 use crate::limiter::{Limiter, Unmatched};
@@ -90,6 +92,10 @@ pub struct ServeConfig {
     pub local_fraction: f64,
     /// CA certificate (PEM) for `rediss://` servers signed by a private CA.
     pub redis_ca_cert: Option<std::path::PathBuf>,
+    /// A directory of envoyproxy/ratelimit YAML files for the Envoy API.
+    pub envoy_config: Option<std::path::PathBuf>,
+    /// Options of the Envoy API.
+    pub envoy_options: EnvoyOptions,
     /// Use the given clock for Redis decisions instead of Redis's own `TIME`
     /// (for tests that control time).
     pub redis_uses_clock: bool,
@@ -110,6 +116,8 @@ impl Default for ServeConfig {
             breaker_cooldown: Duration::from_secs(1),
             local_fraction: 1.0,
             redis_ca_cert: None,
+            envoy_config: None,
+            envoy_options: EnvoyOptions::default(),
             redis_uses_clock: false,
         }
     }
@@ -151,6 +159,9 @@ pub enum ServeError {
     /// The store could not be set up.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The Envoy configuration could not be loaded.
+    #[error("envoy config: {0}")]
+    EnvoyConfig(#[from] ConfigError),
 }
 
 /// Serves gRPC and admin HTTP until `shutdown` completes, then stops
@@ -164,6 +175,10 @@ pub async fn run(
     crate::telemetry::metrics::handle(); // install the recorder before the first count
     let table = LimitsTable::open(&config.limits).await?;
     let limits = Arc::new(LiveLimits::load(&table).await?);
+    let envoy_config = Arc::new(match &config.envoy_config {
+        Some(dir) => LiveEnvoyConfig::load(dir)?,
+        None => LiveEnvoyConfig::empty(),
+    });
     // The in-process store: the store itself, or the fallback for rules
     // that decide locally while Redis is down.
     let memory = Arc::new(MemoryStore::new(clock.clone(), config.max_buckets));
@@ -209,6 +224,11 @@ pub async fn run(
         let _ = trigger.send(true);
     });
 
+    let envoy_watcher = tokio::spawn(crate::envoy::watch(
+        envoy_config.clone(),
+        config.reload_interval,
+        stopped(),
+    ));
     let watcher = tokio::spawn(watch_limits(
         limits.clone(),
         table.clone(),
@@ -233,6 +253,7 @@ pub async fn run(
     let admin_addr = listeners.admin.local_addr()?;
     let admin_state = Arc::new(AdminState {
         limiter: limiter.clone(),
+        envoy: envoy_config.clone(),
         memory: Some(memory),
         redis,
         ready: false.into(),
@@ -261,6 +282,12 @@ pub async fn run(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the embedded descriptor sets are valid");
+    let envoy = RateLimitServiceServer::new(EnvoyRateLimitService::new(
+        limiter.clone(),
+        envoy_config,
+        config.envoy_options,
+    ))
+    .max_decoding_message_size(MAX_MESSAGE_BYTES);
     let native = RateLimiterServer::new(RateLimiterService::new(limiter))
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
 
@@ -276,6 +303,7 @@ pub async fn run(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(native)
+        .add_service(envoy)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), stopped())
         .await;
     admin_state.ready.store(false, Ordering::Release);
@@ -286,6 +314,7 @@ pub async fn run(
 
     let _ = admin_task.await;
     let _ = watcher.await;
+    let _ = envoy_watcher.await;
     let _ = sweeper.await;
     let _ = readiness.await;
     table.close().await;

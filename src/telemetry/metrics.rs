@@ -129,3 +129,11 @@ pub fn store_error(store: &'static str, kind: &'static str) {
 pub fn breaker_state(store: &'static str, state: u8) {
     gauge!(BREAKER_STATE, "store" => store).set(f64::from(state));
 }
+
+/// Envoy configuration reloads, by `result`.
+pub const ENVOY_RELOADS: &str = "tollgate_envoy_config_reloads_total";
+
+/// Counts an Envoy configuration load or reload.
+pub fn envoy_config_reload(ok: bool) {
+    counter!(ENVOY_RELOADS, "result" => if ok { "success" } else { "failure" }).increment(1);
+}
