@@ -214,28 +214,26 @@ impl RateLimitService for EnvoyRateLimitService {
         }
 
         let mut response_headers_to_add = Vec::new();
-        if self.options.response_headers {
-            if let Some((rule, v)) = tightest {
-                let limit = match rule.kind {
-                    RuleKind::Limited(limit) => limit.burst(),
-                    _ => 0,
-                };
-                let mut add = |k: &str, v: String| {
-                    response_headers_to_add.push(HeaderValue {
-                        key: k.into(),
-                        value: v,
-                        raw_value: Vec::new(),
-                    })
-                };
-                add("RateLimit-Limit", limit.to_string());
-                add("RateLimit-Remaining", v.remaining.to_string());
-                add(
-                    "RateLimit-Reset",
-                    v.reset_after.div_ceil(1_000_000).to_string(),
-                );
-                if over && !v.allowed && v.retry_after != Micros::MAX {
-                    add("Retry-After", v.retry_after.div_ceil(1_000_000).to_string());
-                }
+        if let (true, Some((rule, v))) = (self.options.response_headers, tightest) {
+            let limit = match rule.kind {
+                RuleKind::Limited(limit) => limit.burst(),
+                _ => 0,
+            };
+            let mut add = |k: &str, v: String| {
+                response_headers_to_add.push(HeaderValue {
+                    key: k.into(),
+                    value: v,
+                    raw_value: Vec::new(),
+                })
+            };
+            add("RateLimit-Limit", limit.to_string());
+            add("RateLimit-Remaining", v.remaining.to_string());
+            add(
+                "RateLimit-Reset",
+                v.reset_after.div_ceil(1_000_000).to_string(),
+            );
+            if over && !v.allowed && v.retry_after != Micros::MAX {
+                add("Retry-After", v.retry_after.div_ceil(1_000_000).to_string());
             }
         }
         let overall = if over && !self.options.shadow_mode {
