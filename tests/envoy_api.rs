@@ -453,3 +453,43 @@ async fn hot_reload_keeps_the_last_good_config_and_follows_configmap_symlink_swa
     assert_eq!(limit(&one(&mut client, &[("k", "c")]).await.1), Some(50));
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_envoy_api_on_redis_and_on_a_cluster() {
+    use common::redis::{RedisCluster, RedisServer};
+    use tollgate::server::StoreSpec;
+    let redis = RedisServer::start();
+    let cluster = RedisCluster::start();
+    for url in [redis.url(), cluster.url()] {
+        let dir = config_dir(CONFIG);
+        let path = dir.path().to_owned();
+        let server = TestServer::launch(None, move |c| {
+            c.envoy_config = Some(path);
+            c.store = StoreSpec::Redis(url);
+            c.redis_uses_clock = true;
+        })
+        .await;
+        let mut client = RateLimitServiceClient::new(server.channel().await);
+        for left in [2, 1, 0] {
+            let (code, s) = one(&mut client, &[("remote_address", "10.9.9.9")]).await;
+            assert_eq!((code, s.limit_remaining), (Code::Ok, left));
+        }
+        // Two descriptors, one over: decided atomically, the other not charged.
+        one(&mut client, &[("plan", "free")]).await;
+        let r = ask(
+            &mut client,
+            request(vec![
+                descriptor(&[("user", "u")]),
+                descriptor(&[("plan", "free")]),
+            ]),
+        )
+        .await;
+        assert_eq!(r.overall_code(), Code::OverLimit);
+        assert_eq!(r.statuses[0].limit_remaining, 10);
+        assert_eq!(
+            one(&mut client, &[("remote_address", "10.9.9.9")]).await.0,
+            Code::OverLimit
+        );
+        server.stop().await;
+    }
+}
