@@ -7,6 +7,7 @@
 //! | `/metrics`    | Prometheus text format                                 |
 //! | `/v1/limits`  | JSON: the rules in force and the last reload's status  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
+//! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`) |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,11 +23,14 @@ use crate::envoy::LiveEnvoyConfig;
 use crate::limiter::Limiter;
 use crate::store::{MemoryStore, RedisStore};
 use crate::telemetry::metrics;
+use crate::telemetry::top::TopLimited;
 
 /// What the admin handlers read.
 pub struct AdminState {
     /// The limiter, for its rules and store.
     pub limiter: Arc<Limiter>,
+    /// Rejections by tenant and key.
+    pub top: Arc<TopLimited>,
     /// The Envoy configuration, for its status.
     pub envoy: Arc<LiveEnvoyConfig>,
     /// The in-process store (the store, or the local fallback), for its figures.
@@ -46,11 +50,12 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/metrics", get(render_metrics))
         .route("/v1/limits", get(limits))
         .route("/v1/envoy-config", get(envoy_config))
+        .route("/v1/top-limited", get(top_limited))
         .with_state(state)
 }
 
 async fn index() -> &'static str {
-    "Tollgate admin port: /healthz /readyz /metrics /v1/limits /v1/envoy-config\n"
+    "Tollgate admin port: /healthz /readyz /metrics /v1/limits /v1/envoy-config /v1/top-limited\n"
 }
 
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
@@ -69,11 +74,26 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     if let Some(redis) = &state.redis {
         metrics::breaker_state("redis", redis.breaker_state() as u8);
     }
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        metrics::handle().render(),
-    )
-        .into_response()
+    let mut text = metrics::handle().render();
+    text.push_str(&crate::telemetry::top::render_metric(&state.top.top(10, 0)));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct TopQuery {
+    tenants: Option<usize>,
+    keys: Option<usize>,
+}
+
+async fn top_limited(
+    State(state): State<Arc<AdminState>>,
+    axum::extract::Query(q): axum::extract::Query<TopQuery>,
+) -> Json<serde_json::Value> {
+    let tenants = state.top.top(
+        q.tenants.unwrap_or(10).min(100),
+        q.keys.unwrap_or(5).min(100),
+    );
+    Json(json!({ "window_seconds": state.top.window().as_secs(), "tenants": tenants }))
 }
 
 async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {

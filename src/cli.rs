@@ -37,6 +37,32 @@ pub enum Command {
     Limits(LimitsCommand),
     /// Ask a running server for a decision and print it.
     Check(CheckArgs),
+    /// Show the most limited tenants of a running server, refreshing in place.
+    Top(TopArgs),
+}
+
+/// `tollgate top`.
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// The server's gRPC address.
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Tenants to show.
+    #[arg(long, default_value_t = 10)]
+    pub tenants: u32,
+    /// Keys to show per tenant.
+    #[arg(long, default_value_t = 3)]
+    pub keys: u32,
+    /// Time between refreshes.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Stop after this many refreshes (default: until Ctrl-C).
+    #[arg(long)]
+    pub count: Option<u32>,
 }
 
 /// `tollgate serve`.
@@ -437,4 +463,85 @@ fn describe(r: &crate::grpc::proto::v1::ShouldAllowResponse) -> String {
         },
         headers.join(", "),
     )
+}
+
+/// Runs `top`: a table of the most limited tenants, redrawn in place on a
+/// terminal (appended otherwise).
+pub async fn top(args: TopArgs) -> anyhow::Result<()> {
+    use crate::grpc::proto::v1::TopLimitedRequest;
+    use crate::grpc::proto::v1::admin_client::AdminClient;
+    use std::io::IsTerminal;
+
+    let mut client = AdminClient::connect(args.server.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let terminal = std::io::stdout().is_terminal();
+    let mut shown = 0;
+    loop {
+        let response = client
+            .top_limited(TopLimitedRequest {
+                tenants: args.tenants,
+                keys: args.keys,
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+            .into_inner();
+        let window = response.window.map_or(0, |w| w.seconds);
+        let mut out = String::new();
+        if terminal {
+            out.push_str("\x1b[H\x1b[2J");
+        }
+        out.push_str(&format!(
+            "Most limited tenants on {} (rejections over the last {}-{} s)\n",
+            args.server,
+            window,
+            2 * window
+        ));
+        let mut rows = vec![[
+            "RANK".to_owned(),
+            "TENANT".into(),
+            "REJECTIONS".into(),
+            "TOP KEYS".into(),
+        ]];
+        for (i, t) in response.tenants.iter().enumerate() {
+            let tenant = if t.tenant.is_empty() {
+                "(default)".to_owned()
+            } else {
+                t.tenant.clone()
+            };
+            let rejections = if t.error > 0 {
+                format!("{} (±{})", t.rejections, t.error)
+            } else {
+                t.rejections.to_string()
+            };
+            let keys: Vec<String> = t
+                .keys
+                .iter()
+                .map(|k| format!("{} ({})", k.key, k.rejections))
+                .collect();
+            rows.push([(i + 1).to_string(), tenant, rejections, keys.join(", ")]);
+        }
+        if response.tenants.is_empty() {
+            out.push_str("no rejections in the window\n");
+        } else {
+            let widths: Vec<usize> = (0..4)
+                .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+                .collect();
+            for row in &rows {
+                let cells: Vec<String> = row
+                    .iter()
+                    .zip(&widths)
+                    .map(|(c, w)| format!("{c:<w$}"))
+                    .collect();
+                out.push_str(cells.join("  ").trim_end());
+                out.push('\n');
+            }
+        }
+        print!("{out}");
+        shown += 1;
+        if args.count.is_some_and(|n| shown >= n) {
+            return Ok(());
+        }
+        tokio::time::sleep(args.interval).await;
+    }
 }

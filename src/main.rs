@@ -34,6 +34,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             cli::limits(command).await?;
         }
         Command::Check(args) => cli::check(args).await?,
+        Command::Top(args) => cli::top(args).await?,
     }
     Ok(())
 }

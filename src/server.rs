@@ -17,12 +17,13 @@ use crate::admin::{self, AdminState};
 use crate::clock::Clock;
 use crate::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitServiceServer};
 use crate::envoy::{ConfigError, LiveEnvoyConfig};
-use crate::grpc::{RateLimiterServer, RateLimiterService, proto};
+use crate::grpc::{AdminServer, AdminService, RateLimiterServer, RateLimiterService, proto};
 use crate::limiter::Fallback;
 use crate::limiter::{Limiter, Unmatched};
 use crate::limits::table::{LimitsTable, TableError};
 use crate::limits::watch::{LiveLimits, LoadError, watch as watch_limits};
 use crate::store::{MemoryStore, RedisConfig, RedisStore, Store, StoreError, redact};
+use crate::telemetry::top::TopLimited;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
@@ -251,7 +252,9 @@ pub async fn run(
 
     let grpc_addr = listeners.grpc.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
+    let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
     let admin_state = Arc::new(AdminState {
+        top: top.clone(),
         limiter: limiter.clone(),
         envoy: envoy_config.clone(),
         memory: Some(memory),
@@ -286,9 +289,11 @@ pub async fn run(
         limiter.clone(),
         envoy_config,
         config.envoy_options,
+        top.clone(),
     ))
     .max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let native = RateLimiterServer::new(RateLimiterService::new(limiter))
+    let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
+    let native = RateLimiterServer::new(RateLimiterService::new(limiter, top))
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
 
     tracing::info!(
@@ -300,10 +305,12 @@ pub async fn run(
     );
     let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .layer(crate::grpc::observe::ObserveLayer)
         .add_service(health_service)
         .add_service(reflection)
         .add_service(native)
         .add_service(envoy)
+        .add_service(admin_grpc)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), stopped())
         .await;
     admin_state.ready.store(false, Ordering::Release);

@@ -24,6 +24,7 @@ use crate::limiter::Limiter;
 use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
 use crate::telemetry::metrics::{self, Outcome};
+use crate::telemetry::top::TopLimited;
 
 pub use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 
@@ -53,15 +54,23 @@ pub struct EnvoyRateLimitService {
     limiter: Arc<Limiter>,
     config: Arc<LiveEnvoyConfig>,
     options: EnvoyOptions,
+    top: Arc<TopLimited>,
 }
 
 impl EnvoyRateLimitService {
-    /// The service.
-    pub fn new(limiter: Arc<Limiter>, config: Arc<LiveEnvoyConfig>, options: EnvoyOptions) -> Self {
+    /// The service; rejections are counted in `top` under the tenant
+    /// `~DOMAIN`.
+    pub fn new(
+        limiter: Arc<Limiter>,
+        config: Arc<LiveEnvoyConfig>,
+        options: EnvoyOptions,
+        top: Arc<TopLimited>,
+    ) -> Self {
         Self {
             limiter,
             config,
             options,
+            top,
         }
     }
 }
@@ -123,6 +132,7 @@ impl RateLimitService for EnvoyRateLimitService {
         let mut plans = Vec::with_capacity(matched.len());
         let (mut buckets, mut charges, mut policies) =
             (Vec::new(), Vec::<Charge>::new(), Vec::new());
+        let mut counters: Vec<&str> = Vec::new();
         let mut index: HashMap<BucketKey, usize> = HashMap::new();
         let domain = encode_domain(&req.domain);
         for found in &matched {
@@ -146,6 +156,7 @@ impl RateLimitService for EnvoyRateLimitService {
                                 enforce: !m.rule.shadow,
                             });
                             policies.push(m.rule.on_store_unavailable);
+                            counters.push(&m.counter);
                             charges.len() - 1
                         });
                         charges[at].cost += hits;
@@ -197,6 +208,13 @@ impl RateLimitService for EnvoyRateLimitService {
                     let verdict = outcome.as_ref().map(|o| o.verdicts[*at]).expect("charged");
                     let rejected = !verdict.allowed && !rule.shadow;
                     over |= rejected;
+                    if rejected {
+                        self.top.record(
+                            &format!("~{}", req.domain),
+                            counters[*at],
+                            charges[*at].cost,
+                        );
+                    }
                     record(rule, degraded, rejected, charges[*at].cost);
                     if tighter(&verdict, tightest.as_ref().map(|(_, v)| v)) {
                         tightest = Some((rule, verdict));

@@ -4,6 +4,7 @@
 //! become responses, errors become statuses in [`status`].
 
 pub mod codec;
+pub mod observe;
 pub mod status;
 
 use std::collections::HashMap;
@@ -15,6 +16,7 @@ use crate::bucket::Micros;
 use crate::limiter::{Decision, Item, Limiter};
 use crate::limits::OnStoreUnavailable;
 use crate::telemetry::metrics::{self, Outcome};
+use crate::telemetry::top::TopLimited;
 
 /// Code generated from `proto/`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
@@ -78,6 +80,7 @@ use proto::v1::{
     ShouldAllowBatchRequest, ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse,
 };
 
+pub use proto::v1::admin_server::AdminServer;
 pub use proto::v1::rate_limiter_server::RateLimiterServer;
 
 /// The `api` label of decisions made through this service.
@@ -86,12 +89,80 @@ const API: &str = "native";
 /// Implements `tollgate.v1.RateLimiter` over a [`Limiter`].
 pub struct RateLimiterService {
     limiter: Arc<Limiter>,
+    top: Arc<TopLimited>,
 }
 
 impl RateLimiterService {
-    /// The service over `limiter`.
-    pub fn new(limiter: Arc<Limiter>) -> Self {
-        Self { limiter }
+    /// The service over `limiter`, counting rejections in `top`.
+    pub fn new(limiter: Arc<Limiter>, top: Arc<TopLimited>) -> Self {
+        Self { limiter, top }
+    }
+
+    fn record(&self, item: &Item<'_>, decision: &Decision) {
+        let cost = item.cost.max(1);
+        let outcome = match (decision.degraded, decision.allowed, decision.shadow) {
+            (Some(OnStoreUnavailable::Allow), ..) => Outcome::FailedOpen,
+            (Some(OnStoreUnavailable::Deny), ..) => Outcome::FailedClosed,
+            (Some(OnStoreUnavailable::Local), ..) => Outcome::LocalFallback,
+            (None, false, _) => Outcome::Rejected,
+            (None, true, true) => Outcome::ShadowRejected,
+            (None, true, false) => Outcome::Allowed,
+        };
+        if !decision.allowed {
+            self.top.record(item.tenant, item.key, cost);
+        }
+        let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
+        metrics::decision(API, outcome, rule, cost);
+    }
+}
+
+/// Implements `tollgate.v1.Admin`.
+pub struct AdminService {
+    top: Arc<TopLimited>,
+}
+
+impl AdminService {
+    /// The service reading `top`.
+    pub fn new(top: Arc<TopLimited>) -> Self {
+        Self { top }
+    }
+}
+
+#[tonic::async_trait]
+impl proto::v1::admin_server::Admin for AdminService {
+    async fn top_limited(
+        &self,
+        request: Request<proto::v1::TopLimitedRequest>,
+    ) -> Result<Response<proto::v1::TopLimitedResponse>, Status> {
+        let r = request.get_ref();
+        let pick = |n: u32, default: usize| {
+            if n == 0 {
+                default
+            } else {
+                (n as usize).min(100)
+            }
+        };
+        let tenants = self.top.top(pick(r.tenants, 10), pick(r.keys, 5));
+        Ok(Response::new(proto::v1::TopLimitedResponse {
+            window: Some(duration(self.top.window().as_micros() as Micros)),
+            tenants: tenants
+                .into_iter()
+                .map(|t| proto::v1::LimitedTenant {
+                    tenant: t.tenant,
+                    rejections: t.rejections,
+                    error: t.error,
+                    keys: t
+                        .keys
+                        .into_iter()
+                        .map(|k| proto::v1::LimitedKey {
+                            key: k.name,
+                            rejections: k.count,
+                            error: k.error,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }))
     }
 }
 
@@ -110,7 +181,7 @@ impl RateLimiter for RateLimiterService {
         };
         match self.limiter.decide(item, req.dry_run).await {
             Ok(decision) => {
-                record(&decision, item.cost);
+                self.record(&item, &decision);
                 Ok(Response::new(to_response(&decision)))
             }
             Err(err) => {
@@ -138,7 +209,7 @@ impl RateLimiter for RateLimiterService {
         match self.limiter.decide_batch(&items, req.dry_run).await {
             Ok(batch) => {
                 for (decision, item) in batch.items.iter().zip(&items) {
-                    record(decision, item.cost);
+                    self.record(item, decision);
                 }
                 Ok(Response::new(ShouldAllowBatchResponse {
                     allowed: batch.allowed,
@@ -162,19 +233,6 @@ fn degraded(decision: &Decision) -> proto::v1::Degraded {
         Some(OnStoreUnavailable::Deny) => Degraded::FailedClosed,
         Some(OnStoreUnavailable::Local) => Degraded::Local,
     }
-}
-
-fn record(decision: &Decision, cost: u64) {
-    let outcome = match (decision.degraded, decision.allowed, decision.shadow) {
-        (Some(OnStoreUnavailable::Allow), ..) => Outcome::FailedOpen,
-        (Some(OnStoreUnavailable::Deny), ..) => Outcome::FailedClosed,
-        (Some(OnStoreUnavailable::Local), ..) => Outcome::LocalFallback,
-        (None, false, _) => Outcome::Rejected,
-        (None, true, true) => Outcome::ShadowRejected,
-        (None, true, false) => Outcome::Allowed,
-    };
-    let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
-    metrics::decision(API, outcome, rule, cost.max(1));
 }
 
 /// Builds the response, including the HTTP header values.

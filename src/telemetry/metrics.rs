@@ -60,9 +60,20 @@ impl Outcome {
 pub fn handle() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
-        let handle = PrometheusBuilder::new()
+        // Latencies as histograms (not summaries) so that PromQL can
+        // aggregate them across instances with histogram_quantile.
+        let buckets = [
+            0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+            0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        ];
+        let builder = || {
+            PrometheusBuilder::new()
+                .set_buckets(&buckets)
+                .expect("non-empty buckets")
+        };
+        let handle = builder()
             .install_recorder()
-            .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder().handle());
+            .unwrap_or_else(|_| builder().build_recorder().handle());
         describe_counter!(
             DECISIONS,
             "Rate-limit decisions, by API, outcome and deciding rule."
@@ -79,6 +90,25 @@ pub fn handle() -> &'static PrometheusHandle {
         describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
         describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
         describe_counter!(EVICTIONS, "Buckets dropped from memory, by reason.");
+        metrics::describe_histogram!(
+            STORE_DURATION,
+            metrics::Unit::Seconds,
+            "Store call latency, by store and operation."
+        );
+        describe_counter!(STORE_ERRORS, "Store errors, by store and kind.");
+        describe_gauge!(
+            BREAKER_STATE,
+            "Circuit breaker state: 0 closed, 1 open, 2 half-open."
+        );
+        describe_counter!(
+            ENVOY_RELOADS,
+            "Envoy configuration loads and reloads, by result."
+        );
+        metrics::describe_histogram!(
+            GRPC_DURATION,
+            metrics::Unit::Seconds,
+            "gRPC request latency, by method."
+        );
         handle
     })
 }
@@ -136,4 +166,12 @@ pub const ENVOY_RELOADS: &str = "tollgate_envoy_config_reloads_total";
 /// Counts an Envoy configuration load or reload.
 pub fn envoy_config_reload(ok: bool) {
     counter!(ENVOY_RELOADS, "result" => if ok { "success" } else { "failure" }).increment(1);
+}
+
+/// gRPC request latency, by `method`.
+pub const GRPC_DURATION: &str = "tollgate_grpc_request_duration_seconds";
+
+/// Records one gRPC request's latency.
+pub fn grpc_request(method: &'static str, took: std::time::Duration) {
+    metrics::histogram!(GRPC_DURATION, "method" => method).record(took.as_secs_f64());
 }

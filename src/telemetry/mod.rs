@@ -1,6 +1,7 @@
 //! Logs and metrics.
 
 pub mod metrics;
+pub mod top;
 
 use std::io::IsTerminal;
 

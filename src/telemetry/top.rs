@@ -1,0 +1,333 @@
+//! The most-limited tenants (and keys within them), in bounded memory.
+//!
+//! Rejections are counted in a space-saving sketch: it tracks at most
+//! `capacity` items; a new item replaces the one with the smallest count and
+//! inherits that count as its possible overcount (`error`). Any item whose
+//! true count exceeds `total / capacity` is guaranteed to be tracked, so
+//! the heavy hitters are right no matter how many distinct tenants or keys
+//! arrive. "Recent" is two windows: the current one and the one before,
+//! rotated every `window`, so the answer covers between one and two
+//! windows of history.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::clock::{Clock, Micros};
+
+/// One counted item.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Heavy {
+    /// The tenant or key.
+    pub name: String,
+    /// Rejections counted (an upper bound).
+    pub count: u64,
+    /// How much of `count` may belong to items it replaced.
+    pub error: u64,
+}
+
+/// A space-saving sketch of at most `capacity` items.
+///
+/// The smallest count is found through a min-heap with lazy deletion: every
+/// increment pushes the item's new count, and stale heap entries (whose count
+/// no longer matches) are skipped when popped, so an eviction costs
+/// O(log capacity) amortised.
+#[derive(Debug, Clone)]
+pub struct SpaceSaving {
+    capacity: usize,
+    items: HashMap<String, (u64, u64)>,
+    heap: BinaryHeap<Reverse<(u64, String)>>,
+}
+
+impl SpaceSaving {
+    /// A sketch tracking at most `capacity` (≥ 1) items.
+    pub fn new(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
+        Self {
+            capacity,
+            items: HashMap::with_capacity(capacity),
+            heap: BinaryHeap::with_capacity(capacity * 2),
+        }
+    }
+
+    /// Items tracked now (never more than the capacity).
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// True when nothing was counted.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Counts `weight` for `name`.
+    pub fn add(&mut self, name: &str, weight: u64) {
+        let count = if let Some(entry) = self.items.get_mut(name) {
+            entry.0 += weight;
+            entry.0
+        } else if self.items.len() < self.capacity {
+            self.items.insert(name.to_owned(), (weight, 0));
+            weight
+        } else {
+            let min = self.pop_min();
+            self.items.insert(name.to_owned(), (min + weight, min));
+            min + weight
+        };
+        self.heap.push(Reverse((count, name.to_owned())));
+        if self.heap.len() > self.capacity * 4 {
+            // Drop the stale entries.
+            self.heap = self
+                .items
+                .iter()
+                .map(|(n, (c, _))| Reverse((*c, n.clone())))
+                .collect();
+        }
+    }
+
+    /// Removes the item with the smallest count; returns that count.
+    fn pop_min(&mut self) -> u64 {
+        while let Some(Reverse((count, name))) = self.heap.pop() {
+            if self.items.get(&name).is_some_and(|(c, _)| *c == count) {
+                self.items.remove(&name);
+                return count;
+            }
+        }
+        0
+    }
+
+    /// This sketch's counts plus another's (for merging two windows).
+    fn merged(&self, other: &Self) -> HashMap<String, (u64, u64)> {
+        let mut all = self.items.clone();
+        for (name, (count, error)) in &other.items {
+            let entry = all.entry(name.clone()).or_insert((0, 0));
+            entry.0 += count;
+            entry.1 += error;
+        }
+        all
+    }
+}
+
+/// The `n` items with the most rejections that are certain (count minus
+/// possible overcount), then by count.
+fn top(items: HashMap<String, (u64, u64)>, n: usize) -> Vec<Heavy> {
+    let mut list: Vec<Heavy> = items
+        .into_iter()
+        .map(|(name, (count, error))| Heavy { name, count, error })
+        .collect();
+    list.sort_by(|a, b| {
+        (b.count - b.error, b.count)
+            .cmp(&(a.count - a.error, a.count))
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    list.truncate(n);
+    list
+}
+
+/// A tenant among the most limited, with its most limited keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TopTenant {
+    /// Tenant ('' is the default tenant; Envoy domains start with `~`).
+    pub tenant: String,
+    /// Rejections counted.
+    pub rejections: u64,
+    /// Possible overcount.
+    pub error: u64,
+    /// The tenant's most rejected keys.
+    pub keys: Vec<Heavy>,
+}
+
+struct Windows {
+    started: Micros,
+    tenants: [SpaceSaving; 2],
+    keys: [SpaceSaving; 2],
+}
+
+/// Rejections per tenant and per (tenant, key), over a recent window.
+pub struct TopLimited {
+    windows: Mutex<Windows>,
+    window: Micros,
+    clock: Arc<dyn Clock>,
+}
+
+impl TopLimited {
+    /// Tracks up to `capacity` tenants and `4 × capacity` keys per window.
+    pub fn new(capacity: usize, window: Duration, clock: Arc<dyn Clock>) -> Self {
+        let sketch = |n| [SpaceSaving::new(n), SpaceSaving::new(n)];
+        Self {
+            windows: Mutex::new(Windows {
+                started: clock.now(),
+                tenants: sketch(capacity),
+                keys: sketch(capacity * 4),
+            }),
+            window: window.as_micros().max(1) as Micros,
+            clock,
+        }
+    }
+
+    /// The window length.
+    pub fn window(&self) -> Duration {
+        Duration::from_micros(self.window)
+    }
+
+    fn rotate(&self, w: &mut Windows) {
+        let now = self.clock.now();
+        let elapsed = now.saturating_sub(w.started);
+        if elapsed >= 2 * self.window {
+            w.tenants = [
+                SpaceSaving::new(w.tenants[0].capacity),
+                SpaceSaving::new(w.tenants[0].capacity),
+            ];
+            w.keys = [
+                SpaceSaving::new(w.keys[0].capacity),
+                SpaceSaving::new(w.keys[0].capacity),
+            ];
+            w.started = now;
+        } else if elapsed >= self.window {
+            w.tenants.swap(0, 1);
+            w.tenants[0] = SpaceSaving::new(w.tenants[0].capacity);
+            w.keys.swap(0, 1);
+            w.keys[0] = SpaceSaving::new(w.keys[0].capacity);
+            w.started += self.window;
+        }
+    }
+
+    /// Counts a rejection of `weight` tokens for `key` of `tenant`.
+    pub fn record(&self, tenant: &str, key: &str, weight: u64) {
+        let mut w = self.windows.lock();
+        self.rotate(&mut w);
+        w.tenants[0].add(tenant, weight);
+        let mut pair = String::with_capacity(tenant.len() + key.len() + 1);
+        pair.push_str(tenant);
+        pair.push('\u{0}');
+        pair.push_str(key);
+        w.keys[0].add(&pair, weight);
+    }
+
+    /// The `n` most limited tenants, each with up to `keys` of its keys.
+    pub fn top(&self, n: usize, keys: usize) -> Vec<TopTenant> {
+        let mut w = self.windows.lock();
+        self.rotate(&mut w);
+        let tenants = top(w.tenants[0].merged(&w.tenants[1]), n);
+        let all_keys = w.keys[0].merged(&w.keys[1]);
+        tenants
+            .into_iter()
+            .map(|t| {
+                let prefix = format!("{}\u{0}", t.name);
+                let mine = all_keys
+                    .iter()
+                    .filter_map(|(pair, v)| pair.strip_prefix(&prefix).map(|k| (k.to_owned(), *v)))
+                    .collect();
+                TopTenant {
+                    tenant: t.name,
+                    rejections: t.count,
+                    error: t.error,
+                    keys: top(mine, keys),
+                }
+            })
+            .collect()
+    }
+
+    /// Items held, for memory checks: (tenants, keys).
+    pub fn held(&self) -> (usize, usize) {
+        let w = self.windows.lock();
+        (
+            w.tenants[0].len() + w.tenants[1].len(),
+            w.keys[0].len() + w.keys[1].len(),
+        )
+    }
+}
+
+/// The Prometheus text of the top-limited family: only the current top
+/// `n` tenants, so its series never grow beyond `n`.
+pub fn render_metric(top: &[TopTenant]) -> String {
+    let mut out = String::from(
+        "# HELP tollgate_top_limited_rejections Rejections of the currently most limited tenants over the recent window (top K only).\n\
+         # TYPE tollgate_top_limited_rejections gauge\n",
+    );
+    for (rank, t) in top.iter().enumerate() {
+        let tenant = t.tenant.replace('\\', "\\\\").replace('"', "\\\"");
+        out.push_str(&format!(
+            "tollgate_top_limited_rejections{{tenant=\"{tenant}\",rank=\"{}\"}} {}\n",
+            rank + 1,
+            t.rejections
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    #[test]
+    fn a_million_distinct_tenants_stay_bounded_and_the_heavy_hitters_win() {
+        let clock = Arc::new(ManualClock::new(0));
+        let top_limited = TopLimited::new(128, Duration::from_secs(60), clock.clone());
+        // A million one-off tenants, a scraper with 2% of the rejections and
+        // a retry storm with 1% (from two clients).
+        for i in 0..1_000_000u32 {
+            top_limited.record(&format!("noise-{i}"), "k", 1);
+            if i % 50 == 0 {
+                top_limited.record("scraper", "bot-1", 1);
+            }
+            if i % 200 == 0 {
+                top_limited.record("retry-storm", "client-9", 1);
+                top_limited.record("retry-storm", "client-7", 1);
+            }
+        }
+        let (tenants, keys) = top_limited.held();
+        assert!(tenants <= 2 * 128 && keys <= 2 * 512, "{tenants} {keys}");
+        let top = top_limited.top(2, 2);
+        assert_eq!(top[0].tenant, "scraper");
+        assert_eq!(top[1].tenant, "retry-storm");
+        // Space-saving never undercounts, and count − error never overcounts.
+        assert!(top[0].rejections >= 20_000 && top[0].rejections - top[0].error <= 20_000);
+        assert_eq!(top[1].keys.len(), 2);
+        assert!(top[1].keys.iter().all(|k| k.name.starts_with("client-")));
+    }
+
+    #[test]
+    fn windows_rotate_and_old_rejections_age_out() {
+        let clock = Arc::new(ManualClock::new(0));
+        let t = TopLimited::new(8, Duration::from_secs(60), clock.clone());
+        t.record("a", "k", 5);
+        clock.advance(Duration::from_secs(60));
+        t.record("b", "k", 1);
+        let names: Vec<_> = t
+            .top(10, 0)
+            .into_iter()
+            .map(|x| (x.tenant, x.rejections))
+            .collect();
+        assert_eq!(
+            names,
+            [("a".to_string(), 5), ("b".to_string(), 1)],
+            "the previous window still counts"
+        );
+        clock.advance(Duration::from_secs(60));
+        let names: Vec<_> = t.top(10, 0).into_iter().map(|x| x.tenant).collect();
+        assert_eq!(names, ["b"]);
+        clock.advance(Duration::from_secs(120));
+        assert!(t.top(10, 0).is_empty());
+    }
+
+    #[test]
+    fn the_metric_family_holds_only_the_top() {
+        let top = vec![TopTenant {
+            tenant: "a\"b".into(),
+            rejections: 3,
+            error: 0,
+            keys: vec![],
+        }];
+        let text = render_metric(&top);
+        assert!(
+            text.contains("tollgate_top_limited_rejections{tenant=\"a\\\"b\",rank=\"1\"} 3\n"),
+            "{text}"
+        );
+        assert_eq!(text.lines().filter(|l| !l.starts_with('#')).count(), 1);
+    }
+}

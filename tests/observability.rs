@@ -1,0 +1,147 @@
+//! What an on-call engineer sees: the most limited tenants (JSON, gRPC,
+//! metric family, `tollgate top`) and the gRPC latency histogram.
+
+mod common;
+
+use common::process::{ServeProcess, stdout, tollgate};
+use common::{TestServer, ask, req, row};
+use tollgate::grpc::proto::v1::TopLimitedRequest;
+use tollgate::grpc::proto::v1::admin_client::AdminClient;
+
+async fn hammer(server: &TestServer) {
+    let mut client = server.client().await;
+    // Each tenant's keys have a burst of 2: everything past it is rejected.
+    for (tenant, key, n) in [
+        ("scraper", "bot-1", 40),
+        ("scraper", "bot-2", 12),
+        ("storm", "client-9", 20),
+        ("calm", "k", 2),
+    ] {
+        for _ in 0..n {
+            ask(&mut client, req(tenant, key)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_most_limited_tenants_everywhere() {
+    let server = TestServer::with_rows(&[row("per-key", "", "", "key", 2, "1/hour")]).await;
+    hammer(&server).await;
+
+    let (_, body) = server
+        .http_get("/v1/top-limited?tenants=5&keys=2")
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["window_seconds"], 60);
+    let tenants = v["tenants"].as_array().unwrap();
+    assert_eq!(tenants.len(), 2, "calm was never rejected: {body}");
+    assert_eq!(
+        (
+            tenants[0]["tenant"].as_str(),
+            tenants[0]["rejections"].as_u64()
+        ),
+        (Some("scraper"), Some(38 + 10))
+    );
+    assert_eq!(tenants[0]["keys"][0]["name"], "bot-1");
+    assert_eq!(tenants[0]["keys"][0]["count"], 38);
+    assert_eq!(
+        (
+            tenants[1]["tenant"].as_str(),
+            tenants[1]["rejections"].as_u64()
+        ),
+        (Some("storm"), Some(18))
+    );
+
+    let mut admin = AdminClient::new(server.channel().await);
+    let top = admin
+        .top_limited(TopLimitedRequest {
+            tenants: 1,
+            keys: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(top.tenants.len(), 1);
+    assert_eq!(
+        (top.tenants[0].tenant.as_str(), top.tenants[0].rejections),
+        ("scraper", 48)
+    );
+    assert_eq!(top.tenants[0].keys[0].key, "bot-1");
+    assert_eq!(top.window.unwrap().seconds, 60);
+
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert!(
+        metrics.contains("tollgate_top_limited_rejections{tenant=\"scraper\",rank=\"1\"} 48\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tollgate_top_limited_rejections{tenant=\"storm\",rank=\"2\"} 18\n"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("tollgate_top_limited_rejections{tenant=\"calm\""));
+    assert!(
+        metrics.contains(
+            "tollgate_grpc_request_duration_seconds_bucket{method=\"ShouldAllow\",le=\"0.001\"}"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tollgate_grpc_request_duration_seconds_count{method=\"TopLimited\"}"),
+        "{metrics}"
+    );
+    server.stop().await;
+}
+
+#[test]
+fn tollgate_top_prints_a_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tollgate(
+        dir.path(),
+        &[
+            "limits", "set", "--tenant", "scraper", "--burst", "1", "--rate", "1/hour",
+        ],
+    );
+    assert!(out.status.success());
+    let server = ServeProcess::start(dir.path(), &[]);
+    let url = format!("http://{}", server.grpc);
+    let out = tollgate(
+        dir.path(),
+        &[
+            "check", "--server", &url, "--tenant", "scraper", "--key", "bot", "--repeat", "4",
+        ],
+    );
+    assert!(out.status.success());
+    let out = tollgate(
+        dir.path(),
+        &[
+            "top",
+            "--server",
+            &url,
+            "--count",
+            "2",
+            "--interval",
+            "100ms",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let text = stdout(&out);
+    let tables: Vec<&str> = text
+        .split("Most limited tenants on")
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(tables.len(), 2, "two refreshes: {text}");
+    let lines: Vec<&str> = tables[1].lines().collect();
+    assert!(
+        lines[0].ends_with("(rejections over the last 60-120 s)"),
+        "{text}"
+    );
+    assert_eq!(
+        lines[1].split_whitespace().collect::<Vec<_>>(),
+        ["RANK", "TENANT", "REJECTIONS", "TOP", "KEYS"]
+    );
+    assert_eq!(
+        lines[2].split_whitespace().collect::<Vec<_>>(),
+        ["1", "scraper", "3", "bot", "(3)"]
+    );
+}
