@@ -409,6 +409,7 @@ async fn health_and_reflection_work_without_the_proto_file() {
             "envoy.service.ratelimit.v3.RateLimitService",
             "grpc.health.v1.Health",
             "grpc.reflection.v1.ServerReflection",
+            "tollgate.v1.Admin",
             "tollgate.v1.RateLimiter"
         ]
     );
