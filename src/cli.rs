@@ -122,6 +122,10 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Share of decisions traced when the caller's trace is not sampled
+    /// (traces are exported only when OTEL_EXPORTER_OTLP_ENDPOINT is set).
+    #[arg(long, env = "TOLLGATE_TRACE_SAMPLE_RATIO", default_value_t = 0.01, value_parser = parse_ratio)]
+    pub trace_sample_ratio: f64,
     /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
     /// for Envoy's rate limit service API; re-read every reload interval.
     #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
@@ -256,6 +260,14 @@ pub struct CheckArgs {
     /// Ask this many times in a row, one line each.
     #[arg(long, default_value_t = 1)]
     pub repeat: u32,
+}
+
+/// Parses a ratio in [0, 1].
+pub fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("{s:?} must be a number from 0 to 1")),
+    }
 }
 
 /// Parses a fraction in (0, 1].

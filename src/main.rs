@@ -24,7 +24,15 @@ async fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
-            telemetry::init_logs(args.log_format);
+            let traces = if telemetry::traces::configured() {
+                Some(
+                    telemetry::traces::provider(args.trace_sample_ratio)
+                        .map_err(anyhow::Error::msg)?,
+                )
+            } else {
+                None
+            };
+            let _flush_traces_at_exit = telemetry::init(args.log_format, traces);
             let config = args.config().map_err(anyhow::Error::msg)?;
             let listeners = Listeners::bind(args.grpc_addr, args.admin_addr).await?;
             server::run(config, listeners, Arc::new(SystemClock), shutdown_signal()).await?;

@@ -25,6 +25,8 @@ use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
+use crate::telemetry::traces;
+use tracing::Instrument;
 
 pub use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 
@@ -102,6 +104,12 @@ impl RateLimitService for EnvoyRateLimitService {
                 "rate limit descriptor list must not be empty",
             ));
         }
+        let span = traces::decision_span(
+            "ShouldRateLimit",
+            request.metadata(),
+            &req.domain,
+            u64::from(req.hits_addend.max(1)),
+        );
         let config = self.config.snapshot();
         let request_hits = u64::from(req.hits_addend.max(1));
 
@@ -173,6 +181,7 @@ impl RateLimitService for EnvoyRateLimitService {
             match self
                 .limiter
                 .apply(&buckets, &charges, &policies, true)
+                .instrument(span.clone())
                 .await
             {
                 Ok((outcome, degraded)) => (Some(outcome), degraded),
@@ -259,6 +268,10 @@ impl RateLimitService for EnvoyRateLimitService {
         } else {
             Code::Ok
         };
+        span.record("outcome", if over { "rejected" } else { "allowed" });
+        if let Some((rule, _)) = tightest {
+            span.record("rule", rule.full_key.as_str());
+        }
         Ok(Response::new(RateLimitResponse {
             overall_code: overall as i32,
             statuses,

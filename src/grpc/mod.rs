@@ -17,6 +17,8 @@ use crate::limiter::{Decision, Item, Limiter};
 use crate::limits::OnStoreUnavailable;
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
+use crate::telemetry::traces;
+use tracing::Instrument;
 
 /// Code generated from `proto/`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
@@ -98,7 +100,7 @@ impl RateLimiterService {
         Self { limiter, top }
     }
 
-    fn record(&self, item: &Item<'_>, decision: &Decision) {
+    fn record(&self, item: &Item<'_>, decision: &Decision) -> Outcome {
         let cost = item.cost.max(1);
         let outcome = match (decision.degraded, decision.allowed, decision.shadow) {
             (Some(OnStoreUnavailable::Allow), ..) => Outcome::FailedOpen,
@@ -113,6 +115,7 @@ impl RateLimiterService {
         }
         let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
         metrics::decision(API, outcome, rule, cost);
+        outcome
     }
 }
 
@@ -179,13 +182,30 @@ impl RateLimiter for RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         };
-        match self.limiter.decide(item, req.dry_run).await {
+        let span = traces::decision_span(
+            "ShouldAllow",
+            request.metadata(),
+            item.tenant,
+            item.cost.max(1),
+        );
+        match self
+            .limiter
+            .decide(item, req.dry_run)
+            .instrument(span.clone())
+            .await
+        {
             Ok(decision) => {
-                self.record(&item, &decision);
+                let outcome = self.record(&item, &decision);
+                span.record(
+                    "rule",
+                    decision.rule.as_ref().map_or("", |r| r.name.as_str()),
+                );
+                span.record("outcome", outcome.label());
                 Ok(Response::new(to_response(&decision)))
             }
             Err(err) => {
                 metrics::decision(API, Outcome::Error, "", item.cost.max(1));
+                span.record("outcome", Outcome::Error.label());
                 Err(status::from_decide_error(err))
             }
         }
@@ -206,10 +226,26 @@ impl RateLimiter for RateLimiterService {
                 resource: &i.resource,
             })
             .collect();
-        match self.limiter.decide_batch(&items, req.dry_run).await {
+        let tenant = items.first().map_or("", |i| i.tenant);
+        let span = traces::decision_span(
+            "ShouldAllowBatch",
+            request.metadata(),
+            tenant,
+            items.len() as u64,
+        );
+        match self
+            .limiter
+            .decide_batch(&items, req.dry_run)
+            .instrument(span.clone())
+            .await
+        {
             Ok(batch) => {
+                span.record(
+                    "outcome",
+                    if batch.allowed { "allowed" } else { "rejected" },
+                );
                 for (decision, item) in batch.items.iter().zip(&items) {
-                    self.record(item, decision);
+                    let _ = self.record(item, decision);
                 }
                 Ok(Response::new(ShouldAllowBatchResponse {
                     allowed: batch.allowed,

@@ -43,7 +43,8 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    fn label(self) -> &'static str {
+    /// The `outcome` label value.
+    pub fn label(self) -> &'static str {
         match self {
             Self::Allowed => "allowed",
             Self::Rejected => "rejected",

@@ -19,8 +19,14 @@ pub struct ServeProcess {
 impl ServeProcess {
     /// `tollgate serve` on loopback port 0 in `dir`, with `args` added.
     pub fn start(dir: &Path, args: &[&str]) -> Self {
+        Self::start_with_env(dir, args, &[])
+    }
+
+    /// As `start`, with extra environment variables.
+    pub fn start_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BIN)
             .current_dir(dir)
+            .envs(env.iter().copied())
             .args([
                 "serve",
                 "--grpc-addr",
