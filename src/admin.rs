@@ -2,6 +2,8 @@
 //!
 //! | path          | what                                                   |
 //! |---------------|--------------------------------------------------------|
+//! | `/`           | the status page (HTML)                                 |
+//! | `/v1/status`  | JSON: store health, decisions per outcome and per second |
 //! | `/healthz`    | 200 while the process runs                             |
 //! | `/readyz`     | 200 once the limits are loaded and the server accepts  |
 //! | `/metrics`    | Prometheus text format                                 |
@@ -39,6 +41,8 @@ pub struct AdminState {
     pub redis: Option<Arc<RedisStore>>,
     /// Set once the gRPC server accepts requests.
     pub ready: AtomicBool,
+    /// Decision rates for the status page.
+    pub rates: Rates,
 }
 
 /// The admin router.
@@ -51,11 +55,70 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/v1/limits", get(limits))
         .route("/v1/envoy-config", get(envoy_config))
         .route("/v1/top-limited", get(top_limited))
+        .route("/v1/status", get(status))
         .with_state(state)
 }
 
-async fn index() -> &'static str {
-    "Tollgate admin port: /healthz /readyz /metrics /v1/limits /v1/envoy-config /v1/top-limited\n"
+/// The status page: decision rates, most limited tenants, store health and
+/// the limits in force, from the JSON endpoints; self-contained.
+async fn index() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("status.html"))
+}
+
+async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
+    let totals = metrics::totals();
+    let rates = state.rates.per_second(totals);
+    let mut total = serde_json::Map::new();
+    let mut per_second = serde_json::Map::new();
+    for (i, outcome) in metrics::Outcome::ALL.iter().enumerate() {
+        total.insert(outcome.label().into(), totals[i].into());
+        per_second.insert(outcome.label().into(), rates[i].into());
+    }
+    let breaker = state.redis.as_ref().map(|r| match r.breaker_state() {
+        crate::store::breaker::BreakerState::Closed => "closed",
+        crate::store::breaker::BreakerState::Open => "open",
+        crate::store::breaker::BreakerState::HalfOpen => "half-open",
+    });
+    Json(json!({
+        "ready": state.ready.load(Ordering::Acquire),
+        "store": {
+            "kind": state.limiter.store().kind(),
+            "breaker": breaker,
+            "buckets_in_memory": state.memory.as_ref().map_or(0, |m| m.len()),
+        },
+        "decisions_total": total,
+        "decisions_per_second": per_second,
+    }))
+}
+
+/// Decision totals sampled every second, for per-second rates over the last
+/// ten seconds.
+#[derive(Default)]
+pub struct Rates {
+    samples: parking_lot::Mutex<std::collections::VecDeque<(tokio::time::Instant, [u64; 7])>>,
+}
+
+impl Rates {
+    /// Takes a sample (the server calls this every second).
+    pub fn sample(&self) {
+        let mut samples = self.samples.lock();
+        samples.push_back((tokio::time::Instant::now(), metrics::totals()));
+        while samples.len() > 11 {
+            samples.pop_front();
+        }
+    }
+
+    fn per_second(&self, now_totals: [u64; 7]) -> [f64; 7] {
+        let samples = self.samples.lock();
+        let Some((then, old)) = samples.front() else {
+            return [0.0; 7];
+        };
+        let secs = then.elapsed().as_secs_f64();
+        if secs < 0.5 {
+            return [0.0; 7];
+        }
+        std::array::from_fn(|i| now_totals[i].saturating_sub(old[i]) as f64 / secs)
+    }
 }
 
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {

@@ -260,7 +260,21 @@ pub async fn run(
         memory: Some(memory),
         redis,
         ready: false.into(),
+        rates: Default::default(),
     });
+    let sampler = {
+        let (state, stop) = (admin_state.clone(), stopped());
+        tokio::spawn(async move {
+            tokio::pin!(stop);
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tick.tick() => state.rates.sample(),
+                }
+            }
+        })
+    };
     let admin_server = axum::serve(listeners.admin, admin::router(admin_state.clone()))
         .with_graceful_shutdown(stopped());
     let admin_task = tokio::spawn(async move { admin_server.await });
@@ -324,6 +338,7 @@ pub async fn run(
     let _ = envoy_watcher.await;
     let _ = sweeper.await;
     let _ = readiness.await;
+    let _ = sampler.await;
     table.close().await;
     tracing::info!("tollgate stopped");
     served.map_err(Into::into)

@@ -4,6 +4,7 @@
 //! limits table), never keys or tenants.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics::{counter, describe_counter, describe_gauge, gauge};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -42,7 +43,27 @@ pub enum Outcome {
     Error,
 }
 
+/// Decisions per outcome since start, for the status page (indexed like
+/// [`Outcome::ALL`]).
+static TOTALS: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
+
+/// Decisions per outcome since start, in [`Outcome::ALL`] order.
+pub fn totals() -> [u64; 7] {
+    std::array::from_fn(|i| TOTALS[i].load(Ordering::Relaxed))
+}
+
 impl Outcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Outcome; 7] = [
+        Self::Allowed,
+        Self::Rejected,
+        Self::ShadowRejected,
+        Self::FailedOpen,
+        Self::FailedClosed,
+        Self::LocalFallback,
+        Self::Error,
+    ];
+
     /// The `outcome` label value.
     pub fn label(self) -> &'static str {
         match self {
@@ -116,6 +137,7 @@ pub fn handle() -> &'static PrometheusHandle {
 
 /// Counts one decision.
 pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
+    TOTALS[outcome as usize].fetch_add(1, Ordering::Relaxed);
     let labels = [
         ("api", api.to_owned()),
         ("outcome", outcome.label().to_owned()),

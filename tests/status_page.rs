@@ -1,0 +1,97 @@
+//! The admin port's status page, loaded in headless Chromium (Debian's
+//! `chromium`): after its scripts ran, the page shows the store's health,
+//! decisions by outcome, the most limited tenants and the limits in force.
+
+mod common;
+
+use std::process::Command;
+
+use common::{TestServer, ask, req, row};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
+    let server = TestServer::with_rows(&[
+        row("per-key", "", "", "key", 2, "1/hour"),
+        row("exports", "", "exports", "key", 1, "1/day"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    for _ in 0..7 {
+        ask(&mut client, req("scraper", "bot-1")).await;
+    }
+    ask(&mut client, req("calm", "k")).await;
+
+    let profile = tempfile::tempdir().unwrap();
+    let url = format!("http://{}/", server.admin);
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("chromium")
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--virtual-time-budget=10000",
+                "--dump-dom",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(url)
+            .output()
+            .expect("chromium runs (scripts/test installs Debian's chromium)")
+    })
+    .await
+    .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let section = |id: &str| -> String {
+        let start = dom
+            .find(&format!("<section id=\"{id}\""))
+            .unwrap_or_else(|| panic!("no #{id} in {dom}"));
+        let end = dom[start..].find("</section>").unwrap() + start;
+        // Text only: drop the tags.
+        let mut text = String::new();
+        let mut in_tag = false;
+        for c in dom[start..end].chars() {
+            match c {
+                '<' => in_tag = true,
+                '>' => {
+                    in_tag = false;
+                    text.push(' ');
+                }
+                c if !in_tag => text.push(c),
+                _ => {}
+            }
+        }
+        text.split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    let store = section("store");
+    assert!(store.contains("healthy"), "{store}");
+    assert!(store.contains("store memory"), "{store}");
+    assert!(store.contains("ready yes"), "{store}");
+    let rates = section("rates");
+    assert!(rates.contains("outcome per second total"), "{rates}");
+    assert!(rates.contains("allowed"), "{rates}");
+    assert!(rates.contains("rejected"), "{rates}");
+    let top = section("top");
+    assert!(top.contains("scraper 5 bot-1 (5)"), "{top}");
+    assert!(!top.contains("calm"), "{top}");
+    let limits = section("limits");
+    assert!(limits.contains("Limits in force (2)"), "{limits}");
+    assert!(
+        limits.contains("per-key (default) (any) key 2 1/hour enforce allow"),
+        "{limits}"
+    );
+    assert!(
+        limits.contains("exports (default) exports key 1 1/day enforce allow"),
+        "{limits}"
+    );
+    server.stop().await;
+}
