@@ -168,8 +168,8 @@ impl ServeArgs {
 /// Where the limits table is.
 #[derive(Debug, Args)]
 pub struct LimitsLocation {
-    /// The limits table: a SQLite file path or `sqlite:` URL (created and
-    /// seeded when missing).
+    /// The limits table: a SQLite file path or `sqlite:` URL, or a
+    /// `postgres://` URL (created and seeded when missing).
     #[arg(long, env = "TOLLGATE_LIMITS", default_value = "tollgate-limits.db")]
     pub limits: String,
 }

@@ -14,6 +14,8 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use serde::Serialize;
 
+use sqlx::postgres::{PgListener, PgNotification};
+
 use super::table::{LimitsTable, TableError};
 use super::{LimitRow, RowError, RuleSet};
 use crate::telemetry::metrics;
@@ -145,7 +147,10 @@ impl LiveLimits {
     }
 }
 
-/// Reloads `limits` from `table` every `every` until `shutdown` completes.
+/// Reloads `limits` from `table` every `every`, and on PostgreSQL also at
+/// once on every change notification, until `shutdown` completes. A lost
+/// database connection keeps the last good rules in force; the listener
+/// reconnects and a reload follows, so no edit is missed.
 pub async fn watch(
     limits: Arc<LiveLimits>,
     table: LimitsTable,
@@ -155,10 +160,31 @@ pub async fn watch(
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
+    let mut listener: Option<PgListener> = None;
     loop {
+        if listener.is_none() && table.is_postgres() {
+            match table.listener().await {
+                Ok(l) => listener = l,
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot listen for limits changes; polling meanwhile")
+                }
+            }
+        }
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tick.tick() => {}
+            // Without a listener, retry (and poll) every second.
+            _ = tokio::time::sleep(Duration::from_secs(1)), if listener.is_none() && table.is_postgres() => {}
+            note = next_change(&mut listener) => match note {
+                Ok(Some(_)) => {}
+                // The connection dropped: reload anyway, changes may be missed.
+                Ok(None) => tracing::warn!("limits listener lost its connection; reconnecting"),
+                Err(err) => {
+                    tracing::warn!(error = %err, "limits listener failed; reconnecting");
+                    listener = None;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            },
         }
         match limits.reload(&table).await {
             Ok(_) | Err(LoadError::Invalid(_)) => {}
@@ -167,5 +193,14 @@ pub async fn watch(
                 tracing::warn!(error = %err, "cannot read the limits table; the last good rules stay in force");
             }
         }
+    }
+}
+
+async fn next_change(
+    listener: &mut Option<PgListener>,
+) -> Result<Option<PgNotification>, sqlx::Error> {
+    match listener {
+        Some(l) => l.try_recv().await,
+        None => std::future::pending().await,
     }
 }
