@@ -10,6 +10,7 @@
 //! | `/v1/limits`  | JSON: the rules in force and the last reload's status  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
 //! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`) |
+//! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +24,7 @@ use serde_json::json;
 
 use crate::envoy::LiveEnvoyConfig;
 use crate::limiter::Limiter;
+use crate::limits::table::LimitsTable;
 use crate::store::{MemoryStore, RedisStore};
 use crate::telemetry::metrics;
 use crate::telemetry::top::TopLimited;
@@ -43,6 +45,171 @@ pub struct AdminState {
     pub ready: AtomicBool,
     /// Decision rates for the status page.
     pub rates: Rates,
+    /// The limits table, for the mutating endpoints.
+    pub table: LimitsTable,
+    /// Who may call what.
+    pub access: AdminAccess,
+}
+
+/// Access to the admin port. Changing endpoints (`POST`/`DELETE
+/// /v1/limits`) need `Authorization: Bearer TOKEN` and are disabled when no
+/// token is configured; the read-only ones are open unless `protect_reads`
+/// (except `/healthz` and `/readyz`, for probes).
+#[derive(Debug, Clone, Default)]
+pub struct AdminAccess {
+    /// The bearer token.
+    pub token: Option<String>,
+    /// Require the token for the read-only endpoints too.
+    pub protect_reads: bool,
+}
+
+impl AdminAccess {
+    fn check(&self, headers: &axum::http::HeaderMap, mutating: bool) -> Result<(), Response> {
+        if !mutating && !self.protect_reads {
+            return Ok(());
+        }
+        let Some(token) = &self.token else {
+            return Err((
+                StatusCode::FORBIDDEN,
+                "changing the limits over HTTP is disabled; start tollgate with --admin-token (TOLLGATE_ADMIN_TOKEN)\n",
+            )
+                .into_response());
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Constant-time comparison: no timing hint about the token.
+        let same = given.len() == token.len()
+            && given
+                .bytes()
+                .zip(token.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if same {
+            Ok(())
+        } else {
+            Err((
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                "send the admin token as: Authorization: Bearer TOKEN\n",
+            )
+                .into_response())
+        }
+    }
+}
+
+async fn guard(
+    State(state): State<Arc<AdminState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = request.uri().path();
+    if path == "/healthz" || path == "/readyz" {
+        return next.run(request).await;
+    }
+    let mutating =
+        request.method() != axum::http::Method::GET && request.method() != axum::http::Method::HEAD;
+    match state.access.check(request.headers(), mutating) {
+        Ok(()) => next.run(request).await,
+        Err(response) => response,
+    }
+}
+
+/// A row to add or change, as `POST /v1/limits` takes it.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RowRequest {
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    resource: String,
+    #[serde(default = "default_scope")]
+    scope: String,
+    burst: i64,
+    /// `N/unit`.
+    rate: String,
+    #[serde(default = "default_mode")]
+    mode: String,
+    #[serde(default = "default_policy")]
+    on_store_unavailable: String,
+    name: Option<String>,
+}
+
+fn default_scope() -> String {
+    "key".into()
+}
+fn default_mode() -> String {
+    "enforce".into()
+}
+fn default_policy() -> String {
+    "allow".into()
+}
+
+async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes) -> Response {
+    let bad = |why: String| (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response();
+    let req: RowRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad(format!("the body must be a JSON row: {e}")),
+    };
+    let rate: crate::bucket::Rate = match req.rate.parse() {
+        Ok(r) => r,
+        Err(e) => return bad(e),
+    };
+    let or = |s: &str, d: &str| {
+        if s.is_empty() {
+            d.to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    let row = crate::limits::LimitRow {
+        name: req.name.unwrap_or_else(|| {
+            format!(
+                "{}-{}-{}",
+                or(&req.tenant, "default"),
+                or(&req.resource, "any"),
+                req.scope
+            )
+        }),
+        tenant: req.tenant,
+        resource: req.resource,
+        scope: req.scope,
+        burst: req.burst,
+        rate: rate.count as i64,
+        rate_unit: rate.unit.as_str().into(),
+        mode: req.mode,
+        on_store_unavailable: req.on_store_unavailable,
+        updated_at: String::new(),
+    };
+    if let Err(e) = row.validate() {
+        return bad(e.to_string());
+    }
+    match state.table.upsert(&row).await {
+        Ok(()) => {
+            let _ = state.limiter.limits().reload(&state.table).await;
+            (StatusCode::OK, Json(json!({ "set": row.name }))).into_response()
+        }
+        Err(crate::limits::table::TableError::Conflict(why)) => {
+            (StatusCode::CONFLICT, format!("{why}\n")).into_response()
+        }
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
+    }
+}
+
+async fn delete_limit(
+    State(state): State<Arc<AdminState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match state.table.delete(&name).await {
+        Ok(true) => {
+            let _ = state.limiter.limits().reload(&state.table).await;
+            (StatusCode::OK, Json(json!({ "deleted": name }))).into_response()
+        }
+        Ok(false) => (StatusCode::NOT_FOUND, format!("no row is named {name:?}\n")).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
+    }
 }
 
 /// The admin router.
@@ -52,10 +219,12 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(render_metrics))
-        .route("/v1/limits", get(limits))
+        .route("/v1/limits", get(limits).post(set_limit))
+        .route("/v1/limits/{name}", axum::routing::delete(delete_limit))
         .route("/v1/envoy-config", get(envoy_config))
         .route("/v1/top-limited", get(top_limited))
         .route("/v1/status", get(status))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
 }
 

@@ -126,6 +126,43 @@ pub struct ServeArgs {
     /// (traces are exported only when OTEL_EXPORTER_OTLP_ENDPOINT is set).
     #[arg(long, env = "TOLLGATE_TRACE_SAMPLE_RATIO", default_value_t = 0.01, value_parser = parse_ratio)]
     pub trace_sample_ratio: f64,
+    /// TLS on the gRPC port: the server's certificate chain (PEM).
+    #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// TLS on the gRPC port: the server's private key (PEM).
+    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// Mutual TLS: accept only clients with a certificate from this CA (PEM).
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+    /// Bearer token for the admin port's changing endpoints (POST/DELETE
+    /// /v1/limits); without it they are disabled.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Require the admin token for the read-only admin endpoints too
+    /// (/healthz and /readyz stay open for probes).
+    #[arg(long, env = "TOLLGATE_ADMIN_PROTECT_READS", requires = "admin_token")]
+    pub admin_protect_reads: bool,
+    /// Largest gRPC request message, in bytes.
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
+    pub grpc_max_message_bytes: usize,
+    /// Concurrent HTTP/2 streams per gRPC connection.
+    #[arg(
+        long,
+        env = "TOLLGATE_GRPC_MAX_CONCURRENT_STREAMS",
+        default_value_t = 1024
+    )]
+    pub grpc_max_concurrent_streams: u32,
+    /// Requests served at once per connection (more wait their turn).
+    #[arg(
+        long,
+        env = "TOLLGATE_GRPC_CONNECTION_CONCURRENCY",
+        default_value_t = 256
+    )]
+    pub grpc_connection_concurrency: usize,
+    /// Longest a gRPC request may take before it is cancelled.
+    #[arg(long, env = "TOLLGATE_GRPC_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub grpc_request_timeout: Duration,
     /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
     /// for Envoy's rate limit service API; re-read every reload interval.
     #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
@@ -156,6 +193,25 @@ impl ServeArgs {
             local_fraction: self.local_fraction,
             redis_ca_cert: self.redis_ca_cert.clone(),
             envoy_config: self.envoy_config.clone(),
+            admin_access: crate::admin::AdminAccess {
+                token: self.admin_token.clone(),
+                protect_reads: self.admin_protect_reads,
+            },
+            tls: self
+                .tls_cert
+                .clone()
+                .zip(self.tls_key.clone())
+                .map(|(cert, key)| crate::server::TlsFiles {
+                    cert,
+                    key,
+                    client_ca: self.tls_client_ca.clone(),
+                }),
+            grpc_limits: crate::server::GrpcLimits {
+                max_message_bytes: self.grpc_max_message_bytes,
+                max_concurrent_streams: self.grpc_max_concurrent_streams,
+                connection_concurrency: self.grpc_connection_concurrency,
+                request_timeout: self.grpc_request_timeout,
+            },
             envoy_options: crate::envoy::service::EnvoyOptions {
                 shadow_mode: self.envoy_shadow_mode,
                 response_headers: self.envoy_response_headers,

@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::admin::{self, AdminState};
+use crate::admin::{self, AdminAccess, AdminState};
 use crate::clock::Clock;
 use crate::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitServiceServer};
 use crate::envoy::{ConfigError, LiveEnvoyConfig};
@@ -97,6 +97,12 @@ pub struct ServeConfig {
     pub envoy_config: Option<std::path::PathBuf>,
     /// Options of the Envoy API.
     pub envoy_options: EnvoyOptions,
+    /// Who may use the admin port.
+    pub admin_access: AdminAccess,
+    /// TLS on the gRPC port.
+    pub tls: Option<TlsFiles>,
+    /// Limits that keep one caller from starving the others.
+    pub grpc_limits: GrpcLimits,
     /// Use the given clock for Redis decisions instead of Redis's own `TIME`
     /// (for tests that control time).
     pub redis_uses_clock: bool,
@@ -120,7 +126,61 @@ impl Default for ServeConfig {
             envoy_config: None,
             envoy_options: EnvoyOptions::default(),
             redis_uses_clock: false,
+            admin_access: AdminAccess::default(),
+            tls: None,
+            grpc_limits: GrpcLimits::default(),
         }
+    }
+}
+
+/// PEM files for TLS on the gRPC port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The server's certificate chain.
+    pub cert: std::path::PathBuf,
+    /// Its private key.
+    pub key: std::path::PathBuf,
+    /// When set, clients must present a certificate signed by this CA
+    /// (mutual TLS).
+    pub client_ca: Option<std::path::PathBuf>,
+}
+
+/// Protection of the gRPC server against one caller starving the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrpcLimits {
+    /// Largest request message.
+    pub max_message_bytes: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_concurrent_streams: u32,
+    /// Requests served at once per connection; more wait their turn, so one
+    /// connection cannot take every worker.
+    pub connection_concurrency: usize,
+    /// Longest time a request may take before it is cancelled.
+    pub request_timeout: Duration,
+}
+
+impl Default for GrpcLimits {
+    fn default() -> Self {
+        Self {
+            max_message_bytes: MAX_MESSAGE_BYTES,
+            max_concurrent_streams: 1024,
+            connection_concurrency: 256,
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl TlsFiles {
+    fn config(&self) -> Result<tonic::transport::ServerTlsConfig, ServeError> {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| ServeError::Tls(format!("{}: {e}", p.display())))
+        };
+        let identity = tonic::transport::Identity::from_pem(read(&self.cert)?, read(&self.key)?);
+        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.client_ca {
+            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read(ca)?));
+        }
+        Ok(tls)
     }
 }
 
@@ -160,6 +220,9 @@ pub enum ServeError {
     /// The store could not be set up.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The TLS files could not be read.
+    #[error("TLS: {0}")]
+    Tls(String),
     /// The Envoy configuration could not be loaded.
     #[error("envoy config: {0}")]
     EnvoyConfig(#[from] ConfigError),
@@ -174,6 +237,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     crate::telemetry::metrics::handle(); // install the recorder before the first count
+    let tls = config.tls.as_ref().map(TlsFiles::config).transpose()?;
     let table = LimitsTable::open(&config.limits).await?;
     let limits = Arc::new(LiveLimits::load(&table).await?);
     let envoy_config = Arc::new(match &config.envoy_config {
@@ -261,6 +325,8 @@ pub async fn run(
         redis,
         ready: false.into(),
         rates: Default::default(),
+        table: table.clone(),
+        access: config.admin_access.clone(),
     });
     let sampler = {
         let (state, stop) = (admin_state.clone(), stopped());
@@ -305,10 +371,10 @@ pub async fn run(
         config.envoy_options,
         top.clone(),
     ))
-    .max_decoding_message_size(MAX_MESSAGE_BYTES);
+    .max_decoding_message_size(config.grpc_limits.max_message_bytes);
     let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
     let native = RateLimiterServer::new(RateLimiterService::new(limiter, top))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        .max_decoding_message_size(config.grpc_limits.max_message_bytes);
 
     tracing::info!(
         grpc = %grpc_addr,
@@ -317,8 +383,15 @@ pub async fn run(
         limits = %table.location(),
         "tollgate listening"
     );
-    let served = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let served = builder
         .tcp_nodelay(true)
+        .max_concurrent_streams(config.grpc_limits.max_concurrent_streams)
+        .concurrency_limit_per_connection(config.grpc_limits.connection_concurrency)
+        .timeout(config.grpc_limits.request_timeout)
         .layer(crate::grpc::observe::ObserveLayer)
         .add_service(health_service)
         .add_service(reflection)

@@ -1,0 +1,314 @@
+//! TLS and mutual TLS on the gRPC port, the admin token, and the request
+//! size limit.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{TestServer, req};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tollgate::admin::AdminAccess;
+use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::server::TlsFiles;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate.
+fn certificates(d: &Path) {
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .current_dir(d)
+            .args(args)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test CA",
+    ]);
+    for (name, ext) in [
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ] {
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            &format!("/CN={name}"),
+        ]);
+        std::fs::write(
+            d.join(format!("{name}.ext")),
+            format!("{ext}\nbasicConstraints=CA:FALSE\n"),
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{name}.ext"),
+        ]);
+    }
+}
+
+async fn tls_channel(
+    server: &TestServer,
+    d: &Path,
+    client_identity: bool,
+) -> Result<Channel, tonic::transport::Error> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(
+            std::fs::read(d.join("ca.pem")).unwrap(),
+        ))
+        .domain_name("localhost");
+    if client_identity {
+        tls = tls.identity(Identity::from_pem(
+            std::fs::read(d.join("client.pem")).unwrap(),
+            std::fs::read(d.join("client.key")).unwrap(),
+        ));
+    }
+    Channel::from_shared(format!("https://{}", server.grpc))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await
+}
+
+async fn start_tls(d: &Path, mutual: bool) -> TestServer {
+    let files = TlsFiles {
+        cert: d.join("server.pem"),
+        key: d.join("server.key"),
+        client_ca: mutual.then(|| d.join("ca.pem")),
+    };
+    TestServer::launch(None, move |c| c.tls = Some(files)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_mutual_tls_on_the_grpc_port() {
+    let dir = tempfile::tempdir().unwrap();
+    certificates(dir.path());
+
+    let server = start_tls(dir.path(), false).await;
+    let mut client = RateLimiterClient::new(tls_channel(&server, dir.path(), false).await.unwrap());
+    assert!(
+        client
+            .should_allow(req("t", "k"))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
+    // Plaintext is refused.
+    let plain = RateLimiterClient::connect(server.url()).await;
+    let refused = match plain {
+        Err(_) => true,
+        Ok(mut c) => c.should_allow(req("t", "k")).await.is_err(),
+    };
+    assert!(refused, "plaintext must not work on a TLS port");
+    server.stop().await;
+
+    let server = start_tls(dir.path(), true).await;
+    let mut client = RateLimiterClient::new(tls_channel(&server, dir.path(), true).await.unwrap());
+    assert!(
+        client
+            .should_allow(req("t", "k"))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
+    let anonymous = match tls_channel(&server, dir.path(), false).await {
+        Err(_) => true,
+        Ok(channel) => RateLimiterClient::new(channel)
+            .should_allow(req("t", "k"))
+            .await
+            .is_err(),
+    };
+    assert!(
+        anonymous,
+        "a client without a certificate must be refused under mutual TLS"
+    );
+    server.stop().await;
+}
+
+async fn http(
+    server: &TestServer,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(server.admin).await.unwrap();
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: a\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).await.unwrap();
+    let status = r
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (
+        status,
+        r.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    )
+}
+
+#[tokio::test]
+async fn the_admin_port_changes_limits_only_with_the_token() {
+    let row = r#"{"tenant":"acme","burst":300,"rate":"6000/minute"}"#;
+    let open = TestServer::start().await;
+    let (status, body) = http(&open, "POST", "/v1/limits", None, row).await;
+    assert_eq!(status, 403);
+    assert!(body.contains("start tollgate with --admin-token"), "{body}");
+    open.stop().await;
+
+    let access = AdminAccess {
+        token: Some("s3cret".into()),
+        protect_reads: false,
+    };
+    let server = TestServer::launch(None, move |c| c.admin_access = access).await;
+    assert_eq!(http(&server, "POST", "/v1/limits", None, row).await.0, 401);
+    assert_eq!(
+        http(&server, "POST", "/v1/limits", Some("wrong"), row)
+            .await
+            .0,
+        401
+    );
+    let (status, body) = http(&server, "POST", "/v1/limits", Some("s3cret"), row).await;
+    assert_eq!((status, body.as_str()), (200, r#"{"set":"acme-any-key"}"#));
+    let mut client = server.client().await;
+    assert_eq!(
+        client
+            .should_allow(req("acme", "k"))
+            .await
+            .unwrap()
+            .into_inner()
+            .limit,
+        300,
+        "in force at once"
+    );
+    let (status, body) = http(
+        &server,
+        "POST",
+        "/v1/limits",
+        Some("s3cret"),
+        r#"{"tenant":"acme","burst":0,"rate":"1/second"}"#,
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(body.contains("burst must be at least 1"), "{body}");
+    assert_eq!(
+        http(
+            &server,
+            "DELETE",
+            "/v1/limits/acme-any-key",
+            Some("s3cret"),
+            ""
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(
+        http(
+            &server,
+            "DELETE",
+            "/v1/limits/acme-any-key",
+            Some("s3cret"),
+            ""
+        )
+        .await
+        .0,
+        404
+    );
+    // Reads stay open unless protected.
+    assert_eq!(http(&server, "GET", "/v1/limits", None, "").await.0, 200);
+    server.stop().await;
+
+    let access = AdminAccess {
+        token: Some("s3cret".into()),
+        protect_reads: true,
+    };
+    let server = TestServer::launch(None, move |c| c.admin_access = access).await;
+    assert_eq!(http(&server, "GET", "/v1/limits", None, "").await.0, 401);
+    assert_eq!(http(&server, "GET", "/metrics", None, "").await.0, 401);
+    assert_eq!(
+        http(&server, "GET", "/v1/limits", Some("s3cret"), "")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(&server, "GET", "/healthz", None, "").await.0,
+        200,
+        "probes stay open"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_oversized_request_is_refused_with_a_clear_status() {
+    let server = TestServer::launch(None, |c| c.grpc_limits.max_message_bytes = 4096).await;
+    let mut client = server.client().await;
+    let status = client
+        .should_allow(req("t", &"k".repeat(10_000)))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    assert!(
+        status.message().contains("message length too large"),
+        "{}",
+        status.message()
+    );
+    // The connection and the server carry on.
+    assert!(
+        client
+            .should_allow(req("t", "k"))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
+    server.stop().await;
+}
