@@ -64,16 +64,18 @@ pub struct AdminAccess {
 }
 
 impl AdminAccess {
-    fn check(&self, headers: &axum::http::HeaderMap, mutating: bool) -> Result<(), Response> {
+    fn check(&self, headers: &axum::http::HeaderMap, mutating: bool) -> Result<(), Box<Response>> {
         if !mutating && !self.protect_reads {
             return Ok(());
         }
         let Some(token) = &self.token else {
-            return Err((
+            return Err(Box::new(
+                (
                 StatusCode::FORBIDDEN,
                 "changing the limits over HTTP is disabled; start tollgate with --admin-token (TOLLGATE_ADMIN_TOKEN)\n",
             )
-                .into_response());
+                .into_response(),
+            ));
         };
         let given = headers
             .get(header::AUTHORIZATION)
@@ -90,12 +92,14 @@ impl AdminAccess {
         if same {
             Ok(())
         } else {
-            Err((
-                StatusCode::UNAUTHORIZED,
-                [(header::WWW_AUTHENTICATE, "Bearer")],
-                "send the admin token as: Authorization: Bearer TOKEN\n",
-            )
-                .into_response())
+            Err(Box::new(
+                (
+                    StatusCode::UNAUTHORIZED,
+                    [(header::WWW_AUTHENTICATE, "Bearer")],
+                    "send the admin token as: Authorization: Bearer TOKEN\n",
+                )
+                    .into_response(),
+            ))
         }
     }
 }
@@ -113,7 +117,7 @@ async fn guard(
         request.method() != axum::http::Method::GET && request.method() != axum::http::Method::HEAD;
     match state.access.check(request.headers(), mutating) {
         Ok(()) => next.run(request).await,
-        Err(response) => response,
+        Err(response) => *response,
     }
 }
 
