@@ -68,6 +68,11 @@ pub struct TopArgs {
 /// `tollgate serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
+    /// A TOML file with any of these options (same names, snake_case, e.g.
+    /// `grpc_addr = "0.0.0.0:50051"`). Flags win over the environment,
+    /// which wins over the file, which wins over the defaults.
+    #[arg(long, env = "TOLLGATE_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
     /// gRPC listen address (port 0 picks a free port).
     #[arg(long, env = "TOLLGATE_GRPC_ADDR", default_value = "127.0.0.1:50051")]
     pub grpc_addr: SocketAddr,
@@ -612,4 +617,78 @@ pub async fn top(args: TopArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(args.interval).await;
     }
+}
+
+/// Parses the command line, filling `serve` options that neither a flag nor
+/// the environment set from the `--config` file.
+pub fn parse() -> Result<Cli, String> {
+    use clap::parser::ValueSource;
+    use clap::{CommandFactory, FromArgMatches};
+
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let matches = Cli::command()
+        .try_get_matches_from(&args)
+        .map_err(|e| e.to_string())?;
+    let Some(serve) = matches.subcommand_matches("serve") else {
+        return Cli::from_arg_matches(&matches).map_err(|e| e.to_string());
+    };
+    let Some(path) = serve.get_one::<std::path::PathBuf>("config") else {
+        return Cli::from_arg_matches(&matches).map_err(|e| e.to_string());
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("config file {}: {e}", path.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| format!("config file {}: {e}", path.display()))?;
+    let known: Vec<String> = Cli::command()
+        .find_subcommand("serve")
+        .map(|c| c.get_arguments().map(|a| a.get_id().to_string()).collect())
+        .unwrap_or_default();
+    let mut extra: Vec<std::ffi::OsString> = Vec::new();
+    for (key, value) in &table {
+        if key == "config" || !known.contains(key) {
+            let mut valid: Vec<&str> = known
+                .iter()
+                .map(String::as_str)
+                .filter(|k| *k != "config")
+                .collect();
+            valid.sort_unstable();
+            return Err(format!(
+                "config file {}: unknown option {key:?}; known options: {}",
+                path.display(),
+                valid.join(", ")
+            ));
+        }
+        // Flags and the environment win over the file.
+        if matches!(
+            serve.value_source(key),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        ) {
+            continue;
+        }
+        let flag = format!("--{}", key.replace('_', "-"));
+        match value {
+            toml::Value::Boolean(true) if key != "envoy_response_headers" => {
+                extra.push(flag.into())
+            }
+            toml::Value::Boolean(false) if key != "envoy_response_headers" => {}
+            toml::Value::String(s) => extra.extend([flag.into(), s.into()]),
+            toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_) => {
+                extra.extend([flag.into(), value.to_string().into()])
+            }
+            other => {
+                return Err(format!(
+                    "config file {}: {key} must be a string, number or boolean, not {}",
+                    path.display(),
+                    other.type_str()
+                ));
+            }
+        }
+    }
+    let mut all = args;
+    all.extend(extra);
+    let matches = Cli::command()
+        .try_get_matches_from(all)
+        .map_err(|e| format!("config file {}: {e}", path.display()))?;
+    Cli::from_arg_matches(&matches).map_err(|e| e.to_string())
 }

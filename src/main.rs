@@ -12,7 +12,20 @@ use tollgate::telemetry::{self, LogFormat};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    match dispatch(Cli::parse()).await {
+    let cli = match cli::parse() {
+        Ok(cli) => cli,
+        Err(message) => {
+            // clap's own messages (including --help and --version) print as is.
+            match Cli::try_parse() {
+                Err(e) => e.exit(),
+                Ok(_) => {
+                    eprintln!("error: {message}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    };
+    match dispatch(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

@@ -164,3 +164,57 @@ fn serve_refuses_a_bad_store_url_or_limits_path_without_printing_passwords() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("error: limits table:"));
 }
+
+#[test]
+fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    std::fs::write(
+        path.join("tollgate.toml"),
+        "limits = \"from-file.db\"\nmax_buckets = 5000\nlog_format = \"json\"\nreload_interval = \"10s\"\nenvoy_shadow_mode = true\n",
+    )
+    .unwrap();
+    let server = ServeProcess::start_with_env(
+        path,
+        &["--config", "tollgate.toml", "--reload-interval", "100ms"],
+        &[("TOLLGATE_LIMITS", "from-env.db")],
+    );
+    // The environment beat the file for the limits table...
+    assert!(path.join("from-env.db").exists());
+    assert!(!path.join("from-file.db").exists());
+    // ...the file beat the default for the bucket cap...
+    let metrics = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&server.admin).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        r
+    };
+    assert!(metrics.contains("tollgate_buckets_max 5000"), "{metrics}");
+    let (status, logs) = server.terminate();
+    assert!(status.success());
+    // ...and set JSON logs.
+    assert!(
+        logs.iter()
+            .any(|l| l.starts_with('{') && l.contains("\"message\":\"tollgate stopped\"")),
+        "{logs:#?}"
+    );
+
+    std::fs::write(path.join("bad.toml"), "grpc_adress = \"x\"\n").unwrap();
+    let out = tollgate(path, &["serve", "--config", "bad.toml"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unknown option \"grpc_adress\"; known options:"),
+        "{err}"
+    );
+    assert!(err.contains("grpc_addr"), "{err}");
+
+    let out = tollgate(path, &["--version"]);
+    assert_eq!(
+        stdout(&out),
+        format!("tollgate {}\n", env!("CARGO_PKG_VERSION"))
+    );
+}

@@ -57,11 +57,15 @@ impl ServeProcess {
                 break line;
             }
         };
+        // Text logs say `grpc=ADDR`; JSON logs say `"grpc":"ADDR"`.
         let field = |name: &str| {
             line.split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{name}=")))
-                .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-                .to_owned()
+                .find_map(|w| w.strip_prefix(&format!("{name}=")).map(str::to_owned))
+                .or_else(|| {
+                    let start = line.find(&format!("\"{name}\":\""))? + name.len() + 4;
+                    Some(line[start..].split('"').next()?.to_owned())
+                })
+                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
         };
         Self {
             grpc: field("grpc"),
