@@ -31,7 +31,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the decision service.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage the limits table.
     #[command(subcommand)]
     Limits(LimitsCommand),
