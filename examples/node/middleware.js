@@ -1,0 +1,56 @@
+// An HTTP middleware that asks Tollgate before letting a request through.
+//
+//   const limit = tollgate({ target: "127.0.0.1:50051", tenant: "acme",
+//                            key: (req) => req.headers["x-api-key"] });
+//   http.createServer((req, res) => limit(req, res, () => handler(req, res)));
+//
+// Allowed requests carry the RateLimit-* headers Tollgate returns; rejected
+// ones get an honest 429 with Retry-After. If Tollgate cannot be reached the
+// request goes through (fail open): the limiter must not become the outage.
+"use strict";
+
+const path = require("path");
+const grpc = require("@grpc/grpc-js");
+const protoLoader = require("@grpc/proto-loader");
+
+const PROTO_ROOT = path.resolve(__dirname, "../../proto");
+
+function client(target) {
+  const definition = protoLoader.loadSync("tollgate/v1/tollgate.proto", {
+    includeDirs: [PROTO_ROOT],
+    keepCase: true,
+    longs: Number,
+    defaults: true,
+  });
+  const { tollgate } = grpc.loadPackageDefinition(definition);
+  return new tollgate.v1.RateLimiter(target, grpc.credentials.createInsecure());
+}
+
+function tollgate({ target, tenant = "", resource = "", key, cost = () => 1, timeoutMs = 50 }) {
+  const rpc = client(target);
+  return function limit(req, res, next) {
+    const apiKey = key(req);
+    if (!apiKey) {
+      res.writeHead(400, { "Content-Type": "text/plain" });
+      res.end("missing API key\n");
+      return;
+    }
+    const request = { key: apiKey, tenant, resource, cost: cost(req), dry_run: false };
+    rpc.ShouldAllow(request, { deadline: Date.now() + timeoutMs }, (err, decision) => {
+      if (err) {
+        console.warn(`tollgate unavailable (${err.code}); letting the request through`);
+        next();
+        return;
+      }
+      for (const [name, value] of Object.entries(decision.headers)) res.setHeader(name, value);
+      if (!decision.allowed) {
+        res.writeHead(429, { "Content-Type": "text/plain" });
+        res.end("rate limited; retry after the Retry-After header\n");
+        return;
+      }
+      next();
+    });
+  };
+}
+
+module.exports = { tollgate };
