@@ -39,6 +39,20 @@ pub enum Command {
     Check(CheckArgs),
     /// Show the most limited tenants of a running server, refreshing in place.
     Top(TopArgs),
+    /// Ask a running server's gRPC health service; exit 0 when serving (for
+    /// container health checks).
+    Health {
+        /// The server's gRPC address.
+        #[arg(
+            long,
+            env = "TOLLGATE_SERVER",
+            default_value = "http://127.0.0.1:50051"
+        )]
+        server: String,
+        /// The service to ask about ('' for the whole server).
+        #[arg(long, default_value = "tollgate.v1.RateLimiter")]
+        service: String,
+    },
 }
 
 /// `tollgate top`.
@@ -691,4 +705,30 @@ pub fn parse() -> Result<Cli, String> {
         .try_get_matches_from(all)
         .map_err(|e| format!("config file {}: {e}", path.display()))?;
     Cli::from_arg_matches(&matches).map_err(|e| e.to_string())
+}
+
+/// Runs `health`: prints the serving status; an error unless SERVING.
+pub async fn health(server: String, service: String) -> anyhow::Result<()> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let channel = tonic::transport::Endpoint::from_shared(server.clone())?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {server}: {e}"))?;
+    let status = HealthClient::new(channel)
+        .check(HealthCheckRequest { service })
+        .await
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+        .into_inner()
+        .status();
+    println!("{}", status.as_str_name());
+    if status == ServingStatus::Serving {
+        Ok(())
+    } else {
+        anyhow::bail!("not serving")
+    }
 }

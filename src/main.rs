@@ -56,6 +56,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Check(args) => cli::check(args).await?,
         Command::Top(args) => cli::top(args).await?,
+        Command::Health { server, service } => cli::health(server, service).await?,
     }
     Ok(())
 }

@@ -218,3 +218,19 @@ fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
         format!("tollgate {}\n", env!("CARGO_PKG_VERSION"))
     );
 }
+
+#[test]
+fn tollgate_health_reports_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(dir.path(), &[]);
+    server.wait_ready();
+    let out = tollgate(
+        dir.path(),
+        &["health", "--server", &format!("http://{}", server.grpc)],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(stdout(&out), "SERVING\n");
+    drop(server);
+    let out = tollgate(dir.path(), &["health", "--server", "http://127.0.0.1:1"]);
+    assert!(!out.status.success());
+}

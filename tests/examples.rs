@@ -21,15 +21,30 @@ impl Drop for App {
 
 fn get(port: u16, key: &str) -> (u16, String) {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(s, "GET / HTTP/1.1\r\nHost: app\r\nx-api-key: {key}\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET / HTTP/1.1\r\nHost: app\r\nx-api-key: {key}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut r = String::new();
     s.read_to_string(&mut r).unwrap();
-    (r.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), r.to_ascii_lowercase())
+    (
+        r.split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0),
+        r.to_ascii_lowercase(),
+    )
 }
 
 fn check(mut command: Command) {
     let dir = tempfile::tempdir().unwrap();
-    let out = tollgate(dir.path(), &["limits", "set", "--tenant", "shop", "--burst", "2", "--rate", "1/hour"]);
+    let out = tollgate(
+        dir.path(),
+        &[
+            "limits", "set", "--tenant", "shop", "--burst", "2", "--rate", "1/hour",
+        ],
+    );
     assert!(out.status.success());
     let server = ServeProcess::start(dir.path(), &[]);
     let port = free_port(false);
@@ -49,26 +64,39 @@ fn check(mut command: Command) {
         let (status, response) = get(port, "customer-1");
         assert_eq!(status, 200, "{response}");
         assert!(response.contains("hello from the application"));
-        assert!(response.contains(&format!("ratelimit-remaining: {left}\r\n")), "{response}");
+        assert!(
+            response.contains(&format!("ratelimit-remaining: {left}\r\n")),
+            "{response}"
+        );
     }
     let (status, response) = get(port, "customer-1");
     assert_eq!(status, 429, "{response}");
     assert!(response.contains("retry-after: 3600\r\n"), "{response}");
     assert!(response.contains("ratelimit-limit: 2\r\n"), "{response}");
     assert!(!response.contains("hello from the application"));
-    assert_eq!(get(port, "customer-2").0, 200, "another key has its own budget");
+    assert_eq!(
+        get(port, "customer-2").0,
+        200,
+        "another key has its own budget"
+    );
 }
 
 #[test]
 fn python_grpcio_middleware() {
     let mut c = Command::new("python3");
-    c.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/python/tollgate_middleware.py"));
+    c.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/python/tollgate_middleware.py"
+    ));
     check(c);
 }
 
 #[test]
 fn node_grpc_js_middleware() {
     let mut c = Command::new("node");
-    c.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/node/server.js"));
+    c.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/node/server.js"
+    ));
     check(c);
 }
