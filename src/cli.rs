@@ -39,6 +39,16 @@ pub enum Command {
     Check(CheckArgs),
     /// Show the most limited tenants of a running server, refreshing in place.
     Top(TopArgs),
+    /// Drive a running server with load and report throughput and latency.
+    Bench(BenchArgs),
+    /// Serve a RateLimiter whose handlers do nothing: the ceiling `bench`
+    /// compares the real service against.
+    #[command(hide = true)]
+    BenchEmptyServer {
+        /// gRPC listen address.
+        #[arg(long, default_value = "127.0.0.1:50052")]
+        grpc_addr: std::net::SocketAddr,
+    },
     /// Ask a running server's gRPC health service; exit 0 when serving (for
     /// container health checks).
     Health {
@@ -53,6 +63,86 @@ pub enum Command {
         #[arg(long, default_value = "tollgate.v1.RateLimiter")]
         service: String,
     },
+}
+
+/// `tollgate bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The server's gRPC address.
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Which API to drive.
+    #[arg(long, value_enum, default_value = "native")]
+    pub api: crate::bench::Api,
+    /// Items per call with --api batch.
+    #[arg(long, default_value_t = 100)]
+    pub batch: usize,
+    /// HTTP/2 connections to spread the calls over.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Calls in flight (closed loop), or workers sending on schedule (open loop).
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Open loop: this many calls per second on a fixed schedule; latency is
+    /// measured from each call's scheduled time.
+    #[arg(long)]
+    pub rate: Option<u64>,
+    /// How long to run.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Distinct keys.
+    #[arg(long, default_value_t = 10_000)]
+    pub keys: u64,
+    /// Key distribution: uniform, zipf or zipf:EXPONENT.
+    #[arg(long, default_value = "uniform")]
+    pub distribution: crate::bench::Distribution,
+    /// Tenant (native) or domain (Envoy) of the calls.
+    #[arg(long, default_value = "bench")]
+    pub tenant: String,
+    /// PID of the server, to report its CPU time per decision.
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// No per-second progress line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Runs `bench`.
+pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let before = args.server_pid.and_then(crate::bench::cpu_time);
+    let summary = crate::bench::run(crate::bench::LoadOptions {
+        server: args.server.clone(),
+        api: args.api,
+        batch: args.batch,
+        connections: args.connections,
+        concurrency: args.concurrency,
+        rate: args.rate,
+        duration: args.duration,
+        keys: args.keys,
+        distribution: args.distribution,
+        tenant: args.tenant.clone(),
+        progress: !args.quiet,
+    })
+    .await
+    .map_err(anyhow::Error::msg)?;
+    println!("{}", summary.render());
+    let after = args.server_pid.and_then(crate::bench::cpu_time);
+    if let (Some(before), Some(after)) = (before, after) {
+        {
+            let cpu = after.saturating_sub(before);
+            println!(
+                "server CPU: {:.2} s  = {:.2} µs per call, {:.3} µs per decision",
+                cpu.as_secs_f64(),
+                cpu.as_secs_f64() * 1e6 / summary.calls.max(1) as f64,
+                cpu.as_secs_f64() * 1e6 / summary.decisions.max(1) as f64
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `tollgate top`.

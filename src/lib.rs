@@ -6,6 +6,7 @@
 //! The limits table (`limits`) feeds the limiter its rules.
 
 pub mod admin;
+pub mod bench;
 pub mod bucket;
 pub mod cli;
 pub mod clock;

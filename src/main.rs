@@ -57,6 +57,15 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Check(args) => cli::check(args).await?,
         Command::Top(args) => cli::top(args).await?,
         Command::Health { server, service } => cli::health(server, service).await?,
+        Command::Bench(args) => cli::bench(args).await?,
+        Command::BenchEmptyServer { grpc_addr } => {
+            let listener = tokio::net::TcpListener::bind(grpc_addr).await?;
+            eprintln!(
+                "empty RateLimiter listening grpc={}",
+                listener.local_addr()?
+            );
+            tollgate::bench::serve_empty(listener).await?;
+        }
     }
     Ok(())
 }

@@ -1,0 +1,195 @@
+//! Criterion benches of the decision path: the algorithm alone, the
+//! in-process store on one hot key and on a million keys (1 and 2 threads),
+//! and the Redis store when `redis-server` is installed.
+//!
+//!     cargo bench --bench decide
+
+#![allow(clippy::disallowed_methods)] // a bench measures wall time
+
+use std::hint::black_box;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use tollgate::bucket::{Algorithm, Charge, Limit, Rate, decide, plan};
+use tollgate::clock::{Clock, ManualClock};
+use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
+
+const T0: u64 = 1_700_000_000_000_000;
+
+fn limit() -> Limit {
+    Limit::new(30, "600/minute".parse::<Rate>().unwrap()).unwrap()
+}
+
+fn algorithm(c: &mut Criterion) {
+    let mut g = c.benchmark_group("algorithm");
+    g.throughput(Throughput::Elements(1));
+    let l = limit();
+    let mut now = T0;
+    let mut state = None;
+    g.bench_function("token_bucket_decide", |b| {
+        b.iter(|| {
+            now += 1_000;
+            let (v, s) = decide(black_box(state), &l, 1, now).unwrap();
+            if v.allowed {
+                state = Some(s);
+            }
+            v
+        })
+    });
+    let w = Limit::window(Algorithm::SlidingWindow, "600/minute".parse().unwrap()).unwrap();
+    let charges = [
+        Charge {
+            limit: l,
+            cost: 1,
+            enforce: true,
+        },
+        Charge {
+            limit: w,
+            cost: 1,
+            enforce: true,
+        },
+    ];
+    g.bench_function("plan_two_buckets", |b| {
+        b.iter(|| plan(black_box(&[None, None]), &charges, T0, true))
+    });
+    g.finish();
+}
+
+fn memory_store(c: &mut Criterion) {
+    let mut g = c.benchmark_group("memory_store");
+    g.throughput(Throughput::Elements(1));
+    let clock = Arc::new(ManualClock::new(T0));
+    let store = Arc::new(MemoryStore::new(clock.clone(), 2_000_000));
+    let charge = [Charge {
+        limit: Limit::new(1_000_000, "1000000/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    }];
+    let hot = [BucketKey::new("bench", "k", "", "hot")];
+    g.bench_function("one_hot_key", |b| {
+        b.iter(|| {
+            clock.advance(Duration::from_micros(1));
+            store.apply_now(black_box(&hot), &charge, true)
+        })
+    });
+    let keys: Vec<[BucketKey; 1]> = (0..1_000_000)
+        .map(|i| [BucketKey::new("bench", "k", "", &i.to_string())])
+        .collect();
+    for k in &keys {
+        store.apply_now(k, &charge, true);
+    }
+    let mut i = 0usize;
+    g.bench_function("million_keys", |b| {
+        b.iter(|| {
+            i = (i + 7919) % keys.len();
+            store.apply_now(black_box(&keys[i]), &charge, true)
+        })
+    });
+    for threads in [1usize, 2] {
+        g.throughput(Throughput::Elements(threads as u64));
+        g.bench_function(format!("million_keys_{threads}_threads"), |b| {
+            b.iter_custom(|iters| {
+                let started = Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..threads {
+                        let (store, keys) = (&store, &keys);
+                        s.spawn(move || {
+                            let mut i = t * 500_000;
+                            for _ in 0..iters {
+                                i = (i + 7919) % keys.len();
+                                black_box(store.apply_now(&keys[i], &charge, true));
+                            }
+                        });
+                    }
+                });
+                started.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
+struct Redis(Child);
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn redis_store(c: &mut Criterion) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let Ok(child) = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+    else {
+        eprintln!("redis-server not installed: skipping the Redis benches");
+        return;
+    };
+    let _redis = Redis(child);
+    std::thread::sleep(Duration::from_millis(300));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
+    let store = runtime.block_on(async {
+        let config = RedisConfig {
+            timeout: Duration::from_secs(5),
+            ..RedisConfig::new(format!("redis://127.0.0.1:{port}"))
+        };
+        Arc::new(RedisStore::new(config, Some(clock)).unwrap())
+    });
+    let charge = [Charge {
+        limit: Limit::new(1_000_000, "1000000/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    }];
+    let mut g = c.benchmark_group("redis_store");
+    g.throughput(Throughput::Elements(1));
+    let mut i = 0u64;
+    g.bench_function("sequential_round_trip", |b| {
+        b.iter(|| {
+            i += 1;
+            let key = [BucketKey::new("bench", "k", "", &(i % 10_000).to_string())];
+            runtime.block_on(store.apply(&key, &charge, true)).unwrap()
+        })
+    });
+    // 64 decisions in flight: pipelined on the multiplexed connection.
+    g.throughput(Throughput::Elements(64));
+    g.bench_function("pipelined_64", |b| {
+        b.iter(|| {
+            runtime.block_on(async {
+                let mut tasks = Vec::with_capacity(64);
+                for j in 0..64u64 {
+                    let store = store.clone();
+                    tasks.push(tokio::spawn(async move {
+                        let key = [BucketKey::new("bench", "k", "", &j.to_string())];
+                        store.apply(&key, &charge, true).await.unwrap()
+                    }));
+                }
+                for t in tasks {
+                    t.await.unwrap();
+                }
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, algorithm, memory_store, redis_store);
+criterion_main!(benches);

@@ -1,0 +1,473 @@
+//! `tollgate bench`: a load generator for the gRPC APIs, and the empty
+//! server it is compared against.
+//!
+//! Closed loop: `concurrency` requests in flight, each sent as soon as the
+//! previous answered; throughput is what the server sustains. Open loop:
+//! requests are sent on a fixed schedule (`rate` per second) whatever the
+//! answers do, and each latency is measured from the moment the request was
+//! *due*, not when it was sent, so a stalled server shows up as latency
+//! instead of silently lowering the load (coordinated omission).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::grpc::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::grpc::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use crate::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use crate::grpc::proto::v1::{
+    BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse,
+};
+
+/// Which API to drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Api {
+    /// `tollgate.v1.RateLimiter/ShouldAllow`.
+    Native,
+    /// `tollgate.v1.RateLimiter/ShouldAllowBatch`, `batch` items per call.
+    Batch,
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+    Envoy,
+}
+
+/// How keys are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Distribution {
+    /// Every key equally likely.
+    Uniform,
+    /// Zipf with this exponent: a few hot keys, a long tail.
+    Zipf(f64),
+}
+
+impl std::str::FromStr for Distribution {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "uniform" => Ok(Self::Uniform),
+            None if s == "zipf" => Ok(Self::Zipf(1.0)),
+            Some(("zipf", e)) => e
+                .parse::<f64>()
+                .ok()
+                .filter(|e| *e > 0.0)
+                .map(Self::Zipf)
+                .ok_or_else(|| format!("zipf exponent {e:?} must be a positive number")),
+            _ => Err(format!("{s:?}: use uniform, zipf or zipf:EXPONENT")),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// `http://host:port` of the server.
+    pub server: String,
+    /// API.
+    pub api: Api,
+    /// Items per batch call.
+    pub batch: usize,
+    /// HTTP/2 connections; calls are spread over them.
+    pub connections: usize,
+    /// Closed loop: calls in flight.
+    pub concurrency: usize,
+    /// Open loop: calls per second (closed loop when `None`).
+    pub rate: Option<u64>,
+    /// How long to run.
+    pub duration: Duration,
+    /// Distinct keys.
+    pub keys: u64,
+    /// How keys are drawn.
+    pub distribution: Distribution,
+    /// Tenant of the native calls / domain of the Envoy calls.
+    pub tenant: String,
+    /// Print a progress line every second (to stderr).
+    pub progress: bool,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Calls answered.
+    pub calls: u64,
+    /// Decisions made (calls × batch size).
+    pub decisions: u64,
+    /// Calls that failed.
+    pub errors: u64,
+    /// Decisions allowed.
+    pub allowed: u64,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+    /// Latency percentiles in microseconds: p50, p90, p99, p99.9, max.
+    pub latency_us: [u64; 5],
+}
+
+impl Summary {
+    /// Calls per second.
+    pub fn throughput(&self) -> f64 {
+        self.calls as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// One line of figures.
+    pub fn render(&self) -> String {
+        let [p50, p90, p99, p999, max] = self.latency_us;
+        format!(
+            "calls {}  decisions {}  errors {}  allowed {:.1}%  throughput {:.0} calls/s ({:.0} decisions/s)\n\
+             latency µs: p50 {p50}  p90 {p90}  p99 {p99}  p99.9 {p999}  max {max}",
+            self.calls,
+            self.decisions,
+            self.errors,
+            100.0 * self.allowed as f64 / self.decisions.max(1) as f64,
+            self.throughput(),
+            self.decisions as f64 / self.elapsed.as_secs_f64(),
+        )
+    }
+}
+
+/// Draws keys by the distribution.
+struct Keys {
+    cdf: Option<Vec<f64>>,
+    n: u64,
+    state: u64,
+}
+
+impl Keys {
+    fn new(n: u64, distribution: Distribution, seed: u64) -> Self {
+        let cdf = match distribution {
+            Distribution::Uniform => None,
+            Distribution::Zipf(s) => {
+                let mut acc = 0.0;
+                let mut cdf: Vec<f64> = (1..=n)
+                    .map(|k| {
+                        acc += 1.0 / (k as f64).powf(s);
+                        acc
+                    })
+                    .collect();
+                let total = acc;
+                cdf.iter_mut().for_each(|c| *c /= total);
+                Some(cdf)
+            }
+        };
+        Self {
+            cdf,
+            n: n.max(1),
+            state: seed | 1,
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        // xorshift64*
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        self.state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn next(&mut self) -> u64 {
+        let r = self.next_u64();
+        match &self.cdf {
+            None => r % self.n,
+            Some(cdf) => {
+                let u = (r >> 11) as f64 / (1u64 << 53) as f64;
+                cdf.partition_point(|c| *c < u) as u64
+            }
+        }
+    }
+}
+
+enum Client {
+    Native(RateLimiterClient<Channel>),
+    Envoy(RateLimitServiceClient<Channel>),
+}
+
+/// One call; returns (decisions made, decisions allowed).
+async fn call(
+    client: &mut Client,
+    api: Api,
+    batch: usize,
+    tenant: &str,
+    keys: &mut Keys,
+) -> Result<(u64, u64), tonic::Status> {
+    let allowed = |r: &ShouldAllowResponse| u64::from(r.allowed);
+    match (client, api) {
+        (Client::Native(c), Api::Native) => {
+            let r = c
+                .should_allow(ShouldAllowRequest {
+                    key: format!("k{}", keys.next()),
+                    cost: 1,
+                    tenant: tenant.to_owned(),
+                    resource: String::new(),
+                    dry_run: false,
+                })
+                .await?
+                .into_inner();
+            Ok((1, allowed(&r)))
+        }
+        (Client::Native(c), _) => {
+            let items = (0..batch)
+                .map(|_| BatchItem {
+                    key: format!("k{}", keys.next()),
+                    cost: 1,
+                    tenant: tenant.to_owned(),
+                    resource: String::new(),
+                })
+                .collect();
+            let r = c
+                .should_allow_batch(ShouldAllowBatchRequest {
+                    items,
+                    dry_run: false,
+                })
+                .await?
+                .into_inner();
+            Ok((batch as u64, r.results.iter().map(allowed).sum()))
+        }
+        (Client::Envoy(c), _) => {
+            let r = c
+                .should_rate_limit(RateLimitRequest {
+                    domain: tenant.to_owned(),
+                    descriptors: vec![RateLimitDescriptor {
+                        entries: vec![Entry {
+                            key: "api_key".into(),
+                            value: format!("k{}", keys.next()),
+                        }],
+                        limit: None,
+                        hits_addend: None,
+                    }],
+                    hits_addend: 1,
+                })
+                .await?
+                .into_inner();
+            Ok((1, u64::from(r.overall_code == 1)))
+        }
+    }
+}
+
+/// Runs the load and returns its summary.
+pub async fn run(options: LoadOptions) -> Result<Summary, String> {
+    let mut channels = Vec::new();
+    for _ in 0..options.connections.max(1) {
+        let channel = Endpoint::from_shared(options.server.clone())
+            .map_err(|e| e.to_string())?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .map_err(|e| format!("cannot reach {}: {e}", options.server))?;
+        channels.push(channel);
+    }
+    let histogram = Arc::new(Mutex::new(
+        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds"),
+    ));
+    let (calls, decisions, allowed, errors) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let started = Instant::now();
+    let deadline = started + options.duration;
+    let done = Arc::new(AtomicBool::new(false));
+
+    let progress = options.progress.then(|| {
+        let (calls, done) = (calls.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut last = 0;
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.tick().await;
+            while !done.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let now = calls.load(Ordering::Relaxed);
+                eprintln!(
+                    "{:>6.1} s  {:>8} calls/s  {:>10} calls",
+                    started.elapsed().as_secs_f64(),
+                    now - last,
+                    now
+                );
+                last = now;
+            }
+        })
+    });
+
+    // Workers: closed loop, or open loop where worker i sends calls
+    // i, i + w, i + 2w, ... at their scheduled instants.
+    let workers = options.concurrency.max(1);
+    let interval = options
+        .rate
+        .map(|r| Duration::from_secs_f64(workers as f64 / r.max(1) as f64));
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let channel = channels[w % channels.len()].clone();
+        let mut client = match options.api {
+            Api::Envoy => Client::Envoy(RateLimitServiceClient::new(channel)),
+            _ => Client::Native(RateLimiterClient::new(channel)),
+        };
+        let (histogram, calls, decisions, allowed, errors) = (
+            histogram.clone(),
+            calls.clone(),
+            decisions.clone(),
+            allowed.clone(),
+            errors.clone(),
+        );
+        let options = options.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut keys = Keys::new(options.keys, options.distribution, 0x9e37_79b9 + w as u64);
+            let mut local =
+                Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+            let offset = interval
+                .map(|i| i.mul_f64(w as f64 / workers as f64))
+                .unwrap_or_default();
+            let mut due = started + offset;
+            loop {
+                let scheduled = match interval {
+                    Some(i) => {
+                        tokio::time::sleep_until(due).await;
+                        let at = due;
+                        due += i;
+                        at
+                    }
+                    None => Instant::now(),
+                };
+                if scheduled >= deadline {
+                    break;
+                }
+                match call(
+                    &mut client,
+                    options.api,
+                    options.batch,
+                    &options.tenant,
+                    &mut keys,
+                )
+                .await
+                {
+                    Ok((d, a)) => {
+                        decisions.fetch_add(d, Ordering::Relaxed);
+                        allowed.fetch_add(a, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                calls.fetch_add(1, Ordering::Relaxed);
+                let _ = local.record(scheduled.elapsed().as_micros().max(1) as u64);
+            }
+            histogram.lock().add(&local).expect("same bounds");
+        }));
+    }
+    for t in tasks {
+        t.await.map_err(|e| e.to_string())?;
+    }
+    done.store(true, Ordering::Relaxed);
+    if let Some(p) = progress {
+        p.abort();
+    }
+    let h = histogram.lock();
+    Ok(Summary {
+        calls: calls.load(Ordering::Relaxed),
+        decisions: decisions.load(Ordering::Relaxed),
+        errors: errors.load(Ordering::Relaxed),
+        allowed: allowed.load(Ordering::Relaxed),
+        elapsed: started.elapsed(),
+        latency_us: [
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.9),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max(),
+        ],
+    })
+}
+
+/// CPU time (user + system) a process has used so far, from `/proc/PID/stat`.
+pub fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start at ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // Linux reports in clock ticks of 1/100 s (USER_HZ).
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// A `tollgate.v1.RateLimiter` whose handlers do nothing: the ceiling the
+/// real service is compared against, served by the same tonic stack.
+pub struct EmptyRateLimiter;
+
+#[tonic::async_trait]
+impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter {
+    async fn should_allow(
+        &self,
+        _: tonic::Request<ShouldAllowRequest>,
+    ) -> Result<tonic::Response<ShouldAllowResponse>, tonic::Status> {
+        Ok(tonic::Response::new(ShouldAllowResponse {
+            allowed: true,
+            ..Default::default()
+        }))
+    }
+
+    async fn should_allow_batch(
+        &self,
+        request: tonic::Request<ShouldAllowBatchRequest>,
+    ) -> Result<tonic::Response<crate::grpc::proto::v1::ShouldAllowBatchResponse>, tonic::Status>
+    {
+        let n = request.get_ref().items.len();
+        Ok(tonic::Response::new(
+            crate::grpc::proto::v1::ShouldAllowBatchResponse {
+                allowed: true,
+                results: vec![
+                    ShouldAllowResponse {
+                        allowed: true,
+                        ..Default::default()
+                    };
+                    n
+                ],
+                retry_after: None,
+            },
+        ))
+    }
+}
+
+/// Serves [`EmptyRateLimiter`] on `listener` until the process ends, with
+/// the same server settings as `tollgate serve`.
+pub async fn serve_empty(listener: tokio::net::TcpListener) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(crate::grpc::RateLimiterServer::new(EmptyRateLimiter))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zipf_keys_favour_the_first_ones_and_stay_in_range() {
+        let mut keys = Keys::new(1000, Distribution::Zipf(1.1), 7);
+        let mut counts = vec![0u32; 1000];
+        for _ in 0..100_000 {
+            counts[keys.next() as usize] += 1;
+        }
+        assert!(
+            counts[0] > counts[9] && counts[9] > counts[99],
+            "{:?}",
+            &counts[..10]
+        );
+        let mut uniform = Keys::new(10, Distribution::Uniform, 7);
+        assert!((0..1000).all(|_| uniform.next() < 10));
+        assert_eq!(
+            "zipf:1.2".parse::<Distribution>(),
+            Ok(Distribution::Zipf(1.2))
+        );
+        assert!("zipf:-1".parse::<Distribution>().is_err());
+    }
+
+    #[test]
+    fn cpu_time_of_this_process_is_readable() {
+        assert!(cpu_time(std::process::id()).is_some());
+    }
+}
