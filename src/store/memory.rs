@@ -320,3 +320,45 @@ mod tests {
         assert!(!store.apply_now(&victim, &c, true).allowed);
     }
 }
+
+/// Measures the resident memory of a million buckets (run with
+/// `cargo test --release --lib bytes_per_bucket -- --ignored --nocapture`;
+/// the figure is in BENCHMARKS.md).
+#[cfg(test)]
+#[test]
+#[ignore = "a measurement, not a check"]
+fn bytes_per_bucket() {
+    use crate::bucket::{Limit, Rate};
+    use crate::clock::ManualClock;
+    let rss = || {
+        std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("VmRSS:")
+                    .map(|v| v.trim().trim_end_matches(" kB").parse::<u64>().unwrap())
+            })
+            .unwrap()
+            * 1024
+    };
+    let store = MemoryStore::new(Arc::new(ManualClock::new(1_700_000_000_000_000)), 2_000_000);
+    let charge = [crate::bucket::Charge {
+        limit: Limit::new(30, "600/minute".parse::<Rate>().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    }];
+    let before = rss();
+    for i in 0..1_000_000u32 {
+        store.apply_now(
+            &[BucketKey::new("acme", "k", "", &format!("user-{i:07}"))],
+            &charge,
+            true,
+        );
+    }
+    let after = rss();
+    println!(
+        "{} buckets, keys like acme:k::user-0000001: {} bytes each",
+        store.len(),
+        (after - before) / store.len() as u64
+    );
+}
