@@ -136,15 +136,40 @@ pub fn handle() -> &'static PrometheusHandle {
 }
 
 /// Counts one decision.
+///
+/// The counter handles are registered once per (rule, api, outcome) and
+/// cached, so the hot path neither builds label strings nor looks the
+/// series up in the registry.
 pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
     TOTALS[outcome as usize].fetch_add(1, Ordering::Relaxed);
-    let labels = [
-        ("api", api.to_owned()),
-        ("outcome", outcome.label().to_owned()),
-        ("rule", rule.to_owned()),
-    ];
-    counter!(DECISIONS, &labels).increment(1);
-    counter!(TOKENS, &labels).increment(tokens);
+    let api_index = usize::from(api != "native");
+    let cached = decision_handles()
+        .get(rule)
+        .and_then(|slots| slots[api_index][outcome as usize].clone());
+    let (decisions, tokens_counter) = match cached {
+        Some(handles) => handles,
+        None => {
+            let labels = [
+                ("api", api.to_owned()),
+                ("outcome", outcome.label().to_owned()),
+                ("rule", rule.to_owned()),
+            ];
+            let handles = (counter!(DECISIONS, &labels), counter!(TOKENS, &labels));
+            decision_handles().entry(rule.to_owned()).or_default()[api_index][outcome as usize] =
+                Some(handles.clone());
+            handles
+        }
+    };
+    decisions.increment(1);
+    tokens_counter.increment(tokens);
+}
+
+type DecisionSlots = [[Option<(metrics::Counter, metrics::Counter)>; 7]; 2];
+
+/// Counter handles by rule name, then API (native, envoy) and outcome.
+fn decision_handles() -> &'static dashmap::DashMap<String, DecisionSlots> {
+    static HANDLES: OnceLock<dashmap::DashMap<String, DecisionSlots>> = OnceLock::new();
+    HANDLES.get_or_init(dashmap::DashMap::new)
 }
 
 /// Counts a limits reload.
@@ -196,5 +221,14 @@ pub const GRPC_DURATION: &str = "tollgate_grpc_request_duration_seconds";
 
 /// Records one gRPC request's latency.
 pub fn grpc_request(method: &'static str, took: std::time::Duration) {
-    metrics::histogram!(GRPC_DURATION, "method" => method).record(took.as_secs_f64());
+    static HANDLES: OnceLock<dashmap::DashMap<&'static str, metrics::Histogram>> = OnceLock::new();
+    let handles = HANDLES.get_or_init(dashmap::DashMap::new);
+    let histogram = match handles.get(method) {
+        Some(h) => h.clone(),
+        None => handles
+            .entry(method)
+            .or_insert_with(|| metrics::histogram!(GRPC_DURATION, "method" => method))
+            .clone(),
+    };
+    histogram.record(took.as_secs_f64());
 }
