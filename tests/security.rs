@@ -312,3 +312,50 @@ async fn an_oversized_request_is_refused_with_a_clear_status() {
     );
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_stuck_on_a_hung_store_is_cut_off_by_the_request_timeout() {
+    use common::redis::RedisServer;
+    use std::time::Duration;
+    use tollgate::server::StoreSpec;
+    let redis = RedisServer::start();
+    let url = redis.url();
+    // A store timeout far beyond the request timeout: the request timeout
+    // must be what answers.
+    let server = TestServer::launch(None, move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_secs(30);
+        c.grpc_limits.request_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let mut client = server.client().await;
+    assert!(
+        client
+            .should_allow(req("t", "k"))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
+    redis.freeze();
+    let mut stuck = tonic::Request::new(req("t", "k"));
+    stuck.set_timeout(Duration::from_secs(10));
+    let status = client.should_allow(stuck).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Cancelled, "{status:?}");
+    assert!(
+        status.message().contains("Timeout expired"),
+        "{}",
+        status.message()
+    );
+    redis.thaw();
+    assert!(
+        client
+            .should_allow(req("t", "k"))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed,
+        "and the server carries on"
+    );
+    server.stop().await;
+}
