@@ -157,35 +157,18 @@ async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes
         Ok(r) => r,
         Err(e) => return bad(format!("the body must be a JSON row: {e}")),
     };
-    let rate: crate::bucket::Rate = match req.rate.parse() {
-        Ok(r) => r,
+    let row = match crate::limits::LimitRow::from_request(
+        req.tenant,
+        req.resource,
+        req.scope,
+        req.burst,
+        &req.rate,
+        req.mode,
+        req.on_store_unavailable,
+        req.name,
+    ) {
+        Ok(row) => row,
         Err(e) => return bad(e),
-    };
-    let or = |s: &str, d: &str| {
-        if s.is_empty() {
-            d.to_owned()
-        } else {
-            s.to_owned()
-        }
-    };
-    let row = crate::limits::LimitRow {
-        name: req.name.unwrap_or_else(|| {
-            format!(
-                "{}-{}-{}",
-                or(&req.tenant, "default"),
-                or(&req.resource, "any"),
-                req.scope
-            )
-        }),
-        tenant: req.tenant,
-        resource: req.resource,
-        scope: req.scope,
-        burst: req.burst,
-        rate: rate.count as i64,
-        rate_unit: rate.unit.as_str().into(),
-        mode: req.mode,
-        on_store_unavailable: req.on_store_unavailable,
-        updated_at: String::new(),
     };
     if let Err(e) = row.validate() {
         return bad(e.to_string());

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::bucket::Rate;
 use crate::grpc::proto::v1::ShouldAllowRequest;
 use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
 use crate::limiter::Unmatched;
@@ -487,34 +486,17 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             }
         }
         LimitsCommand::Set(args) => {
-            let rate: Rate = args.rate.parse().map_err(anyhow::Error::msg)?;
-            let row = LimitRow {
-                name: args.name.clone().unwrap_or_else(|| {
-                    let or = |s: &str, d: &str| {
-                        if s.is_empty() {
-                            d.to_owned()
-                        } else {
-                            s.to_owned()
-                        }
-                    };
-                    let shadow = if args.mode == "shadow" { "-shadow" } else { "" };
-                    format!(
-                        "{}-{}-{}{shadow}",
-                        or(&args.tenant, "default"),
-                        or(&args.resource, "any"),
-                        args.scope
-                    )
-                }),
-                tenant: args.tenant,
-                resource: args.resource,
-                scope: args.scope,
-                burst: args.burst,
-                rate: i64::try_from(rate.count)?,
-                rate_unit: rate.unit.as_str().into(),
-                mode: args.mode,
-                on_store_unavailable: args.on_store_unavailable,
-                updated_at: String::new(),
-            };
+            let row = LimitRow::from_request(
+                args.tenant,
+                args.resource,
+                args.scope,
+                args.burst,
+                &args.rate,
+                args.mode,
+                args.on_store_unavailable,
+                args.name,
+            )
+            .map_err(anyhow::Error::msg)?;
             let rule = row.validate()?;
             let table = LimitsTable::open(&args.location.limits).await?;
             table.upsert(&row).await?;

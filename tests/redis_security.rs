@@ -116,68 +116,7 @@ async fn password_protected_redis() {
 async fn redis_over_tls_with_a_private_ca() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    // A private CA, and a server certificate for 127.0.0.1 signed by it.
-    let openssl = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .current_dir(d)
-            .args(args)
-            .output()
-            .expect("openssl runs (scripts/test installs it)");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=Tollgate test CA",
-    ]);
-    openssl(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "key.pem",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
-    std::fs::write(
-        d.join("san.ext"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
-    )
-    .unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "cert.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-    ]);
+    common::tls::certificates(d);
     let port = free_port(false);
     let _redis = start_redis(
         d,
@@ -187,9 +126,9 @@ async fn redis_over_tls_with_a_private_ca() {
             "--tls-port",
             &port.to_string(),
             "--tls-cert-file",
-            "cert.pem",
+            "server.pem",
             "--tls-key-file",
-            "key.pem",
+            "server.key",
             "--tls-ca-cert-file",
             "ca.pem",
             "--tls-auth-clients",

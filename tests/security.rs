@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::{TestServer, req};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -12,76 +11,6 @@ use tollgate::admin::AdminAccess;
 use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
 use tollgate::server::TlsFiles;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
-
-/// A CA, a server certificate for 127.0.0.1 and a client certificate.
-fn certificates(d: &Path) {
-    let openssl = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .current_dir(d)
-            .args(args)
-            .output()
-            .expect("openssl runs");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=test CA",
-    ]);
-    for (name, ext) in [
-        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ] {
-        openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.csr"),
-            "-subj",
-            &format!("/CN={name}"),
-        ]);
-        std::fs::write(
-            d.join(format!("{name}.ext")),
-            format!("{ext}\nbasicConstraints=CA:FALSE\n"),
-        )
-        .unwrap();
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &format!("{name}.csr"),
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &format!("{name}.pem"),
-            "-days",
-            "2",
-            "-extfile",
-            &format!("{name}.ext"),
-        ]);
-    }
-}
 
 async fn tls_channel(
     server: &TestServer,
@@ -118,7 +47,7 @@ async fn start_tls(d: &Path, mutual: bool) -> TestServer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_and_mutual_tls_on_the_grpc_port() {
     let dir = tempfile::tempdir().unwrap();
-    certificates(dir.path());
+    common::tls::certificates(dir.path());
 
     let server = start_tls(dir.path(), false).await;
     let mut client = RateLimiterClient::new(tls_channel(&server, dir.path(), false).await.unwrap());

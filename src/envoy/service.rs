@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use super::LiveEnvoyConfig;
 use super::config::{EnvoyRule, Match, RuleKind};
 use crate::bucket::{Charge, Limit, Micros, Rate, RateUnit, Verdict};
+use crate::grpc::duration;
 use crate::grpc::proto::envoy::config::core::v3::HeaderValue;
 use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit,
@@ -399,11 +400,4 @@ fn encode_domain(domain: &str) -> String {
         }
     }
     out
-}
-
-fn duration(us: Micros) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: (us / 1_000_000) as i64,
-        nanos: ((us % 1_000_000) * 1_000) as i32,
-    }
 }

@@ -322,7 +322,8 @@ fn whole_seconds(us: Micros) -> u64 {
     us.div_ceil(1_000_000)
 }
 
-fn duration(us: Micros) -> prost_types::Duration {
+/// Microseconds as a protobuf Duration.
+pub fn duration(us: Micros) -> prost_types::Duration {
     prost_types::Duration {
         seconds: (us / 1_000_000) as i64,
         nanos: ((us % 1_000_000) * 1_000) as i32,

@@ -134,6 +134,52 @@ pub struct LimitRow {
 }
 
 impl LimitRow {
+    /// A row as `tollgate limits set` and `POST /v1/limits` describe it: the
+    /// rate as `N/unit`, and a name that defaults to
+    /// `TENANT-RESOURCE-SCOPE` (`default`/`any` for empty parts, `-shadow`
+    /// added for shadow rows). Validate it before storing it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_request(
+        tenant: String,
+        resource: String,
+        scope: String,
+        burst: i64,
+        rate: &str,
+        mode: String,
+        on_store_unavailable: String,
+        name: Option<String>,
+    ) -> Result<Self, String> {
+        let rate: Rate = rate.parse()?;
+        let or = |s: &str, d: &str| {
+            if s.is_empty() {
+                d.to_owned()
+            } else {
+                s.to_owned()
+            }
+        };
+        let name = name.unwrap_or_else(|| {
+            let shadow = if mode == "shadow" { "-shadow" } else { "" };
+            format!(
+                "{}-{}-{scope}{shadow}",
+                or(&tenant, "default"),
+                or(&resource, "any")
+            )
+        });
+        Ok(Self {
+            name,
+            tenant,
+            resource,
+            scope,
+            burst,
+            rate: i64::try_from(rate.count)
+                .map_err(|_| format!("rate {} is too large", rate.count))?,
+            rate_unit: rate.unit.as_str().into(),
+            mode,
+            on_store_unavailable,
+            updated_at: String::new(),
+        })
+    }
+
     /// Validates the row into a [`Rule`]. The error names the row.
     pub fn validate(&self) -> Result<Rule, RowError> {
         self.check().map_err(|reason| RowError {

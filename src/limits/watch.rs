@@ -60,21 +60,9 @@ impl LiveLimits {
     /// Loads the table once. At start-up there is no last good table, so an
     /// invalid one is an error.
     pub async fn load(table: &LimitsTable) -> Result<Self, LoadError> {
-        let rows = table.rows().await?;
-        let set = RuleSet::from_rows(&rows)?;
-        metrics::limits_reload(true, set.len());
-        Ok(Self {
-            status: Mutex::new(ReloadStatus {
-                rules: set.len(),
-                generation: 1,
-                last_error: None,
-            }),
-            current: ArcSwap::from_pointee(set),
-            seen: Mutex::new(Seen {
-                applied: rows,
-                rejected: None,
-            }),
-        })
+        let live = Self::from_rows(table.rows().await?)?;
+        metrics::limits_reload(true, live.current.load().len());
+        Ok(live)
     }
 
     /// Rules from rows given directly (no table): for tests and embedding.

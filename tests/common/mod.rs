@@ -6,6 +6,7 @@
 pub mod postgres;
 pub mod process;
 pub mod redis;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
