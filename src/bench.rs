@@ -118,11 +118,12 @@ impl Summary {
     pub fn render(&self) -> String {
         let [p50, p90, p99, p999, max] = self.latency_us;
         format!(
-            "calls {}  decisions {}  errors {}  allowed {:.1}%  throughput {:.0} calls/s ({:.0} decisions/s)\n\
+            "calls {}  decisions {}  errors {}  allowed {} ({:.1}%)  throughput {:.0} calls/s ({:.0} decisions/s)\n\
              latency µs: p50 {p50}  p90 {p90}  p99 {p99}  p99.9 {p999}  max {max}",
             self.calls,
             self.decisions,
             self.errors,
+            self.allowed,
             100.0 * self.allowed as f64 / self.decisions.max(1) as f64,
             self.throughput(),
             self.decisions as f64 / self.elapsed.as_secs_f64(),

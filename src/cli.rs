@@ -230,6 +230,11 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Answer requests for buckets the store recently rejected from a local
+    /// cache until their retry-after, without asking Redis (can reject more,
+    /// never admit more; see BENCHMARKS.md).
+    #[arg(long, env = "TOLLGATE_DENY_CACHE")]
+    pub deny_cache: bool,
     /// Share of decisions traced when the caller's trace is not sampled
     /// (traces are exported only when OTEL_EXPORTER_OTLP_ENDPOINT is set).
     #[arg(long, env = "TOLLGATE_TRACE_SAMPLE_RATIO", default_value_t = 0.01, value_parser = parse_ratio)]
@@ -300,6 +305,7 @@ impl ServeArgs {
             breaker_cooldown: self.breaker_cooldown,
             local_fraction: self.local_fraction,
             redis_ca_cert: self.redis_ca_cert.clone(),
+            deny_cache: self.deny_cache,
             envoy_config: self.envoy_config.clone(),
             admin_access: crate::admin::AdminAccess {
                 token: self.admin_token.clone(),

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod bucket;
 pub mod cli;
 pub mod clock;
+pub mod deny_cache;
 pub mod envoy;
 pub mod grpc;
 pub mod limiter;

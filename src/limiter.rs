@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::bucket::{Charge, Micros, Verdict};
+use crate::deny_cache::DenyCache;
 use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, Scope, check_label};
 use crate::store::{BucketKey, MemoryStore, Outcome, Store, StoreError};
@@ -132,6 +133,7 @@ pub struct Limiter {
     store: Arc<dyn Store>,
     unmatched: Unmatched,
     fallback: Option<Fallback>,
+    deny_cache: Option<DenyCache>,
 }
 
 /// Which charge and rule an item touches.
@@ -149,7 +151,15 @@ impl Limiter {
             store,
             unmatched,
             fallback: None,
+            deny_cache: None,
         }
+    }
+
+    /// Answers requests for buckets the store recently rejected from a
+    /// local cache until their retry-after (see [`DenyCache`]).
+    pub fn with_deny_cache(mut self, cache: DenyCache) -> Self {
+        self.deny_cache = Some(cache);
+        self
     }
 
     /// Decides by each rule's store-unavailable policy when the store fails
@@ -205,11 +215,24 @@ impl Limiter {
         policies: &[OnStoreUnavailable],
         spend: bool,
     ) -> Result<(Outcome, bool), DecideError> {
+        if let Some(outcome) = self
+            .deny_cache
+            .as_ref()
+            .and_then(|c| c.check(buckets, charges))
+        {
+            crate::telemetry::metrics::deny_cache_hit();
+            return Ok((outcome, false));
+        }
         match (
             self.store.apply(buckets, charges, spend).await,
             &self.fallback,
         ) {
-            (Ok(outcome), _) => Ok((outcome, false)),
+            (Ok(outcome), _) => {
+                if let Some(cache) = &self.deny_cache {
+                    cache.remember(buckets, charges, &outcome);
+                }
+                Ok((outcome, false))
+            }
             (Err(err), Some(fallback)) if err.is_transient() => {
                 tracing::debug!(error = %err, "store unavailable; deciding by each rule's policy");
                 Ok((degrade(fallback, buckets, charges, policies, spend), true))

@@ -103,6 +103,9 @@ pub struct ServeConfig {
     pub tls: Option<TlsFiles>,
     /// Limits that keep one caller from starving the others.
     pub grpc_limits: GrpcLimits,
+    /// Answer requests for recently rejected buckets locally until their
+    /// retry-after, skipping the store (`--deny-cache`).
+    pub deny_cache: bool,
     /// Use the given clock for Redis decisions instead of Redis's own `TIME`
     /// (for tests that control time).
     pub redis_uses_clock: bool,
@@ -126,6 +129,7 @@ impl Default for ServeConfig {
             envoy_config: None,
             envoy_options: EnvoyOptions::default(),
             redis_uses_clock: false,
+            deny_cache: false,
             admin_access: AdminAccess::default(),
             tls: None,
             grpc_limits: GrpcLimits::default(),
@@ -270,6 +274,12 @@ pub async fn run(
             local_fraction: config.local_fraction,
             deny_retry_after: config.breaker_cooldown.as_micros() as u64,
         });
+    }
+    if config.deny_cache {
+        limiter = limiter.with_deny_cache(crate::deny_cache::DenyCache::new(
+            clock.clone(),
+            config.max_buckets,
+        ));
     }
     let limiter = Arc::new(limiter);
 

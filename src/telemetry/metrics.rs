@@ -232,3 +232,14 @@ pub fn grpc_request(method: &'static str, took: std::time::Duration) {
     };
     histogram.record(took.as_secs_f64());
 }
+
+/// Rejections answered from the local deny cache, without the store.
+pub const DENY_CACHE_HITS: &str = "tollgate_deny_cache_hits_total";
+
+/// Counts a rejection answered from the deny cache.
+pub fn deny_cache_hit() {
+    static HANDLE: OnceLock<metrics::Counter> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| counter!(DENY_CACHE_HITS))
+        .increment(1);
+}
