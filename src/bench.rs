@@ -35,6 +35,9 @@ pub enum Api {
     Batch,
     /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
     Envoy,
+    /// `tollgate.v1.RateLimiter/ShouldAllowStream`: one long-lived stream per
+    /// worker, one decision per message.
+    Stream,
 }
 
 /// How keys are drawn.
@@ -185,6 +188,10 @@ impl Keys {
 enum Client {
     Native(RateLimiterClient<Channel>),
     Envoy(RateLimitServiceClient<Channel>),
+    Stream(
+        tokio::sync::mpsc::Sender<ShouldAllowRequest>,
+        tonic::Streaming<crate::grpc::proto::v1::StreamDecision>,
+    ),
 }
 
 /// One call; returns (decisions made, decisions allowed).
@@ -197,6 +204,22 @@ async fn call(
 ) -> Result<(u64, u64), tonic::Status> {
     let allowed = |r: &ShouldAllowResponse| u64::from(r.allowed);
     match (client, api) {
+        (Client::Stream(tx, rx), _) => {
+            tx.send(ShouldAllowRequest {
+                key: format!("k{}", keys.next()),
+                cost: 1,
+                tenant: tenant.to_owned(),
+                resource: String::new(),
+                dry_run: false,
+            })
+            .await
+            .map_err(|_| tonic::Status::unavailable("stream closed"))?;
+            let answer = rx
+                .message()
+                .await?
+                .ok_or_else(|| tonic::Status::unavailable("stream ended"))?;
+            Ok((1, answer.decision.as_ref().map_or(0, allowed)))
+        }
         (Client::Native(c), Api::Native) => {
             let r = c
                 .should_allow(ShouldAllowRequest {
@@ -303,8 +326,22 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
     let mut tasks = Vec::new();
     for w in 0..workers {
         let channel = channels[w % channels.len()].clone();
-        let mut client = match options.api {
-            Api::Envoy => Client::Envoy(RateLimitServiceClient::new(channel)),
+        let api = options.api;
+        let stream = match api {
+            Api::Stream => {
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                let responses = RateLimiterClient::new(channel.clone())
+                    .should_allow_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await
+                    .map_err(|e| format!("cannot open a stream: {e}"))?
+                    .into_inner();
+                Some((tx, responses))
+            }
+            _ => None,
+        };
+        let mut client = match (api, stream) {
+            (_, Some((tx, responses))) => Client::Stream(tx, responses),
+            (Api::Envoy, None) => Client::Envoy(RateLimitServiceClient::new(channel)),
             _ => Client::Native(RateLimiterClient::new(channel)),
         };
         let (histogram, calls, decisions, allowed, errors) = (
@@ -408,6 +445,32 @@ impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimit
             allowed: true,
             ..Default::default()
         }))
+    }
+
+    type ShouldAllowStreamStream = std::pin::Pin<
+        Box<
+            dyn tokio_stream::Stream<
+                    Item = Result<crate::grpc::proto::v1::StreamDecision, tonic::Status>,
+                > + Send,
+        >,
+    >;
+
+    async fn should_allow_stream(
+        &self,
+        request: tonic::Request<tonic::Streaming<ShouldAllowRequest>>,
+    ) -> Result<tonic::Response<Self::ShouldAllowStreamStream>, tonic::Status> {
+        use tokio_stream::StreamExt;
+        let answers = request.into_inner().map(|m| {
+            m.map(|_| crate::grpc::proto::v1::StreamDecision {
+                decision: Some(ShouldAllowResponse {
+                    allowed: true,
+                    ..Default::default()
+                }),
+                error_code: 0,
+                error_message: String::new(),
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(answers)))
     }
 
     async fn should_allow_batch(

@@ -383,7 +383,7 @@ pub async fn run(
     ))
     .max_decoding_message_size(config.grpc_limits.max_message_bytes);
     let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
-    let native = RateLimiterServer::new(RateLimiterService::new(limiter, top))
+    let native = RateLimiterServer::new(RateLimiterService::new(limiter, top).with_shutdown(stop_rx.clone()))
         .max_decoding_message_size(config.grpc_limits.max_message_bytes);
 
     tracing::info!(

@@ -452,3 +452,40 @@ async fn admin_port_reports_health_limits_and_metrics() {
     assert!(metrics.contains("tollgate_rules_loaded "), "{metrics}");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_stream_of_decisions_answers_each_message_in_order() {
+    use tollgate::grpc::proto::v1::StreamDecision;
+    let server = TestServer::with_rows(&[row("per-key", "", "", "key", 3, "1/hour")]).await;
+    let mut client = server.client().await;
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let mut answers = client
+        .should_allow_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut next = async |request: ShouldAllowRequest| -> StreamDecision {
+        tx.send(request).await.unwrap();
+        answers.message().await.unwrap().unwrap()
+    };
+    for left in [2, 1] {
+        let a = next(req("s", "k")).await;
+        assert_eq!((a.error_code, a.decision.unwrap().remaining), (0, left));
+    }
+    // A bad message gets its error and the stream goes on.
+    let bad = next(req("s", "")).await;
+    assert_eq!(bad.error_code, tonic::Code::InvalidArgument as u32);
+    assert!(
+        bad.error_message.starts_with("key is empty"),
+        "{}",
+        bad.error_message
+    );
+    assert!(bad.decision.is_none());
+    let a = next(req("s", "k")).await;
+    assert_eq!(a.decision.as_ref().unwrap().remaining, 0);
+    let a = next(req("s", "k")).await;
+    let d = a.decision.unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.headers["Retry-After"], "3600");
+    server.stop().await;
+}

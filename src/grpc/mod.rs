@@ -92,12 +92,24 @@ const API: &str = "native";
 pub struct RateLimiterService {
     limiter: Arc<Limiter>,
     top: Arc<TopLimited>,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl RateLimiterService {
     /// The service over `limiter`, counting rejections in `top`.
     pub fn new(limiter: Arc<Limiter>, top: Arc<TopLimited>) -> Self {
-        Self { limiter, top }
+        Self {
+            limiter,
+            top,
+            stop: None,
+        }
+    }
+
+    /// Ends open decision streams once `stop` turns true (at shutdown), so
+    /// that a graceful shutdown does not wait for sidecars to hang up.
+    pub fn with_shutdown(mut self, stop: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.stop = Some(stop);
+        self
     }
 
     fn record(&self, item: &Item<'_>, decision: &Decision) -> Outcome {
@@ -169,25 +181,19 @@ impl proto::v1::admin_server::Admin for AdminService {
     }
 }
 
-#[tonic::async_trait]
-impl RateLimiter for RateLimiterService {
-    async fn should_allow(
+impl RateLimiterService {
+    async fn decide_one(
         &self,
-        request: Request<ShouldAllowRequest>,
-    ) -> Result<Response<ShouldAllowResponse>, Status> {
-        let req = request.get_ref();
+        req: &ShouldAllowRequest,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<ShouldAllowResponse, Status> {
         let item = Item {
             key: &req.key,
             cost: req.cost,
             tenant: &req.tenant,
             resource: &req.resource,
         };
-        let span = traces::decision_span(
-            "ShouldAllow",
-            request.metadata(),
-            item.tenant,
-            item.cost.max(1),
-        );
+        let span = traces::decision_span("ShouldAllow", metadata, item.tenant, item.cost.max(1));
         match self
             .limiter
             .decide(item, req.dry_run)
@@ -201,7 +207,7 @@ impl RateLimiter for RateLimiterService {
                     decision.rule.as_ref().map_or("", |r| r.name.as_str()),
                 );
                 span.record("outcome", outcome.label());
-                Ok(Response::new(to_response(&decision)))
+                Ok(to_response(&decision))
             }
             Err(err) => {
                 metrics::decision(API, Outcome::Error, "", item.cost.max(1));
@@ -209,6 +215,82 @@ impl RateLimiter for RateLimiterService {
                 Err(status::from_decide_error(err))
             }
         }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimiter for RateLimiterService {
+    type ShouldAllowStreamStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<proto::v1::StreamDecision, Status>> + Send>,
+    >;
+
+    async fn should_allow_stream(
+        &self,
+        request: Request<tonic::Streaming<ShouldAllowRequest>>,
+    ) -> Result<Response<Self::ShouldAllowStreamStream>, Status> {
+        let metadata = request.metadata().clone();
+        let mut inbound = request.into_inner();
+        let service = Self {
+            limiter: self.limiter.clone(),
+            top: self.top.clone(),
+            stop: None,
+        };
+        let mut stop = self.stop.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            let stopping = async {
+                match stop.as_mut() {
+                    Some(stop) => {
+                        let _ = stop.wait_for(|s| *s).await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(stopping);
+            // One at a time, in order: each answer is sent before the next
+            // message is read. At shutdown the stream ends between messages.
+            loop {
+                let next = tokio::select! {
+                    _ = &mut stopping => return,
+                    next = inbound.message() => next,
+                };
+                let message = match next {
+                    Ok(Some(message)) => message,
+                    Ok(None) => return,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                let answer = match service.decide_one(&message, &metadata).await {
+                    Ok(decision) => proto::v1::StreamDecision {
+                        decision: Some(decision),
+                        error_code: 0,
+                        error_message: String::new(),
+                    },
+                    Err(status) => proto::v1::StreamDecision {
+                        decision: None,
+                        error_code: status.code() as u32,
+                        error_message: status.message().to_owned(),
+                    },
+                };
+                if tx.send(Ok(answer)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn should_allow(
+        &self,
+        request: Request<ShouldAllowRequest>,
+    ) -> Result<Response<ShouldAllowResponse>, Status> {
+        self.decide_one(request.get_ref(), request.metadata())
+            .await
+            .map(Response::new)
     }
 
     async fn should_allow_batch(
