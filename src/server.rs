@@ -287,6 +287,7 @@ pub async fn run(
     // itself ends.
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
+    let streams_stop = stop_rx.clone();
     let stopped = move || {
         let mut rx = stop_rx.clone();
         async move {
@@ -383,8 +384,9 @@ pub async fn run(
     ))
     .max_decoding_message_size(config.grpc_limits.max_message_bytes);
     let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
-    let native = RateLimiterServer::new(RateLimiterService::new(limiter, top).with_shutdown(stop_rx.clone()))
-        .max_decoding_message_size(config.grpc_limits.max_message_bytes);
+    let native =
+        RateLimiterServer::new(RateLimiterService::new(limiter, top).with_shutdown(streams_stop))
+            .max_decoding_message_size(config.grpc_limits.max_message_bytes);
 
     tracing::info!(
         grpc = %grpc_addr,

@@ -487,5 +487,8 @@ async fn a_stream_of_decisions_answers_each_message_in_order() {
     let d = a.decision.unwrap();
     assert!(!d.allowed);
     assert_eq!(d.headers["Retry-After"], "3600");
+    // The stream is still open: a graceful shutdown ends it rather than
+    // waiting for the client to hang up.
     server.stop().await;
+    assert!(answers.message().await.map_or(true, |m| m.is_none()));
 }
