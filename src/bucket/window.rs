@@ -72,45 +72,36 @@ pub fn decide(
     };
     let used = count + weighted;
     let idle_at = start + if sliding { 2 * window } else { window };
-    if used + cost <= max {
-        let count = count + cost;
-        let verdict = Verdict {
-            allowed: true,
+    let allowed = used + cost <= max;
+    // A rejection spends nothing: the count stays.
+    let count = if allowed { count + cost } else { count };
+    let verdict = if allowed {
+        Verdict {
+            allowed,
             remaining: max - used - cost,
             retry_after: 0,
             reset_after: reset_after(sliding, start, window, count, previous, now),
-        };
-        Ok((
-            verdict,
-            WindowState {
-                start,
-                count,
-                previous,
-                idle_at,
-            },
-        ))
+        }
     } else {
         let retry_at = if sliding {
             sliding_retry_at(start, window, count, previous, max - cost)
         } else {
             start + window
         };
-        let verdict = Verdict {
-            allowed: false,
+        Verdict {
+            allowed,
             remaining: max.saturating_sub(used),
             retry_after: retry_at - now,
             reset_after: reset_after(sliding, start, window, count, previous, now),
-        };
-        Ok((
-            verdict,
-            WindowState {
-                start,
-                count,
-                previous,
-                idle_at,
-            },
-        ))
-    }
+        }
+    };
+    let state = WindowState {
+        start,
+        count,
+        previous,
+        idle_at,
+    };
+    Ok((verdict, state))
 }
 
 /// `previous` weighted by the share of the previous window still inside the
