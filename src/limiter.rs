@@ -4,6 +4,7 @@
 //! The limiter knows nothing of protobuf or HTTP: the gRPC layer turns its
 //! [`Decision`]s into responses and its [`DecideError`]s into statuses.
 
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -143,6 +144,45 @@ struct Touch {
     rule: Arc<Rule>,
 }
 
+/// Charges per decision held inline before the scratch space spills to the
+/// heap: a key bucket, a tenant ceiling and a resource rule or two.
+const INLINE: usize = 4;
+
+/// Finds the charge already made for a bucket, so items and rules that
+/// share a bucket add their costs. A linear scan while there are few
+/// buckets (a single decision has one to three; no hashing, no copies of
+/// the names), a hash map once a batch grows past [`BucketIndex::SCAN`].
+#[derive(Default)]
+struct BucketIndex {
+    map: Option<HashMap<BucketKey, usize>>,
+}
+
+impl BucketIndex {
+    const SCAN: usize = 16;
+
+    fn find(&self, buckets: &[BucketKey], bucket: &BucketKey) -> Option<usize> {
+        match &self.map {
+            Some(map) => map.get(bucket).copied(),
+            None => buckets.iter().position(|b| b == bucket),
+        }
+    }
+
+    /// Records that `bucket` is about to be pushed onto `buckets`.
+    fn add(&mut self, buckets: &[BucketKey], bucket: &BucketKey) {
+        if let Some(map) = &mut self.map {
+            map.insert(bucket.clone(), buckets.len());
+        } else if buckets.len() + 1 > Self::SCAN {
+            let mut map: HashMap<BucketKey, usize> = buckets
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (b.clone(), i))
+                .collect();
+            map.insert(bucket.clone(), buckets.len());
+            self.map = Some(map);
+        }
+    }
+}
+
 impl Limiter {
     /// A limiter over `limits` and `store`.
     pub fn new(limits: Arc<LiveLimits>, store: Arc<dyn Store>, unmatched: Unmatched) -> Self {
@@ -259,11 +299,11 @@ impl Limiter {
         }
 
         let rules = self.limits.snapshot();
-        let mut buckets: Vec<BucketKey> = Vec::new();
-        let mut charges: Vec<Charge> = Vec::new();
-        let mut touches: Vec<Touch> = Vec::new();
-        let mut charge_rules: Vec<Arc<Rule>> = Vec::new();
-        let mut index: HashMap<BucketKey, usize> = HashMap::new();
+        let mut buckets: SmallVec<[BucketKey; INLINE]> = SmallVec::new();
+        let mut charges: SmallVec<[Charge; INLINE]> = SmallVec::new();
+        let mut touches: SmallVec<[Touch; INLINE]> = SmallVec::new();
+        let mut charge_rules: SmallVec<[Arc<Rule>; INLINE]> = SmallVec::new();
+        let mut index = BucketIndex::default();
         for (i, item) in items.iter().enumerate() {
             let cost = item.cost.max(1);
             let mut matched = false;
@@ -288,8 +328,8 @@ impl Limiter {
                     ""
                 };
                 let bucket = BucketKey::new(item.tenant, rule.bucket_tag(), &rule.resource, key);
-                let charge = match index.get(&bucket) {
-                    Some(&c) => {
+                let charge = match index.find(&buckets, &bucket) {
+                    Some(c) => {
                         charges[c].cost += cost;
                         if enforce && charges[c].cost > rule.limit.burst() {
                             return Err(DecideError::CostExceedsCapacity {
@@ -302,7 +342,7 @@ impl Limiter {
                         c
                     }
                     None => {
-                        index.insert(bucket.clone(), buckets.len());
+                        index.add(&buckets, &bucket);
                         buckets.push(bucket);
                         charges.push(Charge {
                             limit: rule.limit,
@@ -330,7 +370,7 @@ impl Limiter {
         let (plan, degraded) = if charges.is_empty() {
             (None, false)
         } else {
-            let policies: Vec<OnStoreUnavailable> = charge_rules
+            let policies: SmallVec<[OnStoreUnavailable; INLINE]> = charge_rules
                 .iter()
                 .map(|r| r.on_store_unavailable)
                 .collect();
@@ -445,7 +485,8 @@ fn summarise(
     verdicts: &[Verdict],
 ) {
     // For each item: (is the pick enforced, verdict, rule).
-    let mut picks: Vec<Option<(bool, Verdict, &Arc<Rule>)>> = vec![None; decisions.len()];
+    type Pick<'r> = Option<(bool, Verdict, &'r Arc<Rule>)>;
+    let mut picks: SmallVec<[Pick; INLINE]> = smallvec::smallvec![None; decisions.len()];
     for touch in touches {
         let verdict = verdicts[touch.charge];
         let enforce = charges[touch.charge].enforce;

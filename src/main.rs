@@ -10,6 +10,13 @@ use tollgate::clock::SystemClock;
 use tollgate::server::{self, Listeners};
 use tollgate::telemetry::{self, LogFormat};
 
+/// mimalloc instead of the system allocator: a gRPC call allocates dozens of
+/// small buffers (h2 frames, headers, protobuf strings), and glibc's malloc
+/// and free were about a tenth of the server's CPU in the profile. See
+/// BENCHMARKS.md for the measured difference.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = match cli::parse() {

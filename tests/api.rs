@@ -322,6 +322,70 @@ async fn batch_charges_all_items_or_none() {
 }
 
 #[tokio::test]
+async fn large_batches_merge_items_sharing_a_bucket() {
+    // 60 items over 20 keys, each key three times, plus the tenant-wide
+    // bucket every item shares: more buckets than the limiter scans
+    // linearly, so the merging runs through its hash index too.
+    let server = TestServer::with_rows(&[
+        row("per-key", "", "", "key", 3, "1/hour"),
+        row("tenant", "", "", "tenant", 1000, "1/hour"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    let item = |k: usize| BatchItem {
+        key: format!("k{k}"),
+        cost: 1,
+        tenant: "t".into(),
+        resource: String::new(),
+    };
+    let batch = ShouldAllowBatchRequest {
+        items: (0..60).map(|i| item(i % 20)).collect(),
+        dry_run: false,
+    };
+    let r = client
+        .should_allow_batch(batch.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.allowed);
+    for (i, result) in r.results.iter().enumerate() {
+        assert_eq!(result.limit_name, "per-key", "item {i}");
+        assert_eq!(
+            result.remaining, 0,
+            "item {i}: its key's three tokens are spent"
+        );
+    }
+    let r = ask(&mut client, req("t", "k5")).await;
+    assert!(!r.allowed, "k5 was charged three times by the batch");
+    let r = ask(&mut client, req("t", "k20")).await;
+    assert!(r.allowed);
+    assert_eq!(r.limit_name, "per-key");
+    assert_eq!(r.remaining, 2);
+
+    // One key four times in a batch of 40 exceeds its capacity of 3: the
+    // error names the shared bucket, and nothing is spent.
+    let mut items: Vec<BatchItem> = (100..136).map(item).collect();
+    items.extend((0..4).map(|_| item(200)));
+    let err = client
+        .should_allow_batch(ShouldAllowBatchRequest {
+            items,
+            dry_run: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message()
+            .contains("the items sharing bucket \"t:k::k200\""),
+        "{}",
+        err.message()
+    );
+    let r = ask(&mut client, req("t", "k100")).await;
+    assert_eq!(r.remaining, 2, "the refused batch spent nothing");
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn five_hundred_concurrent_calls_at_a_fresh_bucket_of_one_hundred() {
     let server = TestServer::with_rows(&[row("hundred", "", "", "key", 100, "1/day")]).await;
     let mut tasks = Vec::new();

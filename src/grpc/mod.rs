@@ -373,7 +373,7 @@ pub fn to_response(decision: &Decision) -> ShouldAllowResponse {
         limit_name: rule.name.clone(),
         shadow: decision.shadow,
         headers: headers(decision, rule.limit.burst()),
-        rate: rule.rate.to_string(),
+        rate: rule.rate_text.clone(),
         degraded: degraded(decision) as i32,
     }
 }
@@ -381,20 +381,18 @@ pub fn to_response(decision: &Decision) -> ShouldAllowResponse {
 /// `RateLimit-*` and `Retry-After` values. Seconds round up, so a caller
 /// that waits what the header says is never early.
 pub fn headers(decision: &Decision, limit: u64) -> HashMap<String, String> {
+    let number = |n: u64| itoa::Buffer::new().format(n).to_owned();
     let mut headers = HashMap::with_capacity(4);
-    headers.insert("RateLimit-Limit".to_owned(), limit.to_string());
-    headers.insert(
-        "RateLimit-Remaining".to_owned(),
-        decision.remaining.to_string(),
-    );
+    headers.insert("RateLimit-Limit".to_owned(), number(limit));
+    headers.insert("RateLimit-Remaining".to_owned(), number(decision.remaining));
     headers.insert(
         "RateLimit-Reset".to_owned(),
-        whole_seconds(decision.reset_after).to_string(),
+        number(whole_seconds(decision.reset_after)),
     );
     if !decision.allowed {
         headers.insert(
             "Retry-After".to_owned(),
-            whole_seconds(decision.retry_after).to_string(),
+            number(whole_seconds(decision.retry_after)),
         );
     }
     headers

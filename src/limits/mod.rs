@@ -228,6 +228,7 @@ impl LimitRow {
             scope,
             limit,
             rate,
+            rate_text: rate.to_string(),
             mode,
             on_store_unavailable,
         })
@@ -259,6 +260,9 @@ pub struct Rule {
     pub limit: Limit,
     /// The rate as configured (for display).
     pub rate: Rate,
+    /// `rate` rendered once (`100/second`), for every response that
+    /// reports it.
+    pub rate_text: String,
     /// Enforce or shadow.
     pub mode: Mode,
     /// Behaviour when the shared store is down.

@@ -17,12 +17,14 @@
 //! Compacting to 90% keeps the cost amortised: one pass over the map buys
 //! room for a tenth of the cap in new keys.
 
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
+use foldhash::fast::RandomState;
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use super::{BucketKey, Outcome, PingFuture, Store, StoreFuture};
 use crate::bucket::{Charge, Micros, Plan, State, plan};
@@ -30,9 +32,17 @@ use crate::clock::Clock;
 
 const STRIPES: usize = 4096;
 
+/// Buckets per decision held inline before the per-decision scratch space
+/// spills to the heap (a request rarely touches more than a key and a
+/// tenant bucket, plus a resource rule or two).
+const INLINE: usize = 4;
+
 /// Buckets held in this process.
 pub struct MemoryStore {
-    buckets: DashMap<BucketKey, State>,
+    /// Keyed with foldhash: bucket names come from callers, but the hasher
+    /// is randomly seeded per process, and SipHash cost a tenth of a
+    /// decision's time in the store.
+    buckets: DashMap<BucketKey, State, RandomState>,
     stripes: Box<[Mutex<()>]>,
     stripe_hasher: RandomState,
     clock: Arc<dyn Clock>,
@@ -46,9 +56,9 @@ impl MemoryStore {
     /// A store holding at most about `max_buckets` buckets (at least 16).
     pub fn new(clock: Arc<dyn Clock>, max_buckets: usize) -> Self {
         Self {
-            buckets: DashMap::new(),
+            buckets: DashMap::with_hasher(RandomState::default()),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
-            stripe_hasher: RandomState::new(),
+            stripe_hasher: RandomState::default(),
             clock,
             max_buckets: max_buckets.max(16),
             compacting: Mutex::new(()),
@@ -105,12 +115,15 @@ impl MemoryStore {
     pub fn apply_now(&self, buckets: &[BucketKey], charges: &[Charge], spend: bool) -> Plan {
         debug_assert_eq!(buckets.len(), charges.len());
         let now = self.clock.now();
-        let mut stripes: Vec<usize> = buckets.iter().map(|b| self.stripe_of(b)).collect();
+        let mut stripes: SmallVec<[usize; INLINE]> =
+            buckets.iter().map(|b| self.stripe_of(b)).collect();
         stripes.sort_unstable();
         stripes.dedup();
-        let guards: Vec<_> = stripes.iter().map(|&i| self.stripes[i].lock()).collect();
+        let guards: SmallVec<[_; INLINE]> =
+            stripes.iter().map(|&i| self.stripes[i].lock()).collect();
 
-        let states: Vec<Option<State>> = buckets.iter().map(|b| self.state(b)).collect();
+        let states: SmallVec<[Option<State>; INLINE]> =
+            buckets.iter().map(|b| self.state(b)).collect();
         let plan = plan(&states, charges, now, spend);
         let mut added = false;
         for (bucket, write) in buckets.iter().zip(&plan.writes) {
