@@ -1,18 +1,24 @@
 --[[
-token_bucket.lua: decide one request against all of its buckets, atomically.
+token_bucket.lua: decide requests against all of their buckets, atomically.
+
+One call decides one request or, when Tollgate coalesces concurrent
+decisions, several requests one after another (each all-or-nothing on its
+own, each seeing what the earlier ones wrote), all at the same instant.
 
 The same arithmetic as src/bucket.rs (`decide`, `plan`) and src/bucket/window.rs
 (fixed and sliding windows); the differential test in tests/redis_store.rs
 feeds both the same random sequences and requires identical answers.
 
-KEYS[i]   the i-th bucket, `PREFIX{TAG}:SCOPE:RESOURCE:KEY`. Every key of one
-          call shares the hash tag, so the script runs on one Redis Cluster
-          slot.
+KEYS[i]   the i-th bucket, `PREFIX{TAG}:SCOPE:RESOURCE:KEY`, the requests'
+          buckets in request order. Every key of one call shares the hash
+          tag, so the script runs on one Redis Cluster slot.
 ARGV[1]   "now" in microseconds since the Unix epoch, or "" to read Redis's
           own clock (TIME). Production passes "": every instance then uses
           the one clock of the Redis that holds the bucket, so instances with
           skewed clocks still agree. Tests pass a value to control time.
-ARGV[2]   "1" to spend when allowed, "0" for a dry run.
+ARGV[2]   the requests: for each, its number of keys and "s" to spend when
+          allowed or "d" for a dry run, comma-separated ("2s" is one
+          request of two buckets; "2s,1d,1s" three requests over 4 keys).
 ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
 then five per key, for key i at ARGV[4 + 5(i-1)] ...:
           algorithm "t" token bucket, "f" fixed window, "s" sliding window
@@ -30,9 +36,10 @@ value of the other kind (the rule changed algorithm) counts as missing. Each
 key expires (SET ... PX) when its state no longer matters (the bucket is full,
 the window is over), plus the margin, so Redis holds only active buckets.
 
-Returns an array: { allowed, now, then four per key: allowed, remaining,
-retry_after, reset_after }, with allowed as 1/0 and times in microseconds;
-retry_after is -1 when the cost exceeds the capacity (it can never pass).
+Returns an array: { now, then per request: allowed, then four per key of
+that request: allowed, remaining, retry_after, reset_after }, with allowed
+as 1/0 and times in microseconds; retry_after is -1 when the cost exceeds
+the capacity (it can never pass).
 Windows are aligned to the Unix epoch.
 
 The request is allowed when every enforced bucket admits its cost. Only then
@@ -157,60 +164,82 @@ if ARGV[1] == '' then
 else
   now = tonumber(ARGV[1])
 end
-local spend = ARGV[2] == '1'
 local margin_ms = tonumber(ARGV[3])
 
-local n = #KEYS
-local args, stored = {}, {}
-local allowed, remaining, retry, reset, value, ttl = {}, {}, {}, {}, {}, {}
-local all_allowed = true
+-- Decides the request whose keys are KEYS[first .. first + n - 1] and
+-- appends its answer to `out`.
+local function decide_request(first, n, spend, out)
+  local args, stored = {}, {}
+  local allowed, remaining, retry, reset, value, ttl = {}, {}, {}, {}, {}, {}
+  local all_allowed = true
 
-for i = 1, n do
-  local a = 4 + (i - 1) * 5
-  args[i] = {
-    algorithm = ARGV[a],
-    interval = tonumber(ARGV[a + 1]),
-    burst = tonumber(ARGV[a + 2]),
-    cost = tonumber(ARGV[a + 3]),
-    enforce = ARGV[a + 4] == '1',
-  }
-  local g = args[i]
-  stored[i] = redis.call('GET', KEYS[i])
-  if g.cost > g.burst then
-    -- It can never pass: report what the bucket holds, and "never".
-    local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
-    allowed[i], remaining[i], retry[i], reset[i] = false, rem, -1, rst
-  else
-    allowed[i], remaining[i], retry[i], reset[i], value[i], ttl[i] =
-      decide(stored[i], now, g.algorithm, g.interval, g.burst, g.cost)
-  end
-  if g.enforce and not allowed[i] then
-    all_allowed = false
-  end
-end
-
-if all_allowed and spend then
   for i = 1, n do
-    if allowed[i] then
-      redis.call('SET', KEYS[i], value[i], 'PX', ceil_div(ttl[i], 1000) + margin_ms)
-    end
-  end
-elseif not all_allowed then
-  -- Nothing is spent: report what the admitting buckets hold now.
-  for i = 1, n do
-    if allowed[i] then
-      local g = args[i]
+    local k = first + i - 1
+    local a = 4 + (k - 1) * 5
+    args[i] = {
+      algorithm = ARGV[a],
+      interval = tonumber(ARGV[a + 1]),
+      burst = tonumber(ARGV[a + 2]),
+      cost = tonumber(ARGV[a + 3]),
+      enforce = ARGV[a + 4] == '1',
+    }
+    local g = args[i]
+    stored[i] = redis.call('GET', KEYS[k])
+    if g.cost > g.burst then
+      -- It can never pass: report what the bucket holds, and "never".
       local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
-      remaining[i], reset[i] = rem, rst
+      allowed[i], remaining[i], retry[i], reset[i] = false, rem, -1, rst
+    else
+      allowed[i], remaining[i], retry[i], reset[i], value[i], ttl[i] =
+        decide(stored[i], now, g.algorithm, g.interval, g.burst, g.cost)
     end
+    if g.enforce and not allowed[i] then
+      all_allowed = false
+    end
+  end
+
+  if all_allowed and spend then
+    for i = 1, n do
+      if allowed[i] then
+        redis.call('SET', KEYS[first + i - 1], value[i], 'PX', ceil_div(ttl[i], 1000) + margin_ms)
+      end
+    end
+  elseif not all_allowed then
+    -- Nothing is spent: report what the admitting buckets hold now.
+    for i = 1, n do
+      if allowed[i] then
+        local g = args[i]
+        local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
+        remaining[i], reset[i] = rem, rst
+      end
+    end
+  end
+
+  out[#out + 1] = all_allowed and 1 or 0
+  for i = 1, n do
+    out[#out + 1] = allowed[i] and 1 or 0
+    out[#out + 1] = remaining[i]
+    out[#out + 1] = retry[i]
+    out[#out + 1] = reset[i]
   end
 end
 
-local out = { all_allowed and 1 or 0, now }
-for i = 1, n do
-  out[#out + 1] = allowed[i] and 1 or 0
-  out[#out + 1] = remaining[i]
-  out[#out + 1] = retry[i]
-  out[#out + 1] = reset[i]
+-- Read the whole request list before deciding anything, so a malformed
+-- call writes nothing.
+local requests, total = {}, 0
+for n, mode in string.gmatch(ARGV[2], '(%d+)([sd])') do
+  requests[#requests + 1] = { tonumber(n), mode == 's' }
+  total = total + tonumber(n)
+end
+if total ~= #KEYS or #requests == 0 then
+  return redis.error_reply('token_bucket.lua: ARGV[2] ' .. ARGV[2] .. ' covers ' .. total ..
+    ' keys, but the call has ' .. #KEYS)
+end
+
+local out = { now }
+local first = 1
+for _, r in ipairs(requests) do
+  decide_request(first, r[1], r[2], out)
+  first = first + r[1]
 end
 return out

@@ -501,7 +501,7 @@ pub async fn serve_empty(listener: tokio::net::TcpListener) -> Result<(), tonic:
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(crate::grpc::RateLimiterServer::new(EmptyRateLimiter))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .serve_with_incoming(crate::server::accepted(listener))
         .await
 }
 

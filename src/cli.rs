@@ -202,6 +202,11 @@ pub struct ServeArgs {
     /// Prefix of every Redis key.
     #[arg(long, env = "TOLLGATE_REDIS_PREFIX", default_value = "tollgate:")]
     pub redis_prefix: String,
+    /// Most concurrent decisions sent to Redis in one script call (they
+    /// are decided one after another, in arrival order, at one instant).
+    /// 0 or 1 sends every decision in its own call.
+    #[arg(long, env = "TOLLGATE_REDIS_COALESCE", default_value_t = 64)]
+    pub redis_coalesce: usize,
     /// Longest wait for one store call before the rule's store-unavailable
     /// policy decides instead.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
@@ -300,6 +305,7 @@ impl ServeArgs {
             max_buckets: self.max_buckets,
             unmatched: self.unmatched,
             redis_prefix: self.redis_prefix.clone(),
+            redis_coalesce: self.redis_coalesce,
             store_timeout: self.store_timeout,
             breaker_threshold: self.breaker_threshold,
             breaker_cooldown: self.breaker_cooldown,

@@ -276,3 +276,107 @@ fn store_urls_are_checked_and_passwords_never_shown() {
         "redis://:***@h:1"
     );
 }
+
+fn evalsha_calls(port: u16) -> u64 {
+    redis_cli(port, &["INFO", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_decisions_share_script_calls_and_stay_exact() {
+    let server = RedisServer::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = RedisConfig {
+        timeout: Duration::from_secs(5),
+        coalesce: 64,
+        ..RedisConfig::new(server.url())
+    };
+    let dyn_clock: Arc<dyn Clock> = clock.clone();
+    let store: Arc<dyn Store> = Arc::new(RedisStore::new(config, Some(dyn_clock)).unwrap());
+    let hot = Charge {
+        limit: Limit::new(100, "1/day".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    };
+    // Load the script, then race 500 decisions at a fresh bucket of 100
+    // (each also charging a bucket of its own, so each call carries a mix).
+    store
+        .apply(&[BucketKey::new("warm", "k", "", "up")], &[hot], true)
+        .await
+        .unwrap();
+    redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
+    let mut tasks = Vec::new();
+    for i in 0..500 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let b = [
+                BucketKey::new("race", "k", "", "hot"),
+                BucketKey::new("race", "k", "", &format!("own-{i}")),
+            ];
+            store.apply(&b, &[hot, hot], true).await.unwrap()
+        }));
+    }
+    let mut admitted = 0;
+    let mut remaining_seen = Vec::new();
+    for t in tasks {
+        let o = t.await.unwrap();
+        if o.allowed {
+            admitted += 1;
+            remaining_seen.push(o.verdicts[0].remaining);
+            assert_eq!(o.verdicts[1].remaining, 99, "its own bucket is spent once");
+        } else {
+            assert_eq!(o.verdicts[0].remaining, 0);
+            assert_eq!(
+                o.verdicts[1].remaining, 100,
+                "a refused decision spends nothing"
+            );
+        }
+    }
+    assert_eq!(admitted, 100);
+    // Every admitted decision saw a distinct remaining count: 99 down to 0,
+    // as if they had been made one at a time.
+    remaining_seen.sort_unstable();
+    assert_eq!(remaining_seen, (0..100).collect::<Vec<u64>>());
+    let calls = evalsha_calls(server.port);
+    assert!(
+        calls < 500,
+        "500 concurrent decisions went out in {calls} script calls; coalescing should share calls"
+    );
+    // Own buckets of refused decisions were never written.
+    let written = redis_cli(
+        server.port,
+        &["--scan", "--pattern", "tollgate:{race}:k::own-*"],
+    );
+    assert_eq!(written.lines().count(), 100);
+}
+
+#[tokio::test]
+async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
+    let args = |inv: &mut redis::ScriptInvocation| {
+        inv.key("tollgate:{t}:k::a")
+            .key("tollgate:{t}:k::b")
+            .arg("")
+            .arg("1s")
+            .arg(1000);
+        for _ in 0..2 {
+            inv.arg("t").arg(1_000_000).arg(10).arg(1).arg("1");
+        }
+    };
+    let mut inv = script.prepare_invoke();
+    args(&mut inv);
+    let err = inv.invoke_async::<Vec<i64>>(&mut conn).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("ARGV[2] 1s covers 1 keys, but the call has 2"),
+        "{err}"
+    );
+    let keys: Vec<String> = conn.keys("tollgate:*").await.unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+}

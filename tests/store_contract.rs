@@ -1,5 +1,7 @@
 //! One behaviour suite, run against every store: in-process, Redis, and a
-//! 3-node Redis Cluster (real servers, started per test).
+//! 3-node Redis Cluster (real servers, started per test), the Redis ones
+//! both with each decision in its own script call and with concurrent
+//! decisions coalesced into shared calls.
 
 mod common;
 
@@ -30,31 +32,32 @@ impl Harness {
         }
     }
 
-    fn redis_store(url: String, clock: &Arc<ManualClock>) -> Arc<dyn Store> {
+    fn redis_store(url: String, clock: &Arc<ManualClock>, coalesce: usize) -> Arc<dyn Store> {
         let config = RedisConfig {
             timeout: Duration::from_secs(5),
+            coalesce,
             ..RedisConfig::new(url)
         };
         let clock: Arc<dyn Clock> = clock.clone();
         Arc::new(RedisStore::new(config, Some(clock)).unwrap())
     }
 
-    fn redis() -> Self {
+    fn redis(coalesce: usize) -> Self {
         let server = RedisServer::start();
         let clock = Arc::new(ManualClock::new(T0));
         Self {
-            store: Self::redis_store(server.url(), &clock),
+            store: Self::redis_store(server.url(), &clock, coalesce),
             clock,
             _redis: Some(server),
             _cluster: None,
         }
     }
 
-    fn cluster() -> Self {
+    fn cluster(coalesce: usize) -> Self {
         let cluster = RedisCluster::start();
         let clock = Arc::new(ManualClock::new(T0));
         Self {
-            store: Self::redis_store(cluster.url(), &clock),
+            store: Self::redis_store(cluster.url(), &clock, coalesce),
             clock,
             _redis: None,
             _cluster: Some(cluster),
@@ -256,11 +259,19 @@ macro_rules! contract {
         }
         mod redis {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $test() { super::$test(&super::Harness::redis()).await })*
+            async fn $test() { super::$test(&super::Harness::redis(0)).await })*
+        }
+        mod redis_coalesced {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() { super::$test(&super::Harness::redis(64)).await })*
         }
         mod redis_cluster {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $test() { super::$test(&super::Harness::cluster()).await })*
+            async fn $test() { super::$test(&super::Harness::cluster(0)).await })*
+        }
+        mod redis_cluster_coalesced {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() { super::$test(&super::Harness::cluster(64)).await })*
         }
     };
 }

@@ -17,7 +17,7 @@ use std::pin::Pin;
 use crate::bucket::{Charge, Verdict};
 
 pub use memory::MemoryStore;
-pub use redis::{RedisConfig, RedisStore};
+pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
 
 /// The name of one bucket: tenant, scope, resource and key, rendered as
 /// `tenant:scope:resource:key`. Tenants and resources cannot contain `:`,
@@ -58,7 +58,7 @@ impl fmt::Debug for BucketKey {
 }
 
 /// A store failure. Details are logged by the caller, never sent to clients.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The store's configuration is unusable.
     #[error("store configuration: {0}")]

@@ -6,6 +6,14 @@
 //! retrying, transparently. Connections are multiplexed: concurrent
 //! decisions are pipelined on one connection per Redis node.
 //!
+//! With coalescing on ([`RedisConfig::coalesce`]), decisions that arrive
+//! while earlier script calls are in flight wait and go together, up to that
+//! many in one `EVALSHA` (per hash tag on a cluster). The script decides
+//! them one after another in arrival order, each all-or-nothing on its own
+//! and seeing what the earlier ones wrote, at one instant: the verdicts are
+//! those of the same decisions made one at a time. Nothing waits for a
+//! timer: an idle service sends each decision at once.
+//!
 //! Key format: `PREFIX{TENANT}:SCOPE:RESOURCE:KEY`, for example
 //! `tollgate:{acme}:k::alice` (per-key bucket, any resource) or
 //! `tollgate:{acme}:t:exports:` (the tenant's ceiling on exports). The
@@ -21,13 +29,17 @@
 //! keeps failing; the limiter then applies each rule's store-unavailable
 //! policy.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use redis::IntoConnectionInfo;
 use redis::aio::ConnectionManager;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use tokio::sync::OnceCell;
+use smallvec::SmallVec;
+use tokio::sync::{OnceCell, mpsc, oneshot};
 
 use super::breaker::{Breaker, BreakerState};
 use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
@@ -58,11 +70,15 @@ pub struct RedisConfig {
     /// A PEM file of the CA that signed the Redis server's certificate, for
     /// `rediss://` with a private CA (otherwise the built-in web roots).
     pub ca_cert: Option<std::path::PathBuf>,
+    /// Most decisions coalesced into one script call; 0 or 1 sends each
+    /// decision in its own call.
+    pub coalesce: usize,
 }
 
 impl RedisConfig {
     /// Defaults for `url`: prefix `tollgate:`, 100 ms timeout, breaker
-    /// opening after 5 failures for 1 s, 1 s expiry margin.
+    /// opening after 5 failures for 1 s, 1 s expiry margin, up to 64
+    /// concurrent decisions coalesced into one script call.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -72,6 +88,7 @@ impl RedisConfig {
             breaker_cooldown: Duration::from_secs(1),
             expiry_margin: Duration::from_secs(1),
             ca_cert: None,
+            coalesce: 64,
         }
     }
 
@@ -144,12 +161,39 @@ enum Connection {
 
 /// Buckets in Redis or a Redis Cluster.
 pub struct RedisStore {
+    shared: Arc<Shared>,
+    /// The queue of the coalescing task, started on first use (it needs a
+    /// runtime); `None` when coalescing is off.
+    queue: Option<OnceLock<mpsc::Sender<Queued>>>,
+}
+
+/// What the store and its coalescing task share.
+struct Shared {
     connection: Connection,
     script: redis::Script,
     config: RedisConfig,
     clock: Option<Arc<dyn Clock>>,
     breaker: Breaker,
 }
+
+/// One decision's part of a script call.
+struct Request {
+    keys: SmallVec<[String; 4]>,
+    charges: SmallVec<[Charge; 4]>,
+    spend: bool,
+}
+
+/// A decision waiting for the coalescing task.
+struct Queued {
+    request: Request,
+    reply: oneshot::Sender<Result<Outcome, StoreError>>,
+}
+
+/// Script calls of coalesced decisions in flight at once. Decisions that
+/// arrive while all are busy queue up and form the next call, so the batch
+/// size follows the load: one at a time when idle, up to the configured
+/// maximum under pressure.
+const COALESCE_IN_FLIGHT: usize = 2;
 
 impl RedisStore {
     /// A store for `config`. Does not connect: the first call does, so the
@@ -173,9 +217,14 @@ impl RedisStore {
         };
         let connection = match config.topology().map_err(StoreError::Config)? {
             Topology::Standalone(url) => {
+                let info = url
+                    .as_str()
+                    .into_connection_info()
+                    .map_err(|e| bad(&e))?
+                    .set_tcp_settings(tcp_settings());
                 let client = match certs {
-                    Some(certs) => redis::Client::build_with_tls(url.as_str(), certs),
-                    None => redis::Client::open(url.as_str()),
+                    Some(certs) => redis::Client::build_with_tls(info, certs),
+                    None => redis::Client::open(info),
                 }
                 .map_err(|e| bad(&e))?;
                 let manager_config = redis::aio::ConnectionManagerConfig::new()
@@ -189,6 +238,7 @@ impl RedisStore {
             }
             Topology::Cluster(nodes) => {
                 let mut builder = ClusterClient::builder(nodes)
+                    .tcp_settings(tcp_settings())
                     .connection_timeout(config.timeout)
                     .response_timeout(config.timeout)
                     .retries(2);
@@ -199,27 +249,177 @@ impl RedisStore {
                 Connection::Cluster(Box::new(client), Arc::new(OnceCell::new()))
             }
         };
-        Ok(Self {
+        let queue = (config.coalesce > 1).then(OnceLock::new);
+        let shared = Shared {
             connection,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
             breaker: Breaker::new(config.breaker_threshold, config.breaker_cooldown),
             config,
             clock,
+        };
+        Ok(Self {
+            shared: Arc::new(shared),
+            queue,
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> &RedisConfig {
-        &self.config
+        &self.shared.config
     }
 
     /// The circuit breaker's state.
     pub fn breaker_state(&self) -> BreakerState {
-        self.breaker.state()
+        self.shared.breaker.state()
     }
 
     /// The Redis key of a bucket (see the module docs).
     pub fn redis_key(&self, bucket: &BucketKey) -> String {
+        self.shared.redis_key(bucket)
+    }
+
+    /// Sends PING (through the breaker and timeout).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.shared.ping().await
+    }
+
+    async fn decide(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        spend: bool,
+    ) -> Result<Outcome, StoreError> {
+        let shared = &self.shared;
+        if matches!(shared.connection, Connection::Cluster(..)) {
+            let tenant = buckets[0].tenant();
+            if let Some(other) = buckets.iter().find(|b| b.tenant() != tenant) {
+                return Err(StoreError::Unsupported(format!(
+                    "on a Redis Cluster one call can only touch one tenant's buckets, \
+                     but this one touches tenants {tenant:?} and {:?}; send them in separate calls",
+                    other.tenant()
+                )));
+            }
+        }
+        let request = Request {
+            keys: buckets.iter().map(|b| shared.redis_key(b)).collect(),
+            charges: charges.iter().copied().collect(),
+            spend,
+        };
+        let Some(queue) = &self.queue else {
+            let mut outcomes = shared.run(std::slice::from_ref(&request)).await?;
+            return Ok(outcomes.swap_remove(0));
+        };
+        if shared.breaker.admit().is_err() {
+            metrics::store_error("redis", "circuit_open");
+            return Err(StoreError::Unavailable("circuit breaker open".into()));
+        }
+        let queue = queue.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(4096);
+            tokio::spawn(coalesce(shared.clone(), rx, shared.config.coalesce));
+            tx
+        });
+        let timeout = shared.config.timeout;
+        let (reply, answer) = oneshot::channel();
+        let waited = tokio::time::timeout(timeout, async {
+            queue
+                .send(Queued { request, reply })
+                .await
+                .map_err(|_| StoreError::Unavailable("the coalescing task has stopped".into()))?;
+            answer
+                .await
+                .map_err(|_| StoreError::Unavailable("the coalescing task has stopped".into()))?
+        })
+        .await;
+        waited.unwrap_or_else(|_| {
+            metrics::store_error("redis", "timeout");
+            Err(StoreError::Unavailable(format!(
+                "no answer within {timeout:?}"
+            )))
+        })
+    }
+}
+
+/// The coalescing task: takes what has queued up (at most `max`), sends it
+/// as one script call per hash tag, answers each decision, and repeats, with
+/// up to [`COALESCE_IN_FLIGHT`] calls outstanding. The calls run inside this
+/// task rather than in tasks of their own, which saves a wake-up per call.
+/// Ends when the store is dropped.
+async fn coalesce(shared: Arc<Shared>, mut queue: mpsc::Receiver<Queued>, max: usize) {
+    let mut in_flight = FuturesUnordered::new();
+    let mut open = true;
+    while open || !in_flight.is_empty() {
+        let mut taken = Vec::with_capacity(max);
+        tokio::select! {
+            received = queue.recv_many(&mut taken, max),
+                if open && in_flight.len() < COALESCE_IN_FLIGHT =>
+            {
+                if received == 0 {
+                    open = false;
+                } else {
+                    in_flight.push(send_coalesced(&shared, taken));
+                }
+            }
+            Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+        }
+    }
+}
+
+/// Sends coalesced decisions, one script call per hash tag (a cluster runs
+/// a script on one slot; a single Redis takes them all in one call), and
+/// answers each.
+async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
+    let cluster = matches!(shared.connection, Connection::Cluster(..));
+    let (requests, mut replies): (Vec<Request>, Vec<_>) = taken
+        .into_iter()
+        .map(|q| (q.request, Some(q.reply)))
+        .unzip();
+    let mut groups: SmallVec<[(&str, Vec<usize>); 1]> = SmallVec::new();
+    for (i, request) in requests.iter().enumerate() {
+        let tag = if cluster {
+            hash_tag(&request.keys[0])
+        } else {
+            ""
+        };
+        match groups.iter_mut().find(|(t, _)| *t == tag) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((tag, vec![i])),
+        }
+    }
+    let calls = groups.iter().map(|(_, members)| {
+        let group: Vec<&Request> = members.iter().map(|&i| &requests[i]).collect();
+        async move { shared.run_refs(&group).await }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    for ((_, members), result) in groups.into_iter().zip(answers) {
+        for (n, i) in members.into_iter().enumerate() {
+            let answer = match &result {
+                Ok(outcomes) => Ok(outcomes[n].clone()),
+                Err(err) => Err(err.clone()),
+            };
+            if let Some(reply) = replies[i].take() {
+                let _ = reply.send(answer);
+            }
+        }
+    }
+}
+
+/// TCP_NODELAY on every Redis connection: a decision is a small write
+/// answered at once, and with Nagle's algorithm a write behind an
+/// unacknowledged one waits for Redis's delayed ACK (40 ms on Linux).
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_nodelay(true)
+}
+
+/// The `{…}` part of a Redis key (what Redis Cluster hashes).
+fn hash_tag(key: &str) -> &str {
+    key.split_once('{')
+        .and_then(|(_, rest)| rest.split_once('}'))
+        .map_or(key, |(tag, _)| tag)
+}
+
+impl Shared {
+    /// The Redis key of a bucket (see the module docs).
+    fn redis_key(&self, bucket: &BucketKey) -> String {
         let (tenant, rest) = bucket
             .as_str()
             .split_once(':')
@@ -233,7 +433,7 @@ impl RedisStore {
     }
 
     /// Sends PING (through the breaker and timeout).
-    pub async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> Result<(), StoreError> {
         self.call("ping", |mut conn| async move {
             redis::cmd("PING")
                 .query_async::<String>(&mut conn)
@@ -290,26 +490,24 @@ impl RedisStore {
         }
     }
 
-    async fn decide(
-        &self,
-        buckets: &[BucketKey],
-        charges: &[Charge],
-        spend: bool,
-    ) -> Result<Outcome, StoreError> {
-        let keys: Vec<String> = buckets.iter().map(|b| self.redis_key(b)).collect();
-        if matches!(self.connection, Connection::Cluster(..)) {
-            let tenant = buckets[0].tenant();
-            if let Some(other) = buckets.iter().find(|b| b.tenant() != tenant) {
-                return Err(StoreError::Unsupported(format!(
-                    "on a Redis Cluster one call can only touch one tenant's buckets, \
-                     but this one touches tenants {tenant:?} and {:?}; send them in separate calls",
-                    other.tenant()
-                )));
-            }
-        }
+    /// Decides `requests` in one script call, in order.
+    async fn run(&self, requests: &[Request]) -> Result<Vec<Outcome>, StoreError> {
+        let refs: SmallVec<[&Request; 1]> = requests.iter().collect();
+        self.run_refs(&refs).await
+    }
+
+    async fn run_refs(&self, requests: &[&Request]) -> Result<Vec<Outcome>, StoreError> {
         let mut invocation = self.script.prepare_invoke();
-        for key in &keys {
-            invocation.key(key);
+        let mut shape = String::with_capacity(4 * requests.len());
+        for request in requests {
+            for key in &request.keys {
+                invocation.key(key);
+            }
+            if !shape.is_empty() {
+                shape.push(',');
+            }
+            shape.push_str(itoa::Buffer::new().format(request.keys.len()));
+            shape.push(if request.spend { 's' } else { 'd' });
         }
         let now = self
             .clock
@@ -318,9 +516,9 @@ impl RedisStore {
             .unwrap_or_default();
         invocation
             .arg(now)
-            .arg(if spend { "1" } else { "0" })
+            .arg(shape)
             .arg(self.config.expiry_margin.as_millis() as u64);
-        for c in charges {
+        for c in requests.iter().flat_map(|r| &r.charges) {
             invocation
                 .arg(match c.limit.algorithm() {
                     Algorithm::TokenBucket => "t",
@@ -332,12 +530,13 @@ impl RedisStore {
                 .arg(c.cost)
                 .arg(if c.enforce { "1" } else { "0" });
         }
+        metrics::store_decisions("redis", requests.len());
         let reply: Vec<i64> = self
             .call("decide", |mut conn| async move {
                 invocation.invoke_async(&mut conn).await
             })
             .await?;
-        parse_reply(&reply, charges.len())
+        parse_reply(&reply, requests.iter().map(|r| r.charges.len()))
     }
 }
 
@@ -391,27 +590,42 @@ fn error_kind(e: &redis::RedisError) -> &'static str {
     }
 }
 
-fn parse_reply(reply: &[i64], n: usize) -> Result<Outcome, StoreError> {
-    if reply.len() != 2 + 4 * n {
+/// Splits the script's reply: `now`, then per request its verdict and four
+/// values per bucket.
+fn parse_reply(
+    reply: &[i64],
+    sizes: impl ExactSizeIterator<Item = usize> + Clone,
+) -> Result<Vec<Outcome>, StoreError> {
+    let expected = 1 + sizes.clone().map(|n| 1 + 4 * n).sum::<usize>();
+    if reply.len() != expected {
         return Err(StoreError::Protocol(format!(
-            "token_bucket.lua returned {} values for {n} buckets",
-            reply.len()
+            "token_bucket.lua returned {} values for {} requests over {} buckets; expected {expected}",
+            reply.len(),
+            sizes.len(),
+            sizes.clone().sum::<usize>(),
         )));
     }
     let as_micros = |v: i64| -> Micros { if v < 0 { Micros::MAX } else { v as Micros } };
-    let verdicts = reply[2..]
-        .chunks_exact(4)
-        .map(|v| Verdict {
-            allowed: v[0] == 1,
-            remaining: v[1].max(0) as u64,
-            retry_after: as_micros(v[2]),
-            reset_after: as_micros(v[3]),
-        })
-        .collect();
-    Ok(Outcome {
-        allowed: reply[0] == 1,
-        verdicts,
-    })
+    let mut rest = &reply[1..];
+    let mut outcomes = Vec::with_capacity(sizes.len());
+    for n in sizes {
+        let (this, next) = rest.split_at(1 + 4 * n);
+        rest = next;
+        let verdicts = this[1..]
+            .chunks_exact(4)
+            .map(|v| Verdict {
+                allowed: v[0] == 1,
+                remaining: v[1].max(0) as u64,
+                retry_after: as_micros(v[2]),
+                reset_after: as_micros(v[3]),
+            })
+            .collect();
+        outcomes.push(Outcome {
+            allowed: this[0] == 1,
+            verdicts,
+        });
+    }
+    Ok(outcomes)
 }
 
 impl Store for RedisStore {

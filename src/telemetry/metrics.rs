@@ -118,6 +118,10 @@ pub fn handle() -> &'static PrometheusHandle {
             "Store call latency, by store and operation."
         );
         describe_counter!(STORE_ERRORS, "Store errors, by store and kind.");
+        describe_counter!(
+            STORE_DECISIONS,
+            "Decisions sent to the shared store (several per call when coalescing)."
+        );
         describe_gauge!(
             BREAKER_STATE,
             "Circuit breaker state: 0 closed, 1 open, 2 half-open."
@@ -188,6 +192,8 @@ pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capac
 
 /// Store call latency, by `store` and `op`.
 pub const STORE_DURATION: &str = "tollgate_store_duration_seconds";
+/// Decisions sent to the store, by `store`.
+pub const STORE_DECISIONS: &str = "tollgate_store_decisions_total";
 /// Store errors, by `store` and `kind`.
 pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
 /// Circuit breaker state by `store`: 0 closed, 1 open, 2 half-open.
@@ -196,6 +202,13 @@ pub const BREAKER_STATE: &str = "tollgate_store_circuit_state";
 /// Records one store call's duration.
 pub fn store_call(store: &'static str, op: &'static str, took: std::time::Duration) {
     metrics::histogram!(STORE_DURATION, "store" => store, "op" => op).record(took.as_secs_f64());
+}
+
+/// Decisions sent to the store, counted per script call: with Redis
+/// coalescing on, `tollgate_store_decisions_total` divided by the count of
+/// `tollgate_store_duration_seconds{op="decide"}` is the decisions per call.
+pub fn store_decisions(store: &'static str, decisions: usize) {
+    counter!(STORE_DECISIONS, "store" => store).increment(decisions as u64);
 }
 
 /// Counts a store error.
