@@ -90,6 +90,8 @@ pub struct LoadOptions {
     pub distribution: Distribution,
     /// Tenant of the native calls / domain of the Envoy calls.
     pub tenant: String,
+    /// Resource of the native calls (empty: none).
+    pub resource: String,
     /// Print a progress line every second (to stderr).
     pub progress: bool,
 }
@@ -200,6 +202,7 @@ async fn call(
     api: Api,
     batch: usize,
     tenant: &str,
+    resource: &str,
     keys: &mut Keys,
 ) -> Result<(u64, u64), tonic::Status> {
     let allowed = |r: &ShouldAllowResponse| u64::from(r.allowed);
@@ -209,7 +212,7 @@ async fn call(
                 key: format!("k{}", keys.next()),
                 cost: 1,
                 tenant: tenant.to_owned(),
-                resource: String::new(),
+                resource: resource.to_owned(),
                 dry_run: false,
             })
             .await
@@ -226,7 +229,7 @@ async fn call(
                     key: format!("k{}", keys.next()),
                     cost: 1,
                     tenant: tenant.to_owned(),
-                    resource: String::new(),
+                    resource: resource.to_owned(),
                     dry_run: false,
                 })
                 .await?
@@ -239,7 +242,7 @@ async fn call(
                     key: format!("k{}", keys.next()),
                     cost: 1,
                     tenant: tenant.to_owned(),
-                    resource: String::new(),
+                    resource: resource.to_owned(),
                 })
                 .collect();
             let r = c
@@ -317,12 +320,35 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
         })
     });
 
-    // Workers: closed loop, or open loop where worker i sends calls
-    // i, i + w, i + 2w, ... at their scheduled instants.
+    // Closed loop: every worker sends its next call when the last one is
+    // answered. Open loop: a pacer thread releases each call's scheduled
+    // instant as it falls due, sleeping with the OS's high-resolution timer
+    // (tokio's timer wheel would round every send up to the next
+    // millisecond), and idle workers take them in order. A call that finds
+    // every worker busy waits in the queue, and that wait counts in its
+    // latency: queueing is measured, not hidden.
     let workers = options.concurrency.max(1);
-    let interval = options
-        .rate
-        .map(|r| Duration::from_secs_f64(workers as f64 / r.max(1) as f64));
+    let tickets = options.rate.map(|rate| {
+        let every = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+        let (tx, rx) = flume::unbounded::<Instant>();
+        std::thread::spawn(move || {
+            let mut due = started;
+            while due < deadline {
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                let now = Instant::now();
+                while due <= now && due < deadline {
+                    if tx.send(due).is_err() {
+                        return;
+                    }
+                    due += every;
+                }
+            }
+        });
+        rx
+    });
     let mut tasks = Vec::new();
     for w in 0..workers {
         let channel = channels[w % channels.len()].clone();
@@ -352,22 +378,17 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
             errors.clone(),
         );
         let options = options.clone();
+        let tickets = tickets.clone();
         tasks.push(tokio::spawn(async move {
             let mut keys = Keys::new(options.keys, options.distribution, 0x9e37_79b9 + w as u64);
             let mut local =
                 Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
-            let offset = interval
-                .map(|i| i.mul_f64(w as f64 / workers as f64))
-                .unwrap_or_default();
-            let mut due = started + offset;
             loop {
-                let scheduled = match interval {
-                    Some(i) => {
-                        tokio::time::sleep_until(due).await;
-                        let at = due;
-                        due += i;
-                        at
-                    }
+                let scheduled = match &tickets {
+                    Some(tickets) => match tickets.recv_async().await {
+                        Ok(at) => at,
+                        Err(_) => break,
+                    },
                     None => Instant::now(),
                 };
                 if scheduled >= deadline {
@@ -378,6 +399,7 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
                     options.api,
                     options.batch,
                     &options.tenant,
+                    &options.resource,
                     &mut keys,
                 )
                 .await

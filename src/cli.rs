@@ -102,6 +102,9 @@ pub struct BenchArgs {
     /// Tenant (native) or domain (Envoy) of the calls.
     #[arg(long, default_value = "bench")]
     pub tenant: String,
+    /// Resource of the native, batch and stream calls (none by default).
+    #[arg(long, default_value = "")]
+    pub resource: String,
     /// PID of the server, to report its CPU time per decision.
     #[arg(long)]
     pub server_pid: Option<u32>,
@@ -124,6 +127,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         keys: args.keys,
         distribution: args.distribution,
         tenant: args.tenant.clone(),
+        resource: args.resource.clone(),
         progress: !args.quiet,
     })
     .await
