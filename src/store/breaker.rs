@@ -65,6 +65,16 @@ impl Breaker {
         }
     }
 
+    /// True when [`Breaker::admit`] would refuse a call now. Unlike
+    /// `admit`, asking does not make the caller the probe.
+    pub fn refuses(&self) -> bool {
+        match *self.inner.lock() {
+            Inner::Closed { .. } => false,
+            Inner::Open { until } => Instant::now() < until,
+            Inner::HalfOpen => true,
+        }
+    }
+
     /// Reports a successful call.
     pub fn success(&self) {
         *self.inner.lock() = Inner::Closed { failures: 0 };
@@ -115,11 +125,16 @@ mod tests {
         b.failure();
         assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(b.admit(), Err(Open));
+        assert!(b.refuses());
         tokio::time::advance(Duration::from_millis(999)).await;
         assert_eq!(b.admit(), Err(Open));
         tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!b.refuses(), "a probe is due");
+        assert!(!b.refuses(), "and asking twice does not take it");
+        assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(b.admit(), Ok(()), "the probe");
         assert_eq!(b.state(), BreakerState::HalfOpen);
+        assert!(b.refuses());
         assert_eq!(b.admit(), Err(Open), "only one probe at a time");
         b.failure();
         assert_eq!(b.state(), BreakerState::Open, "a failed probe reopens");

@@ -309,7 +309,10 @@ impl RedisStore {
             let mut outcomes = shared.run(std::slice::from_ref(&request)).await?;
             return Ok(outcomes.swap_remove(0));
         };
-        if shared.breaker.admit().is_err() {
+        // Fail fast without queueing while the breaker is open. Only a
+        // script call asks the breaker to admit it, so that a probe, once
+        // due, is a real call whose result closes or reopens the breaker.
+        if shared.breaker.refuses() {
             metrics::store_error("redis", "circuit_open");
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         }
