@@ -380,3 +380,54 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
     let keys: Vec<String> = conn.keys("tollgate:*").await.unwrap();
     assert!(keys.is_empty(), "{keys:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_callers_do_not_stall_coalesced_decisions() {
+    let server = RedisServer::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = RedisConfig {
+        timeout: Duration::from_secs(2),
+        coalesce: 64,
+        ..RedisConfig::new(server.url())
+    };
+    let dyn_clock: Arc<dyn Clock> = clock.clone();
+    let store: Arc<dyn Store> = Arc::new(RedisStore::new(config, Some(dyn_clock)).unwrap());
+    let c = [Charge {
+        limit: Limit::new(1_000_000, "1/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    }];
+    // Rounds of 100 concurrent decisions, half of them abandoned by their
+    // callers at various points (before sending, while leading a call,
+    // while queued).
+    for round in 0..20 {
+        let mut tasks = Vec::new();
+        for i in 0..100 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let b = [BucketKey::new("cancel", "k", "", &format!("k{i}"))];
+                store.apply(&b, &c, true).await
+            }));
+        }
+        for (i, t) in tasks.iter().enumerate() {
+            if i % 2 == round % 2 {
+                t.abort();
+            }
+            if i % 7 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        for t in tasks {
+            if let Ok(result) = t.await {
+                assert!(result.unwrap().allowed, "round {round}");
+            }
+        }
+    }
+    // No slot was lost: decisions still go straight through, one by one.
+    for i in 0..20 {
+        let b = [BucketKey::new("cancel", "k", "", "after")];
+        let o = store.apply(&b, &c, true).await.unwrap();
+        assert!(o.allowed);
+        assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
+    }
+}

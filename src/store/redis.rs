@@ -29,17 +29,16 @@
 //! keeps failing; the limiter then applies each rule's store-unavailable
 //! policy.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
+use parking_lot::Mutex;
 use redis::IntoConnectionInfo;
 use redis::aio::ConnectionManager;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use smallvec::SmallVec;
-use tokio::sync::{OnceCell, mpsc, oneshot};
+use tokio::sync::{OnceCell, oneshot};
 
 use super::breaker::{Breaker, BreakerState};
 use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
@@ -162,18 +161,26 @@ enum Connection {
 /// Buckets in Redis or a Redis Cluster.
 pub struct RedisStore {
     shared: Arc<Shared>,
-    /// The queue of the coalescing task, started on first use (it needs a
-    /// runtime); `None` when coalescing is off.
-    queue: Option<OnceLock<mpsc::Sender<Queued>>>,
 }
 
-/// What the store and its coalescing task share.
+/// What the store and the tasks that drain its queue share.
 struct Shared {
     connection: Connection,
     script: redis::Script,
     config: RedisConfig,
     clock: Option<Arc<dyn Clock>>,
     breaker: Breaker,
+    /// Decisions waiting for a shared script call; `None` when coalescing
+    /// is off.
+    coalesce: Option<Mutex<Waiting>>,
+}
+
+/// The coalescing state: how many script calls are in flight, and the
+/// decisions that arrived while [`COALESCE_IN_FLIGHT`] were.
+#[derive(Default)]
+struct Waiting {
+    in_flight: usize,
+    queue: Vec<Queued>,
 }
 
 /// One decision's part of a script call.
@@ -183,16 +190,17 @@ struct Request {
     spend: bool,
 }
 
-/// A decision waiting for the coalescing task.
+/// A decision waiting for a shared script call.
 struct Queued {
     request: Request,
     reply: oneshot::Sender<Result<Outcome, StoreError>>,
 }
 
-/// Script calls of coalesced decisions in flight at once. Decisions that
-/// arrive while all are busy queue up and form the next call, so the batch
-/// size follows the load: one at a time when idle, up to the configured
-/// maximum under pressure.
+/// Script calls in flight at once when coalescing. A decision that finds a
+/// free slot is sent at once from its own task, together with whatever has
+/// queued up; one that finds none queues, and the next call takes it. So
+/// the batch size follows the load: one at a time when idle (no extra hop),
+/// up to the configured maximum under pressure.
 const COALESCE_IN_FLIGHT: usize = 2;
 
 impl RedisStore {
@@ -249,17 +257,16 @@ impl RedisStore {
                 Connection::Cluster(Box::new(client), Arc::new(OnceCell::new()))
             }
         };
-        let queue = (config.coalesce > 1).then(OnceLock::new);
         let shared = Shared {
             connection,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
             breaker: Breaker::new(config.breaker_threshold, config.breaker_cooldown),
+            coalesce: (config.coalesce > 1).then(Mutex::default),
             config,
             clock,
         };
         Ok(Self {
             shared: Arc::new(shared),
-            queue,
         })
     }
 
@@ -305,7 +312,7 @@ impl RedisStore {
             charges: charges.iter().copied().collect(),
             spend,
         };
-        let Some(queue) = &self.queue else {
+        let Some(coalesce) = &shared.coalesce else {
             let mut outcomes = shared.run(std::slice::from_ref(&request)).await?;
             return Ok(outcomes.swap_remove(0));
         };
@@ -316,55 +323,101 @@ impl RedisStore {
             metrics::store_error("redis", "circuit_open");
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         }
-        let queue = queue.get_or_init(|| {
-            let (tx, rx) = mpsc::channel(4096);
-            tokio::spawn(coalesce(shared.clone(), rx, shared.config.coalesce));
-            tx
-        });
-        let timeout = shared.config.timeout;
         let (reply, answer) = oneshot::channel();
-        let waited = tokio::time::timeout(timeout, async {
-            queue
-                .send(Queued { request, reply })
-                .await
-                .map_err(|_| StoreError::Unavailable("the coalescing task has stopped".into()))?;
-            answer
-                .await
-                .map_err(|_| StoreError::Unavailable("the coalescing task has stopped".into()))?
-        })
-        .await;
-        waited.unwrap_or_else(|_| {
-            metrics::store_error("redis", "timeout");
-            Err(StoreError::Unavailable(format!(
-                "no answer within {timeout:?}"
-            )))
-        })
+        let mine = Queued { request, reply };
+        let batch = {
+            let mut waiting = coalesce.lock();
+            if waiting.in_flight < COALESCE_IN_FLIGHT {
+                waiting.in_flight += 1;
+                let max = shared.config.coalesce;
+                let mut batch = Vec::with_capacity(waiting.queue.len().min(max - 1) + 1);
+                batch.push(mine);
+                let take = waiting.queue.len().min(max - 1);
+                batch.extend(waiting.queue.drain(..take));
+                Some(batch)
+            } else {
+                waiting.queue.push(mine);
+                None
+            }
+        };
+        match batch {
+            // A free slot and nothing else waiting: send now from this task,
+            // with no hop. The guard frees the slot (or drains what queued
+            // meanwhile) even if this caller is cancelled mid-call.
+            Some(batch) if batch.len() == 1 => {
+                let _slot = Slot(shared);
+                send_coalesced(shared, batch).await;
+            }
+            // A free slot and others waiting: the call carries their
+            // decisions too, so it runs in a task of its own, which a
+            // cancelled caller cannot abandon half-way.
+            Some(batch) => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let _slot = Slot(&shared);
+                    send_coalesced(&shared, batch).await;
+                });
+            }
+            // Every slot busy: the next call takes this decision.
+            None => {}
+        }
+        // The timeout covers the wait in the queue too.
+        let timeout = shared.config.timeout;
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError::Unavailable(
+                "the shared script call carrying this decision was dropped".into(),
+            )),
+            Err(_) => {
+                metrics::store_error("redis", "timeout");
+                Err(StoreError::Unavailable(format!(
+                    "no answer within {timeout:?}"
+                )))
+            }
+        }
     }
 }
 
-/// The coalescing task: takes what has queued up (at most `max`), sends it
-/// as one script call per hash tag, answers each decision, and repeats, with
-/// up to [`COALESCE_IN_FLIGHT`] calls outstanding. The calls run inside this
-/// task rather than in tasks of their own, which saves a wake-up per call.
-/// Ends when the store is dropped.
-async fn coalesce(shared: Arc<Shared>, mut queue: mpsc::Receiver<Queued>, max: usize) {
-    let mut in_flight = FuturesUnordered::new();
-    let mut open = true;
-    while open || !in_flight.is_empty() {
-        let mut taken = Vec::with_capacity(max);
-        tokio::select! {
-            received = queue.recv_many(&mut taken, max),
-                if open && in_flight.len() < COALESCE_IN_FLIGHT =>
-            {
-                if received == 0 {
-                    open = false;
-                } else {
-                    in_flight.push(send_coalesced(&shared, taken));
-                }
-            }
-            Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+/// A coalescing slot held by a script call in flight; dropping it (after
+/// the call, or when the call is cancelled) hands it on.
+struct Slot<'a>(&'a Arc<Shared>);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        release_or_drain(self.0);
+    }
+}
+
+/// After a coalesced call: frees its slot if nothing is queued, otherwise
+/// keeps the slot and drains the queue in a task of its own (so the caller
+/// that made the call gets its answer now).
+fn release_or_drain(shared: &Arc<Shared>) {
+    let Some(coalesce) = &shared.coalesce else {
+        return;
+    };
+    {
+        let mut waiting = coalesce.lock();
+        if waiting.queue.is_empty() {
+            waiting.in_flight -= 1;
+            return;
         }
     }
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let coalesce = shared.coalesce.as_ref().expect("checked above");
+        loop {
+            let batch: Vec<Queued> = {
+                let mut waiting = coalesce.lock();
+                if waiting.queue.is_empty() {
+                    waiting.in_flight -= 1;
+                    return;
+                }
+                let take = waiting.queue.len().min(shared.config.coalesce);
+                waiting.queue.drain(..take).collect()
+            };
+            send_coalesced(&shared, batch).await;
+        }
+    });
 }
 
 /// Sends coalesced decisions, one script call per hash tag (a cluster runs
