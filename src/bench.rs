@@ -138,28 +138,33 @@ impl Summary {
 
 /// Draws keys by the distribution.
 struct Keys {
-    cdf: Option<Vec<f64>>,
+    cdf: Option<Arc<[f64]>>,
     n: u64,
     state: u64,
 }
 
+/// The cumulative distribution of a zipf draw over `n` keys (`None` for
+/// uniform). Built once per run and shared by the workers: it is n floats.
+fn key_cdf(n: u64, distribution: Distribution) -> Option<Arc<[f64]>> {
+    match distribution {
+        Distribution::Uniform => None,
+        Distribution::Zipf(s) => {
+            let mut acc = 0.0;
+            let mut cdf: Vec<f64> = (1..=n.max(1))
+                .map(|k| {
+                    acc += 1.0 / (k as f64).powf(s);
+                    acc
+                })
+                .collect();
+            let total = acc;
+            cdf.iter_mut().for_each(|c| *c /= total);
+            Some(cdf.into())
+        }
+    }
+}
+
 impl Keys {
-    fn new(n: u64, distribution: Distribution, seed: u64) -> Self {
-        let cdf = match distribution {
-            Distribution::Uniform => None,
-            Distribution::Zipf(s) => {
-                let mut acc = 0.0;
-                let mut cdf: Vec<f64> = (1..=n)
-                    .map(|k| {
-                        acc += 1.0 / (k as f64).powf(s);
-                        acc
-                    })
-                    .collect();
-                let total = acc;
-                cdf.iter_mut().for_each(|c| *c /= total);
-                Some(cdf)
-            }
-        };
+    fn new(n: u64, cdf: Option<Arc<[f64]>>, seed: u64) -> Self {
         Self {
             cdf,
             n: n.max(1),
@@ -296,6 +301,7 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
         Arc::new(AtomicU64::new(0)),
         Arc::new(AtomicU64::new(0)),
     );
+    let cdf = key_cdf(options.keys, options.distribution);
     let started = Instant::now();
     let deadline = started + options.duration;
     let done = Arc::new(AtomicBool::new(false));
@@ -379,8 +385,9 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
         );
         let options = options.clone();
         let tickets = tickets.clone();
+        let cdf = cdf.clone();
         tasks.push(tokio::spawn(async move {
-            let mut keys = Keys::new(options.keys, options.distribution, 0x9e37_79b9 + w as u64);
+            let mut keys = Keys::new(options.keys, cdf, 0x9e37_79b9 + w as u64);
             let mut local =
                 Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
             loop {
@@ -533,7 +540,7 @@ mod tests {
 
     #[test]
     fn zipf_keys_favour_the_first_ones_and_stay_in_range() {
-        let mut keys = Keys::new(1000, Distribution::Zipf(1.1), 7);
+        let mut keys = Keys::new(1000, key_cdf(1000, Distribution::Zipf(1.1)), 7);
         let mut counts = vec![0u32; 1000];
         for _ in 0..100_000 {
             counts[keys.next() as usize] += 1;
@@ -543,7 +550,7 @@ mod tests {
             "{:?}",
             &counts[..10]
         );
-        let mut uniform = Keys::new(10, Distribution::Uniform, 7);
+        let mut uniform = Keys::new(10, key_cdf(10, Distribution::Uniform), 7);
         assert!((0..1000).all(|_| uniform.next() < 10));
         assert_eq!(
             "zipf:1.2".parse::<Distribution>(),
