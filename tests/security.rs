@@ -1,11 +1,11 @@
-//! TLS and mutual TLS on the gRPC port, the admin token, and the request
-//! size limit.
+//! TLS and mutual TLS on the gRPC port, the admin token, the request size
+//! limit, the request timeout, and the per-connection concurrency limit.
 
 mod common;
 
 use std::path::Path;
 
-use common::{TestServer, req};
+use common::{TestServer, ask, req};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tollgate::admin::AdminAccess;
 use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
@@ -286,5 +286,65 @@ async fn a_request_stuck_on_a_hung_store_is_cut_off_by_the_request_timeout() {
             .allowed,
         "and the server carries on"
     );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
+    use common::redis::RedisServer;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    use tollgate::grpc::proto::v1::Degraded;
+    use tollgate::server::StoreSpec;
+    let redis = RedisServer::start();
+    let url = redis.url();
+    // Every decision on the frozen Redis below waits the whole store
+    // timeout (the breaker never opens), so the flood's requests stay in
+    // flight long enough to be counted.
+    let server = TestServer::launch(None, move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(300);
+        c.breaker_threshold = 1_000_000;
+        c.grpc_limits.connection_concurrency = 4;
+    })
+    .await;
+    let flood = server.client().await;
+    let mut quiet = server.client().await;
+    assert!(ask(&mut quiet, req("t", "warm-up")).await.allowed);
+
+    redis.freeze();
+    let answered = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let (mut client, answered) = (flood.clone(), answered.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut request = tonic::Request::new(req("t", &format!("flood-{i}")));
+            request.set_timeout(Duration::from_secs(60));
+            let r = client.should_allow(request).await;
+            answered.fetch_add(1, Ordering::SeqCst);
+            r.map(|r| r.into_inner().degraded())
+        }));
+    }
+    // Let the flood reach the server: 4 of its requests are being served,
+    // the other 96 wait their turn on that connection.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = ask(&mut quiet, req("t", "quiet")).await;
+    let pending = 100 - answered.load(Ordering::SeqCst);
+    assert_eq!(r.degraded(), Degraded::FailedOpen, "decided by its policy");
+    // The flood drains 4 requests per store timeout (25 rounds); the other
+    // connection's request did not queue behind it.
+    assert!(
+        pending >= 50,
+        "the quiet connection was answered only after {} of the 100 flooding requests",
+        100 - pending
+    );
+    redis.thaw();
+    for t in tasks {
+        assert!(
+            t.await.unwrap().is_ok(),
+            "every flooding request is answered in the end"
+        );
+    }
     server.stop().await;
 }
