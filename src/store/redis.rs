@@ -183,6 +183,24 @@ struct Waiting {
     queue: Vec<Queued>,
 }
 
+impl Waiting {
+    /// Moves queued decisions, oldest first, into `batch` until it holds
+    /// `max`. Decisions whose callers stopped waiting (their timeout passed,
+    /// so their rule's store-unavailable policy already answered) are
+    /// dropped rather than sent: they must not spend tokens now.
+    fn take_into(&mut self, batch: &mut Vec<Queued>, max: usize) {
+        let mut room = max.saturating_sub(batch.len());
+        let mut end = 0;
+        while end < self.queue.len() && room > 0 {
+            if !self.queue[end].reply.is_closed() {
+                room -= 1;
+            }
+            end += 1;
+        }
+        batch.extend(self.queue.drain(..end).filter(|q| !q.reply.is_closed()));
+    }
+}
+
 /// One decision's part of a script call.
 struct Request {
     keys: SmallVec<[String; 4]>,
@@ -329,11 +347,8 @@ impl RedisStore {
             let mut waiting = coalesce.lock();
             if waiting.in_flight < COALESCE_IN_FLIGHT {
                 waiting.in_flight += 1;
-                let max = shared.config.coalesce;
-                let mut batch = Vec::with_capacity(waiting.queue.len().min(max - 1) + 1);
-                batch.push(mine);
-                let take = waiting.queue.len().min(max - 1);
-                batch.extend(waiting.queue.drain(..take));
+                let mut batch = vec![mine];
+                waiting.take_into(&mut batch, shared.config.coalesce);
                 Some(batch)
             } else {
                 waiting.queue.push(mine);
@@ -406,15 +421,15 @@ fn release_or_drain(shared: &Arc<Shared>) {
     tokio::spawn(async move {
         let coalesce = shared.coalesce.as_ref().expect("checked above");
         loop {
-            let batch: Vec<Queued> = {
+            let mut batch = Vec::new();
+            {
                 let mut waiting = coalesce.lock();
-                if waiting.queue.is_empty() {
+                waiting.take_into(&mut batch, shared.config.coalesce);
+                if batch.is_empty() {
                     waiting.in_flight -= 1;
                     return;
                 }
-                let take = waiting.queue.len().min(shared.config.coalesce);
-                waiting.queue.drain(..take).collect()
-            };
+            }
             send_coalesced(&shared, batch).await;
         }
     });
@@ -700,5 +715,52 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queued(key: &str) -> (Queued, oneshot::Receiver<Result<Outcome, StoreError>>) {
+        let (reply, answer) = oneshot::channel();
+        let request = Request {
+            keys: smallvec::smallvec![key.to_owned()],
+            charges: SmallVec::new(),
+            spend: true,
+        };
+        (Queued { request, reply }, answer)
+    }
+
+    #[test]
+    fn taking_from_the_queue_skips_callers_that_gave_up_and_respects_the_maximum() {
+        let mut waiting = Waiting::default();
+        let mut answers = Vec::new();
+        for i in 0..6 {
+            let (q, answer) = queued(&format!("k{i}"));
+            waiting.queue.push(q);
+            answers.push(Some(answer));
+        }
+        // The callers of k1 and k3 timed out: their receivers are gone.
+        answers[1] = None;
+        answers[3] = None;
+        let keys = |batch: &[Queued]| -> Vec<String> {
+            batch.iter().map(|q| q.request.keys[0].clone()).collect()
+        };
+
+        let (mine, _answer) = queued("mine");
+        let mut batch = vec![mine];
+        waiting.take_into(&mut batch, 3);
+        assert_eq!(keys(&batch), ["mine", "k0", "k2"]);
+        assert_eq!(
+            waiting.queue.len(),
+            3,
+            "k3, k4 and k5 stay queued; k1 is gone"
+        );
+
+        let mut batch = Vec::new();
+        waiting.take_into(&mut batch, 64);
+        assert_eq!(keys(&batch), ["k4", "k5"], "k3 was dropped, not sent");
+        assert!(waiting.queue.is_empty());
     }
 }
