@@ -38,7 +38,9 @@ use redis::aio::ConnectionManager;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use smallvec::SmallVec;
-use tokio::sync::{OnceCell, oneshot};
+use tokio::sync::OnceCell;
+
+mod coalesce;
 
 use super::breaker::{Breaker, BreakerState};
 use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
@@ -172,33 +174,7 @@ struct Shared {
     breaker: Breaker,
     /// Decisions waiting for a shared script call; `None` when coalescing
     /// is off.
-    coalesce: Option<Mutex<Waiting>>,
-}
-
-/// The coalescing state: how many script calls are in flight, and the
-/// decisions that arrived while [`COALESCE_IN_FLIGHT`] were.
-#[derive(Default)]
-struct Waiting {
-    in_flight: usize,
-    queue: Vec<Queued>,
-}
-
-impl Waiting {
-    /// Moves queued decisions, oldest first, into `batch` until it holds
-    /// `max`. Decisions whose callers stopped waiting (their timeout passed,
-    /// so their rule's store-unavailable policy already answered) are
-    /// dropped rather than sent: they must not spend tokens now.
-    fn take_into(&mut self, batch: &mut Vec<Queued>, max: usize) {
-        let mut room = max.saturating_sub(batch.len());
-        let mut end = 0;
-        while end < self.queue.len() && room > 0 {
-            if !self.queue[end].reply.is_closed() {
-                room -= 1;
-            }
-            end += 1;
-        }
-        batch.extend(self.queue.drain(..end).filter(|q| !q.reply.is_closed()));
-    }
+    coalesce: Option<Mutex<coalesce::Waiting>>,
 }
 
 /// One decision's part of a script call.
@@ -207,19 +183,6 @@ struct Request {
     charges: SmallVec<[Charge; 4]>,
     spend: bool,
 }
-
-/// A decision waiting for a shared script call.
-struct Queued {
-    request: Request,
-    reply: oneshot::Sender<Result<Outcome, StoreError>>,
-}
-
-/// Script calls in flight at once when coalescing. A decision that finds a
-/// free slot is sent at once from its own task, together with whatever has
-/// queued up; one that finds none queues, and the next call takes it. So
-/// the batch size follows the load: one at a time when idle (no extra hop),
-/// up to the configured maximum under pressure.
-const COALESCE_IN_FLIGHT: usize = 2;
 
 impl RedisStore {
     /// A store for `config`. Does not connect: the first call does, so the
@@ -330,145 +293,11 @@ impl RedisStore {
             charges: charges.iter().copied().collect(),
             spend,
         };
-        let Some(coalesce) = &shared.coalesce else {
-            let mut outcomes = shared.run(std::slice::from_ref(&request)).await?;
-            return Ok(outcomes.swap_remove(0));
-        };
-        // Fail fast without queueing while the breaker is open. Only a
-        // script call asks the breaker to admit it, so that a probe, once
-        // due, is a real call whose result closes or reopens the breaker.
-        if shared.breaker.refuses() {
-            metrics::store_error("redis", "circuit_open");
-            return Err(StoreError::Unavailable("circuit breaker open".into()));
-        }
-        let (reply, answer) = oneshot::channel();
-        let mine = Queued { request, reply };
-        let batch = {
-            let mut waiting = coalesce.lock();
-            if waiting.in_flight < COALESCE_IN_FLIGHT {
-                waiting.in_flight += 1;
-                let mut batch = vec![mine];
-                waiting.take_into(&mut batch, shared.config.coalesce);
-                Some(batch)
-            } else {
-                waiting.queue.push(mine);
-                None
-            }
-        };
-        match batch {
-            // A free slot and nothing else waiting: send now from this task,
-            // with no hop. The guard frees the slot (or drains what queued
-            // meanwhile) even if this caller is cancelled mid-call.
-            Some(batch) if batch.len() == 1 => {
-                let _slot = Slot(shared);
-                send_coalesced(shared, batch).await;
-            }
-            // A free slot and others waiting: the call carries their
-            // decisions too, so it runs in a task of its own, which a
-            // cancelled caller cannot abandon half-way.
-            Some(batch) => {
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    let _slot = Slot(&shared);
-                    send_coalesced(&shared, batch).await;
-                });
-            }
-            // Every slot busy: the next call takes this decision.
-            None => {}
-        }
-        // The timeout covers the wait in the queue too.
-        let timeout = shared.config.timeout;
-        match tokio::time::timeout(timeout, answer).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(StoreError::Unavailable(
-                "the shared script call carrying this decision was dropped".into(),
-            )),
-            Err(_) => {
-                metrics::store_error("redis", "timeout");
-                Err(StoreError::Unavailable(format!(
-                    "no answer within {timeout:?}"
-                )))
-            }
-        }
-    }
-}
-
-/// A coalescing slot held by a script call in flight; dropping it (after
-/// the call, or when the call is cancelled) hands it on.
-struct Slot<'a>(&'a Arc<Shared>);
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        release_or_drain(self.0);
-    }
-}
-
-/// After a coalesced call: frees its slot if nothing is queued, otherwise
-/// keeps the slot and drains the queue in a task of its own (so the caller
-/// that made the call gets its answer now).
-fn release_or_drain(shared: &Arc<Shared>) {
-    let Some(coalesce) = &shared.coalesce else {
-        return;
-    };
-    {
-        let mut waiting = coalesce.lock();
-        if waiting.queue.is_empty() {
-            waiting.in_flight -= 1;
-            return;
-        }
-    }
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        let coalesce = shared.coalesce.as_ref().expect("checked above");
-        loop {
-            let mut batch = Vec::new();
-            {
-                let mut waiting = coalesce.lock();
-                waiting.take_into(&mut batch, shared.config.coalesce);
-                if batch.is_empty() {
-                    waiting.in_flight -= 1;
-                    return;
-                }
-            }
-            send_coalesced(&shared, batch).await;
-        }
-    });
-}
-
-/// Sends coalesced decisions, one script call per hash tag (a cluster runs
-/// a script on one slot; a single Redis takes them all in one call), and
-/// answers each.
-async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
-    let cluster = matches!(shared.connection, Connection::Cluster(..));
-    let (requests, mut replies): (Vec<Request>, Vec<_>) = taken
-        .into_iter()
-        .map(|q| (q.request, Some(q.reply)))
-        .unzip();
-    let mut groups: SmallVec<[(&str, Vec<usize>); 1]> = SmallVec::new();
-    for (i, request) in requests.iter().enumerate() {
-        let tag = if cluster {
-            hash_tag(&request.keys[0])
-        } else {
-            ""
-        };
-        match groups.iter_mut().find(|(t, _)| *t == tag) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((tag, vec![i])),
-        }
-    }
-    let calls = groups.iter().map(|(_, members)| {
-        let group: Vec<&Request> = members.iter().map(|&i| &requests[i]).collect();
-        async move { shared.run_refs(&group).await }
-    });
-    let answers = futures_util::future::join_all(calls).await;
-    for ((_, members), result) in groups.into_iter().zip(answers) {
-        for (n, i) in members.into_iter().enumerate() {
-            let answer = match &result {
-                Ok(outcomes) => Ok(outcomes[n].clone()),
-                Err(err) => Err(err.clone()),
-            };
-            if let Some(reply) = replies[i].take() {
-                let _ = reply.send(answer);
+        match &shared.coalesce {
+            Some(waiting) => coalesce::decide(shared, waiting, request).await,
+            None => {
+                let mut outcomes = shared.run(std::slice::from_ref(&request)).await?;
+                Ok(outcomes.swap_remove(0))
             }
         }
     }
@@ -479,13 +308,6 @@ async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
 /// unacknowledged one waits for Redis's delayed ACK (40 ms on Linux).
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
-}
-
-/// The `{…}` part of a Redis key (what Redis Cluster hashes).
-fn hash_tag(key: &str) -> &str {
-    key.split_once('{')
-        .and_then(|(_, rest)| rest.split_once('}'))
-        .map_or(key, |(tag, _)| tag)
 }
 
 impl Shared {
@@ -715,52 +537,5 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn queued(key: &str) -> (Queued, oneshot::Receiver<Result<Outcome, StoreError>>) {
-        let (reply, answer) = oneshot::channel();
-        let request = Request {
-            keys: smallvec::smallvec![key.to_owned()],
-            charges: SmallVec::new(),
-            spend: true,
-        };
-        (Queued { request, reply }, answer)
-    }
-
-    #[test]
-    fn taking_from_the_queue_skips_callers_that_gave_up_and_respects_the_maximum() {
-        let mut waiting = Waiting::default();
-        let mut answers = Vec::new();
-        for i in 0..6 {
-            let (q, answer) = queued(&format!("k{i}"));
-            waiting.queue.push(q);
-            answers.push(Some(answer));
-        }
-        // The callers of k1 and k3 timed out: their receivers are gone.
-        answers[1] = None;
-        answers[3] = None;
-        let keys = |batch: &[Queued]| -> Vec<String> {
-            batch.iter().map(|q| q.request.keys[0].clone()).collect()
-        };
-
-        let (mine, _answer) = queued("mine");
-        let mut batch = vec![mine];
-        waiting.take_into(&mut batch, 3);
-        assert_eq!(keys(&batch), ["mine", "k0", "k2"]);
-        assert_eq!(
-            waiting.queue.len(),
-            3,
-            "k3, k4 and k5 stay queued; k1 is gone"
-        );
-
-        let mut batch = Vec::new();
-        waiting.take_into(&mut batch, 64);
-        assert_eq!(keys(&batch), ["k4", "k5"], "k3 was dropped, not sent");
-        assert!(waiting.queue.is_empty());
     }
 }
