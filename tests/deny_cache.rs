@@ -5,17 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::redis::{RedisServer, redis_cli};
+use common::redis::{RedisServer, evalsha_calls, redis_cli};
 use common::{TestServer, ask, micros, req, row};
 use tollgate::server::StoreSpec;
-
-fn evalsha_calls(port: u16) -> u64 {
-    redis_cli(port, &["INFO", "commandstats"])
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|v| v.split(',').next())
-        .map_or(0, |v| v.parse().unwrap())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejected_keys_skip_redis_until_their_retry_after() {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::T0;
-use common::redis::{RedisCluster, RedisServer, redis_cli};
+use common::redis::{RedisCluster, RedisServer, evalsha_calls, redis_cli};
 use redis::AsyncCommands;
 use tollgate::bucket::{Algorithm, Charge, Limit, Micros, Rate, State, plan};
 use tollgate::clock::{Clock, ManualClock};
@@ -277,25 +277,21 @@ fn store_urls_are_checked_and_passwords_never_shown() {
     );
 }
 
-fn evalsha_calls(port: u16) -> u64 {
-    redis_cli(port, &["INFO", "commandstats"])
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|v| v.split(',').next())
-        .map_or(0, |v| v.parse().unwrap())
+/// A store coalescing up to 64 decisions per script call, on a pinned clock.
+fn coalescing_store(url: String) -> Arc<dyn Store> {
+    let config = RedisConfig {
+        timeout: Duration::from_secs(5),
+        coalesce: 64,
+        ..RedisConfig::new(url)
+    };
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
+    Arc::new(RedisStore::new(config, Some(clock)).unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_decisions_share_script_calls_and_stay_exact() {
     let server = RedisServer::start();
-    let clock = Arc::new(ManualClock::new(T0));
-    let config = RedisConfig {
-        timeout: Duration::from_secs(5),
-        coalesce: 64,
-        ..RedisConfig::new(server.url())
-    };
-    let dyn_clock: Arc<dyn Clock> = clock.clone();
-    let store: Arc<dyn Store> = Arc::new(RedisStore::new(config, Some(dyn_clock)).unwrap());
+    let store = coalescing_store(server.url());
     let hot = Charge {
         limit: Limit::new(100, "1/day".parse().unwrap()).unwrap(),
         cost: 1,
@@ -384,14 +380,7 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     let server = RedisServer::start();
-    let clock = Arc::new(ManualClock::new(T0));
-    let config = RedisConfig {
-        timeout: Duration::from_secs(2),
-        coalesce: 64,
-        ..RedisConfig::new(server.url())
-    };
-    let dyn_clock: Arc<dyn Clock> = clock.clone();
-    let store: Arc<dyn Store> = Arc::new(RedisStore::new(config, Some(dyn_clock)).unwrap());
+    let store = coalescing_store(server.url());
     let c = [Charge {
         limit: Limit::new(1_000_000, "1/second".parse().unwrap()).unwrap(),
         cost: 1,

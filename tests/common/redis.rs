@@ -31,6 +31,15 @@ pub fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// `EVALSHA` calls since the last `CONFIG RESETSTAT` (`INFO commandstats`).
+pub fn evalsha_calls(port: u16) -> u64 {
+    redis_cli(port, &["INFO", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
 pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,
