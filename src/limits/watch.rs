@@ -138,7 +138,8 @@ impl LiveLimits {
 /// Reloads `limits` from `table` every `every`, and on PostgreSQL also at
 /// once on every change notification, until `shutdown` completes. A lost
 /// database connection keeps the last good rules in force; the listener
-/// reconnects and a reload follows, so no edit is missed.
+/// reconnects, and every time it starts listening the table is read, so no
+/// edit made while it was not listening is missed.
 pub async fn watch(
     limits: Arc<LiveLimits>,
     table: LimitsTable,
@@ -152,7 +153,12 @@ pub async fn watch(
     loop {
         if listener.is_none() && table.is_postgres() {
             match table.listener().await {
-                Ok(l) => listener = l,
+                Ok(l) => {
+                    listener = l;
+                    // Edits made while nobody listened sent their NOTIFY
+                    // into the void: read the table now that we listen.
+                    reload(&limits, &table).await;
+                }
                 Err(err) => {
                     tracing::warn!(error = %err, "cannot listen for limits changes; polling meanwhile")
                 }
@@ -165,21 +171,34 @@ pub async fn watch(
             _ = tokio::time::sleep(Duration::from_secs(1)), if listener.is_none() && table.is_postgres() => {}
             note = next_change(&mut listener) => match note {
                 Ok(Some(_)) => {}
-                // The connection dropped: reload anyway, changes may be missed.
-                Ok(None) => tracing::warn!("limits listener lost its connection; reconnecting"),
+                // The connection dropped. Listen again on a fresh connection
+                // (and read the table once listening) rather than let the
+                // listener reconnect by itself on the next receive: an edit
+                // made between its reconnection and no reload would be lost.
+                Ok(None) => {
+                    tracing::warn!("limits listener lost its connection; reconnecting");
+                    listener = None;
+                    continue;
+                }
                 Err(err) => {
                     tracing::warn!(error = %err, "limits listener failed; reconnecting");
                     listener = None;
                     tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
                 }
             },
         }
-        match limits.reload(&table).await {
-            Ok(_) | Err(LoadError::Invalid(_)) => {}
-            Err(LoadError::Table(err)) => {
-                limits.status.lock().last_error = Some(err.to_string());
-                tracing::warn!(error = %err, "cannot read the limits table; the last good rules stay in force");
-            }
+        reload(&limits, &table).await;
+    }
+}
+
+/// Reloads, keeping the last good rules when the table cannot be read.
+async fn reload(limits: &LiveLimits, table: &LimitsTable) {
+    match limits.reload(table).await {
+        Ok(_) | Err(LoadError::Invalid(_)) => {}
+        Err(LoadError::Table(err)) => {
+            limits.status.lock().last_error = Some(err.to_string());
+            tracing::warn!(error = %err, "cannot read the limits table; the last good rules stay in force");
         }
     }
 }
