@@ -115,7 +115,8 @@ pub struct BenchArgs {
 
 /// Runs `bench`.
 pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let before = args.server_pid.and_then(crate::bench::cpu_time);
+    let server_before = args.server_pid.and_then(crate::bench::cpu_time);
+    let client_before = crate::bench::cpu_time(std::process::id());
     let summary = crate::bench::run(crate::bench::LoadOptions {
         server: args.server.clone(),
         api: args.api,
@@ -133,18 +134,26 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     .await
     .map_err(anyhow::Error::msg)?;
     println!("{}", summary.render());
-    let after = args.server_pid.and_then(crate::bench::cpu_time);
-    if let (Some(before), Some(after)) = (before, after) {
-        {
-            let cpu = after.saturating_sub(before);
+    let cpu_line = |who: &str, before: Option<Duration>, after: Option<Duration>| {
+        if let (Some(before), Some(after)) = (before, after) {
+            let cpu = after.saturating_sub(before).as_secs_f64();
             println!(
-                "server CPU: {:.2} s  = {:.2} µs per call, {:.3} µs per decision",
-                cpu.as_secs_f64(),
-                cpu.as_secs_f64() * 1e6 / summary.calls.max(1) as f64,
-                cpu.as_secs_f64() * 1e6 / summary.decisions.max(1) as f64
+                "{who} CPU: {cpu:.2} s  = {:.2} µs per call, {:.3} µs per decision",
+                cpu * 1e6 / summary.calls.max(1) as f64,
+                cpu * 1e6 / summary.decisions.max(1) as f64
             );
         }
-    }
+    };
+    cpu_line(
+        "server",
+        server_before,
+        args.server_pid.and_then(crate::bench::cpu_time),
+    );
+    cpu_line(
+        "client",
+        client_before,
+        crate::bench::cpu_time(std::process::id()),
+    );
     Ok(())
 }
 
