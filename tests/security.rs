@@ -4,12 +4,17 @@
 mod common;
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
+use common::redis::RedisServer;
 use common::{TestServer, ask, req};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tollgate::admin::AdminAccess;
+use tollgate::grpc::proto::v1::Degraded;
 use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
-use tollgate::server::TlsFiles;
+use tollgate::server::{ServeConfig, StoreSpec, TlsFiles};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 async fn tls_channel(
@@ -242,17 +247,23 @@ async fn an_oversized_request_is_refused_with_a_clear_status() {
     server.stop().await;
 }
 
+/// A server on `redis` with the seeded default limits, configured further
+/// by `configure`.
+async fn on_redis(redis: &RedisServer, configure: impl FnOnce(&mut ServeConfig)) -> TestServer {
+    let url = redis.url();
+    TestServer::launch(None, move |c| {
+        c.store = StoreSpec::Redis(url);
+        configure(c);
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_stuck_on_a_hung_store_is_cut_off_by_the_request_timeout() {
-    use common::redis::RedisServer;
-    use std::time::Duration;
-    use tollgate::server::StoreSpec;
     let redis = RedisServer::start();
-    let url = redis.url();
     // A store timeout far beyond the request timeout: the request timeout
     // must be what answers.
-    let server = TestServer::launch(None, move |c| {
-        c.store = StoreSpec::Redis(url);
+    let server = on_redis(&redis, |c| {
         c.store_timeout = Duration::from_secs(30);
         c.grpc_limits.request_timeout = Duration::from_millis(300);
     })
@@ -291,19 +302,11 @@ async fn a_request_stuck_on_a_hung_store_is_cut_off_by_the_request_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
-    use common::redis::RedisServer;
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
-    use tollgate::grpc::proto::v1::Degraded;
-    use tollgate::server::StoreSpec;
     let redis = RedisServer::start();
-    let url = redis.url();
     // Every decision on the frozen Redis below waits the whole store
     // timeout (the breaker never opens), so the flood's requests stay in
     // flight long enough to be counted.
-    let server = TestServer::launch(None, move |c| {
-        c.store = StoreSpec::Redis(url);
+    let server = on_redis(&redis, |c| {
         c.store_timeout = Duration::from_millis(300);
         c.breaker_threshold = 1_000_000;
         c.grpc_limits.connection_concurrency = 4;
