@@ -235,6 +235,10 @@ pub struct ServeArgs {
     /// three instances).
     #[arg(long, env = "TOLLGATE_LOCAL_FRACTION", default_value_t = 1.0, value_parser = parse_fraction)]
     pub local_fraction: f64,
+    /// Threads that run the service; 0 starts one per CPU this process may
+    /// use. Fewer leave cores to neighbours (a sidecar, a local Redis).
+    #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
+    pub worker_threads: usize,
     /// How often the limits table is re-read (e.g. 1s, 500ms).
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reload_interval: Duration,

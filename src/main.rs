@@ -17,8 +17,7 @@ use tollgate::telemetry::{self, LogFormat};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = match cli::parse() {
         Ok(cli) => cli,
         Err(message) => {
@@ -32,7 +31,21 @@ async fn main() -> ExitCode {
             }
         }
     };
-    match dispatch(cli).await {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if let Command::Serve(args) = &cli.command
+        && args.worker_threads > 0
+    {
+        runtime.worker_threads(args.worker_threads);
+    }
+    let runtime = match runtime.build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: starting the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

@@ -183,15 +183,7 @@ fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
     assert!(path.join("from-env.db").exists());
     assert!(!path.join("from-file.db").exists());
     // ...the file beat the default for the bucket cap...
-    let metrics = {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&server.admin).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut r = String::new();
-        s.read_to_string(&mut r).unwrap();
-        r
-    };
+    let metrics = server.admin_get("/metrics").unwrap();
     assert!(metrics.contains("tollgate_buckets_max 5000"), "{metrics}");
     let (status, logs) = server.terminate();
     assert!(status.success());
@@ -217,6 +209,30 @@ fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
         stdout(&out),
         format!("tollgate {}\n", env!("CARGO_PKG_VERSION"))
     );
+}
+
+/// `--worker-threads N` runs the service on N threads (what the runtime
+/// reports), and 0, the default, on one per CPU the process may use.
+#[test]
+fn worker_threads_sizes_the_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers = |server: &ServeProcess| -> usize {
+        let metrics = server.admin_get("/metrics").unwrap();
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with("tollgate_worker_threads "))
+            .unwrap_or_else(|| panic!("no worker gauge in {metrics}"));
+        line["tollgate_worker_threads ".len()..].parse().unwrap()
+    };
+    for n in [1, 3] {
+        let server = ServeProcess::start(dir.path(), &["--worker-threads", &n.to_string()]);
+        server.wait_ready();
+        assert_eq!(workers(&server), n);
+    }
+    let server = ServeProcess::start_with_env(dir.path(), &[], &[("TOLLGATE_WORKER_THREADS", "0")]);
+    server.wait_ready();
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(workers(&server), cpus);
 }
 
 #[test]

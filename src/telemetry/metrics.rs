@@ -21,6 +21,8 @@ pub const RULES: &str = "tollgate_rules_loaded";
 pub const BUCKETS: &str = "tollgate_buckets";
 /// The in-memory bucket cap.
 pub const BUCKETS_MAX: &str = "tollgate_buckets_max";
+/// Threads running the service (`--worker-threads`).
+pub const WORKER_THREADS: &str = "tollgate_worker_threads";
 /// Buckets dropped from memory, by `reason` (`idle`, `capacity`).
 pub const EVICTIONS: &str = "tollgate_bucket_evictions_total";
 
@@ -111,6 +113,7 @@ pub fn handle() -> &'static PrometheusHandle {
         describe_gauge!(RULES, "Rules in force.");
         describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
         describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
+        describe_gauge!(WORKER_THREADS, "Threads running the service.");
         describe_counter!(EVICTIONS, "Buckets dropped from memory, by reason.");
         metrics::describe_histogram!(
             STORE_DURATION,
@@ -188,6 +191,13 @@ pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capac
     gauge!(BUCKETS_MAX).set(max as f64);
     counter!(EVICTIONS, "reason" => "idle").absolute(evicted_idle);
     counter!(EVICTIONS, "reason" => "capacity").absolute(evicted_capacity);
+}
+
+/// Publishes how many threads run the service (called when metrics are
+/// scraped, from inside the runtime).
+pub fn worker_threads() {
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    gauge!(WORKER_THREADS).set(workers as f64);
 }
 
 /// Store call latency, by `store` and `op`.

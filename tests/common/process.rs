@@ -77,24 +77,31 @@ impl ServeProcess {
 
     /// Polls `/readyz` on the admin port (bounded) until it answers 200.
     pub fn wait_ready(&self) {
-        use std::io::{Read, Write};
         for _ in 0..1500 {
-            if let Ok(mut stream) = std::net::TcpStream::connect(&self.admin) {
-                let request = format!(
-                    "GET /readyz HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-                    self.admin
-                );
-                let mut response = String::new();
-                if stream.write_all(request.as_bytes()).is_ok()
-                    && stream.read_to_string(&mut response).is_ok()
-                    && response.starts_with("HTTP/1.1 200")
-                {
-                    return;
-                }
+            if self
+                .admin_get("/readyz")
+                .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
+            {
+                return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
         panic!("tollgate on {} never became ready", self.grpc);
+    }
+
+    /// The admin port's whole HTTP response (status line, headers, body)
+    /// to `GET path`.
+    pub fn admin_get(&self, path: &str) -> std::io::Result<String> {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(&self.admin)?;
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            self.admin
+        );
+        stream.write_all(request.as_bytes())?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response)
     }
 
     /// Sends SIGTERM and waits for the exit status.
