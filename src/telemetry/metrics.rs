@@ -3,8 +3,9 @@
 //! Labels stay bounded: API, outcome and rule names (one per row of the
 //! limits table), never keys or tenants.
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Once, OnceLock};
+use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, gauge};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -80,7 +81,11 @@ impl Outcome {
     }
 }
 
-/// The process-wide Prometheus recorder, installed on first use.
+/// How often histogram samples are folded into their buckets.
+pub const UPKEEP_PERIOD: Duration = Duration::from_secs(1);
+
+/// The process-wide Prometheus recorder, installed on first use, with its
+/// upkeep thread (`start_upkeep(UPKEEP_PERIOD)`).
 pub fn handle() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
@@ -138,8 +143,31 @@ pub fn handle() -> &'static PrometheusHandle {
             metrics::Unit::Seconds,
             "gRPC request latency, by method."
         );
+        start_upkeep(UPKEEP_PERIOD);
         handle
     })
+}
+
+/// Folds histogram samples into their buckets every `period`, on a thread
+/// of its own. The recorder keeps every sample until it is asked to: without
+/// this, each decision's latency samples would pile up between scrapes, and
+/// without bound (megabytes per second under load) where nobody scrapes.
+/// The first call starts the thread; later calls do nothing.
+pub fn start_upkeep(period: Duration) {
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("tollgate-metrics".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(period);
+                    handle().run_upkeep();
+                }
+            });
+        if let Err(err) = spawned {
+            tracing::error!(%err, "cannot start the metrics upkeep thread; histograms grow until scraped");
+        }
+    });
 }
 
 /// Counts one decision.
