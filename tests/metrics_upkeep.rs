@@ -48,7 +48,9 @@ fn histogram_samples_are_folded_without_scrapes() {
     let text = metrics::handle().render();
     let count = text
         .lines()
-        .find(|l| l.starts_with("tollgate_grpc_request_duration_seconds_count{method=\"upkeep-test\"}"))
+        .find(|l| {
+            l.starts_with("tollgate_grpc_request_duration_seconds_count{method=\"upkeep-test\"}")
+        })
         .unwrap_or_else(|| panic!("no count line in {text}"));
     assert!(count.ends_with(" 4100000"), "{count}");
 }
