@@ -1,0 +1,326 @@
+//! The commands that talk to a running server over gRPC: `check`, `top`,
+//! `health`, and the load tool `bench`.
+
+use std::time::Duration;
+
+use clap::Args;
+
+use super::parse_duration;
+use crate::grpc::proto::v1::ShouldAllowRequest;
+use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+
+/// `tollgate check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// The server's gRPC address.
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Tenant.
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// Key.
+    #[arg(long)]
+    pub key: String,
+    /// Cost in tokens.
+    #[arg(long, default_value_t = 1)]
+    pub cost: u64,
+    /// Resource.
+    #[arg(long, default_value = "")]
+    pub resource: String,
+    /// Decide without spending.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Ask this many times in a row, one line each.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+}
+
+/// Runs `check`: prints one line per decision.
+pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
+    let mut client = RateLimiterClient::connect(args.server.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    for i in 1..=args.repeat.max(1) {
+        let response = client
+            .should_allow(ShouldAllowRequest {
+                key: args.key.clone(),
+                cost: args.cost,
+                tenant: args.tenant.clone(),
+                resource: args.resource.clone(),
+                dry_run: args.dry_run,
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+            .into_inner();
+        let prefix = if args.repeat > 1 {
+            format!("#{i:<3} ")
+        } else {
+            String::new()
+        };
+        println!("{prefix}{}", describe(&response));
+    }
+    Ok(())
+}
+
+fn describe(r: &crate::grpc::proto::v1::ShouldAllowResponse) -> String {
+    let secs = |d: &Option<prost_types::Duration>| {
+        d.as_ref()
+            .map_or(0.0, |d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
+    };
+    if r.limit_name.is_empty() {
+        return format!(
+            "{}  (no rule applies: unlimited)",
+            if r.allowed { "ALLOWED" } else { "REJECTED" }
+        );
+    }
+    let mut headers: Vec<_> = r.headers.iter().collect();
+    headers.sort();
+    let headers: Vec<String> = headers
+        .into_iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
+    format!(
+        "{:<8}  remaining {}/{}  retry_after {:.3}s  reset_after {:.3}s  rule {} ({}){}  [{}]",
+        if r.allowed { "ALLOWED" } else { "REJECTED" },
+        r.remaining,
+        r.limit,
+        secs(&r.retry_after),
+        secs(&r.reset_after),
+        r.limit_name,
+        r.rate,
+        if r.shadow {
+            "  shadow: would reject"
+        } else {
+            ""
+        },
+        headers.join(", "),
+    )
+}
+
+/// `tollgate top`.
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// The server's gRPC address.
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Tenants to show.
+    #[arg(long, default_value_t = 10)]
+    pub tenants: u32,
+    /// Keys to show per tenant.
+    #[arg(long, default_value_t = 3)]
+    pub keys: u32,
+    /// Time between refreshes.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Stop after this many refreshes (default: until Ctrl-C).
+    #[arg(long)]
+    pub count: Option<u32>,
+}
+
+/// Runs `top`: a table of the most limited tenants, redrawn in place on a
+/// terminal (appended otherwise).
+pub async fn top(args: TopArgs) -> anyhow::Result<()> {
+    use crate::grpc::proto::v1::TopLimitedRequest;
+    use crate::grpc::proto::v1::admin_client::AdminClient;
+    use std::io::IsTerminal;
+
+    let mut client = AdminClient::connect(args.server.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let terminal = std::io::stdout().is_terminal();
+    let mut shown = 0;
+    loop {
+        let response = client
+            .top_limited(TopLimitedRequest {
+                tenants: args.tenants,
+                keys: args.keys,
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+            .into_inner();
+        let window = response.window.map_or(0, |w| w.seconds);
+        let mut out = String::new();
+        if terminal {
+            out.push_str("\x1b[H\x1b[2J");
+        }
+        out.push_str(&format!(
+            "Most limited tenants on {} (rejections over the last {}-{} s)\n",
+            args.server,
+            window,
+            2 * window
+        ));
+        let mut rows = vec![[
+            "RANK".to_owned(),
+            "TENANT".into(),
+            "REJECTIONS".into(),
+            "TOP KEYS".into(),
+        ]];
+        for (i, t) in response.tenants.iter().enumerate() {
+            let tenant = if t.tenant.is_empty() {
+                "(default)".to_owned()
+            } else {
+                t.tenant.clone()
+            };
+            let rejections = if t.error > 0 {
+                format!("{} (±{})", t.rejections, t.error)
+            } else {
+                t.rejections.to_string()
+            };
+            let keys: Vec<String> = t
+                .keys
+                .iter()
+                .map(|k| format!("{} ({})", k.key, k.rejections))
+                .collect();
+            rows.push([(i + 1).to_string(), tenant, rejections, keys.join(", ")]);
+        }
+        if response.tenants.is_empty() {
+            out.push_str("no rejections in the window\n");
+        } else {
+            let widths: Vec<usize> = (0..4)
+                .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+                .collect();
+            for row in &rows {
+                let cells: Vec<String> = row
+                    .iter()
+                    .zip(&widths)
+                    .map(|(c, w)| format!("{c:<w$}"))
+                    .collect();
+                out.push_str(cells.join("  ").trim_end());
+                out.push('\n');
+            }
+        }
+        print!("{out}");
+        shown += 1;
+        if args.count.is_some_and(|n| shown >= n) {
+            return Ok(());
+        }
+        tokio::time::sleep(args.interval).await;
+    }
+}
+
+/// Runs `health`: prints the serving status; an error unless SERVING.
+pub async fn health(server: String, service: String) -> anyhow::Result<()> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let channel = tonic::transport::Endpoint::from_shared(server.clone())?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {server}: {e}"))?;
+    let status = HealthClient::new(channel)
+        .check(HealthCheckRequest { service })
+        .await
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+        .into_inner()
+        .status();
+    println!("{}", status.as_str_name());
+    if status == ServingStatus::Serving {
+        Ok(())
+    } else {
+        anyhow::bail!("not serving")
+    }
+}
+
+/// `tollgate bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The server's gRPC address.
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Which API to drive.
+    #[arg(long, value_enum, default_value = "native")]
+    pub api: crate::bench::Api,
+    /// Items per call with --api batch.
+    #[arg(long, default_value_t = 100)]
+    pub batch: usize,
+    /// HTTP/2 connections to spread the calls over.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Calls in flight (closed loop), or workers sending on schedule (open loop).
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Open loop: this many calls per second on a fixed schedule; latency is
+    /// measured from each call's scheduled time.
+    #[arg(long)]
+    pub rate: Option<u64>,
+    /// How long to run.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Distinct keys.
+    #[arg(long, default_value_t = 10_000)]
+    pub keys: u64,
+    /// Key distribution: uniform, zipf or zipf:EXPONENT.
+    #[arg(long, default_value = "uniform")]
+    pub distribution: crate::bench::Distribution,
+    /// Tenant (native) or domain (Envoy) of the calls.
+    #[arg(long, default_value = "bench")]
+    pub tenant: String,
+    /// Resource of the native, batch and stream calls (none by default).
+    #[arg(long, default_value = "")]
+    pub resource: String,
+    /// PID of the server, to report its CPU time per decision.
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// No per-second progress line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Runs `bench`.
+pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let server_before = args.server_pid.and_then(crate::bench::cpu_time);
+    let client_before = crate::bench::cpu_time(std::process::id());
+    let summary = crate::bench::run(crate::bench::LoadOptions {
+        server: args.server.clone(),
+        api: args.api,
+        batch: args.batch,
+        connections: args.connections,
+        concurrency: args.concurrency,
+        rate: args.rate,
+        duration: args.duration,
+        keys: args.keys,
+        distribution: args.distribution,
+        tenant: args.tenant.clone(),
+        resource: args.resource.clone(),
+        progress: !args.quiet,
+    })
+    .await
+    .map_err(anyhow::Error::msg)?;
+    println!("{}", summary.render());
+    let cpu_line = |who: &str, before: Option<Duration>, after: Option<Duration>| {
+        if let (Some(before), Some(after)) = (before, after) {
+            let cpu = after.saturating_sub(before).as_secs_f64();
+            println!(
+                "{who} CPU: {cpu:.2} s  = {:.2} µs per call, {:.3} µs per decision",
+                cpu * 1e6 / summary.calls.max(1) as f64,
+                cpu * 1e6 / summary.decisions.max(1) as f64
+            );
+        }
+    };
+    cpu_line(
+        "server",
+        server_before,
+        args.server_pid.and_then(crate::bench::cpu_time),
+    );
+    cpu_line(
+        "client",
+        client_before,
+        crate::bench::cpu_time(std::process::id()),
+    );
+    Ok(())
+}
