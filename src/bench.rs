@@ -8,6 +8,8 @@
 //! *due*, not when it was sent, so a stalled server shows up as latency
 //! instead of silently lowering the load (coordinated omission).
 
+mod empty;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -23,8 +25,10 @@ use crate::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
 use crate::grpc::proto::v1::{
-    BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse,
+    BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
+
+pub use empty::{EmptyRateLimiter, serve_empty};
 
 /// Which API to drive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -192,95 +196,179 @@ impl Keys {
     }
 }
 
+/// One worker's connection to the API under test.
 enum Client {
     Native(RateLimiterClient<Channel>),
+    /// With the items per call.
+    Batch(RateLimiterClient<Channel>, usize),
     Envoy(RateLimitServiceClient<Channel>),
+    /// The worker's own stream: requests in, decisions out.
     Stream(
         tokio::sync::mpsc::Sender<ShouldAllowRequest>,
-        tonic::Streaming<crate::grpc::proto::v1::StreamDecision>,
+        tonic::Streaming<StreamDecision>,
     ),
 }
 
-/// One call; returns (decisions made, decisions allowed).
-async fn call(
-    client: &mut Client,
-    api: Api,
-    batch: usize,
-    tenant: &str,
-    resource: &str,
-    keys: &mut Keys,
-) -> Result<(u64, u64), tonic::Status> {
-    let allowed = |r: &ShouldAllowResponse| u64::from(r.allowed);
-    match (client, api) {
-        (Client::Stream(tx, rx), _) => {
-            tx.send(ShouldAllowRequest {
-                key: format!("k{}", keys.next()),
-                cost: 1,
-                tenant: tenant.to_owned(),
-                resource: resource.to_owned(),
-                dry_run: false,
-            })
-            .await
-            .map_err(|_| tonic::Status::unavailable("stream closed"))?;
-            let answer = rx
-                .message()
-                .await?
-                .ok_or_else(|| tonic::Status::unavailable("stream ended"))?;
-            Ok((1, answer.decision.as_ref().map_or(0, allowed)))
-        }
-        (Client::Native(c), Api::Native) => {
-            let r = c
-                .should_allow(ShouldAllowRequest {
-                    key: format!("k{}", keys.next()),
-                    cost: 1,
-                    tenant: tenant.to_owned(),
-                    resource: resource.to_owned(),
-                    dry_run: false,
-                })
-                .await?
-                .into_inner();
-            Ok((1, allowed(&r)))
-        }
-        (Client::Native(c), _) => {
-            let items = (0..batch)
-                .map(|_| BatchItem {
-                    key: format!("k{}", keys.next()),
-                    cost: 1,
-                    tenant: tenant.to_owned(),
-                    resource: resource.to_owned(),
-                })
-                .collect();
-            let r = c
-                .should_allow_batch(ShouldAllowBatchRequest {
-                    items,
-                    dry_run: false,
-                })
-                .await?
-                .into_inner();
-            Ok((batch as u64, r.results.iter().map(allowed).sum()))
-        }
-        (Client::Envoy(c), _) => {
-            let r = c
-                .should_rate_limit(RateLimitRequest {
-                    domain: tenant.to_owned(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: vec![Entry {
-                            key: "api_key".into(),
-                            value: format!("k{}", keys.next()),
+impl Client {
+    /// A client of `api` on `channel`; for streams, opens the stream.
+    async fn open(api: Api, channel: Channel, batch: usize) -> Result<Self, String> {
+        Ok(match api {
+            Api::Native => Self::Native(RateLimiterClient::new(channel)),
+            Api::Batch => Self::Batch(RateLimiterClient::new(channel), batch),
+            Api::Envoy => Self::Envoy(RateLimitServiceClient::new(channel)),
+            Api::Stream => {
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                let responses = RateLimiterClient::new(channel)
+                    .should_allow_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await
+                    .map_err(|e| format!("cannot open a stream: {e}"))?
+                    .into_inner();
+                Self::Stream(tx, responses)
+            }
+        })
+    }
+
+    /// One call; returns (decisions made, decisions allowed).
+    async fn call(
+        &mut self,
+        tenant: &str,
+        resource: &str,
+        keys: &mut Keys,
+    ) -> Result<(u64, u64), tonic::Status> {
+        let allowed = |r: &ShouldAllowResponse| u64::from(r.allowed);
+        let request = |keys: &mut Keys| ShouldAllowRequest {
+            key: format!("k{}", keys.next()),
+            cost: 1,
+            tenant: tenant.to_owned(),
+            resource: resource.to_owned(),
+            dry_run: false,
+        };
+        match self {
+            Self::Native(c) => {
+                let r = c.should_allow(request(keys)).await?.into_inner();
+                Ok((1, allowed(&r)))
+            }
+            Self::Batch(c, batch) => {
+                let items = (0..*batch)
+                    .map(|_| BatchItem {
+                        key: format!("k{}", keys.next()),
+                        cost: 1,
+                        tenant: tenant.to_owned(),
+                        resource: resource.to_owned(),
+                    })
+                    .collect();
+                let r = c
+                    .should_allow_batch(ShouldAllowBatchRequest {
+                        items,
+                        dry_run: false,
+                    })
+                    .await?
+                    .into_inner();
+                Ok((*batch as u64, r.results.iter().map(allowed).sum()))
+            }
+            Self::Envoy(c) => {
+                let r = c
+                    .should_rate_limit(RateLimitRequest {
+                        domain: tenant.to_owned(),
+                        descriptors: vec![RateLimitDescriptor {
+                            entries: vec![Entry {
+                                key: "api_key".into(),
+                                value: format!("k{}", keys.next()),
+                            }],
+                            limit: None,
+                            hits_addend: None,
                         }],
-                        limit: None,
-                        hits_addend: None,
-                    }],
-                    hits_addend: 1,
-                })
-                .await?
-                .into_inner();
-            Ok((1, u64::from(r.overall_code == 1)))
+                        hits_addend: 1,
+                    })
+                    .await?
+                    .into_inner();
+                Ok((1, u64::from(r.overall_code == 1)))
+            }
+            Self::Stream(tx, rx) => {
+                tx.send(request(keys))
+                    .await
+                    .map_err(|_| tonic::Status::unavailable("stream closed"))?;
+                let answer = rx
+                    .message()
+                    .await?
+                    .ok_or_else(|| tonic::Status::unavailable("stream ended"))?;
+                Ok((1, answer.decision.as_ref().map_or(0, allowed)))
+            }
         }
     }
 }
 
+/// What the workers count, shared.
+#[derive(Default)]
+struct Counters {
+    calls: AtomicU64,
+    decisions: AtomicU64,
+    allowed: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// Latencies from 1 µs to 60 s at three significant digits.
+fn latency_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid bounds")
+}
+
+/// The open loop's schedule: a thread releases each call's scheduled instant
+/// as it falls due, `rate` per second from `start` until `deadline`. It
+/// sleeps on the OS's high-resolution timer, because tokio's timer wheel
+/// would round every send up to the next millisecond. Idle workers take the
+/// instants in order; one that finds every worker busy waits in the queue,
+/// and that wait counts in its latency: queueing is measured, not hidden.
+fn pace(rate: u64, start: Instant, deadline: Instant) -> flume::Receiver<Instant> {
+    let every = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+    let (tx, rx) = flume::unbounded::<Instant>();
+    std::thread::spawn(move || {
+        let mut due = start;
+        while due < deadline {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            let now = Instant::now();
+            while due <= now && due < deadline {
+                if tx.send(due).is_err() {
+                    return;
+                }
+                due += every;
+            }
+        }
+    });
+    rx
+}
+
+/// Prints calls per second to stderr once a second until `done`.
+fn spawn_progress(
+    counters: Arc<Counters>,
+    started: Instant,
+    done: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut last = 0;
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.tick().await;
+        while !done.load(Ordering::Relaxed) {
+            tick.tick().await;
+            let now = counters.calls.load(Ordering::Relaxed);
+            eprintln!(
+                "{:>6.1} s  {:>8} calls/s  {:>10} calls",
+                started.elapsed().as_secs_f64(),
+                now - last,
+                now
+            );
+            last = now;
+        }
+    })
+}
+
 /// Runs the load and returns its summary.
+///
+/// Closed loop: every worker sends its next call when the last one is
+/// answered. Open loop: workers send on the schedule of [`pace`], and each
+/// latency counts from the call's scheduled instant.
 pub async fn run(options: LoadOptions) -> Result<Summary, String> {
     let mut channels = Vec::new();
     for _ in 0..options.connections.max(1) {
@@ -292,104 +380,26 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
             .map_err(|e| format!("cannot reach {}: {e}", options.server))?;
         channels.push(channel);
     }
-    let histogram = Arc::new(Mutex::new(
-        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds"),
-    ));
-    let (calls, decisions, allowed, errors) = (
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-    );
+    let histogram = Arc::new(Mutex::new(latency_histogram()));
+    let counters = Arc::new(Counters::default());
     let cdf = key_cdf(options.keys, options.distribution);
     let started = Instant::now();
     let deadline = started + options.duration;
     let done = Arc::new(AtomicBool::new(false));
+    let progress = options
+        .progress
+        .then(|| spawn_progress(counters.clone(), started, done.clone()));
+    let tickets = options.rate.map(|rate| pace(rate, started, deadline));
 
-    let progress = options.progress.then(|| {
-        let (calls, done) = (calls.clone(), done.clone());
-        tokio::spawn(async move {
-            let mut last = 0;
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            tick.tick().await;
-            while !done.load(Ordering::Relaxed) {
-                tick.tick().await;
-                let now = calls.load(Ordering::Relaxed);
-                eprintln!(
-                    "{:>6.1} s  {:>8} calls/s  {:>10} calls",
-                    started.elapsed().as_secs_f64(),
-                    now - last,
-                    now
-                );
-                last = now;
-            }
-        })
-    });
-
-    // Closed loop: every worker sends its next call when the last one is
-    // answered. Open loop: a pacer thread releases each call's scheduled
-    // instant as it falls due, sleeping with the OS's high-resolution timer
-    // (tokio's timer wheel would round every send up to the next
-    // millisecond), and idle workers take them in order. A call that finds
-    // every worker busy waits in the queue, and that wait counts in its
-    // latency: queueing is measured, not hidden.
-    let workers = options.concurrency.max(1);
-    let tickets = options.rate.map(|rate| {
-        let every = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
-        let (tx, rx) = flume::unbounded::<Instant>();
-        std::thread::spawn(move || {
-            let mut due = started;
-            while due < deadline {
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
-                let now = Instant::now();
-                while due <= now && due < deadline {
-                    if tx.send(due).is_err() {
-                        return;
-                    }
-                    due += every;
-                }
-            }
-        });
-        rx
-    });
-    let mut tasks = Vec::new();
-    for w in 0..workers {
+    let mut workers = Vec::new();
+    for w in 0..options.concurrency.max(1) {
         let channel = channels[w % channels.len()].clone();
-        let api = options.api;
-        let stream = match api {
-            Api::Stream => {
-                let (tx, rx) = tokio::sync::mpsc::channel(1);
-                let responses = RateLimiterClient::new(channel.clone())
-                    .should_allow_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-                    .await
-                    .map_err(|e| format!("cannot open a stream: {e}"))?
-                    .into_inner();
-                Some((tx, responses))
-            }
-            _ => None,
-        };
-        let mut client = match (api, stream) {
-            (_, Some((tx, responses))) => Client::Stream(tx, responses),
-            (Api::Envoy, None) => Client::Envoy(RateLimitServiceClient::new(channel)),
-            _ => Client::Native(RateLimiterClient::new(channel)),
-        };
-        let (histogram, calls, decisions, allowed, errors) = (
-            histogram.clone(),
-            calls.clone(),
-            decisions.clone(),
-            allowed.clone(),
-            errors.clone(),
-        );
-        let options = options.clone();
-        let tickets = tickets.clone();
-        let cdf = cdf.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut keys = Keys::new(options.keys, cdf, 0x9e37_79b9 + w as u64);
-            let mut local =
-                Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+        let mut client = Client::open(options.api, channel, options.batch).await?;
+        let (histogram, counters, tickets) = (histogram.clone(), counters.clone(), tickets.clone());
+        let mut keys = Keys::new(options.keys, cdf.clone(), 0x9e37_79b9 + w as u64);
+        let (tenant, resource) = (options.tenant.clone(), options.resource.clone());
+        workers.push(tokio::spawn(async move {
+            let mut local = latency_histogram();
             loop {
                 let scheduled = match &tickets {
                     Some(tickets) => match tickets.recv_async().await {
@@ -401,32 +411,23 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
                 if scheduled >= deadline {
                     break;
                 }
-                match call(
-                    &mut client,
-                    options.api,
-                    options.batch,
-                    &options.tenant,
-                    &options.resource,
-                    &mut keys,
-                )
-                .await
-                {
-                    Ok((d, a)) => {
-                        decisions.fetch_add(d, Ordering::Relaxed);
-                        allowed.fetch_add(a, Ordering::Relaxed);
+                match client.call(&tenant, &resource, &mut keys).await {
+                    Ok((decisions, allowed)) => {
+                        counters.decisions.fetch_add(decisions, Ordering::Relaxed);
+                        counters.allowed.fetch_add(allowed, Ordering::Relaxed);
                     }
                     Err(_) => {
-                        errors.fetch_add(1, Ordering::Relaxed);
+                        counters.errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                calls.fetch_add(1, Ordering::Relaxed);
+                counters.calls.fetch_add(1, Ordering::Relaxed);
                 let _ = local.record(scheduled.elapsed().as_micros().max(1) as u64);
             }
             histogram.lock().add(&local).expect("same bounds");
         }));
     }
-    for t in tasks {
-        t.await.map_err(|e| e.to_string())?;
+    for worker in workers {
+        worker.await.map_err(|e| e.to_string())?;
     }
     done.store(true, Ordering::Relaxed);
     if let Some(p) = progress {
@@ -434,10 +435,10 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
     }
     let h = histogram.lock();
     Ok(Summary {
-        calls: calls.load(Ordering::Relaxed),
-        decisions: decisions.load(Ordering::Relaxed),
-        errors: errors.load(Ordering::Relaxed),
-        allowed: allowed.load(Ordering::Relaxed),
+        calls: counters.calls.load(Ordering::Relaxed),
+        decisions: counters.decisions.load(Ordering::Relaxed),
+        errors: counters.errors.load(Ordering::Relaxed),
+        allowed: counters.allowed.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
         latency_us: [
             h.value_at_quantile(0.5),
@@ -458,80 +459,6 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
     // Linux reports in clock ticks of 1/100 s (USER_HZ).
     Some(Duration::from_millis(ticks * 10))
-}
-
-/// A `tollgate.v1.RateLimiter` whose handlers do nothing: the ceiling the
-/// real service is compared against, served by the same tonic stack.
-pub struct EmptyRateLimiter;
-
-#[tonic::async_trait]
-impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter {
-    async fn should_allow(
-        &self,
-        _: tonic::Request<ShouldAllowRequest>,
-    ) -> Result<tonic::Response<ShouldAllowResponse>, tonic::Status> {
-        Ok(tonic::Response::new(ShouldAllowResponse {
-            allowed: true,
-            ..Default::default()
-        }))
-    }
-
-    type ShouldAllowStreamStream = std::pin::Pin<
-        Box<
-            dyn tokio_stream::Stream<
-                    Item = Result<crate::grpc::proto::v1::StreamDecision, tonic::Status>,
-                > + Send,
-        >,
-    >;
-
-    async fn should_allow_stream(
-        &self,
-        request: tonic::Request<tonic::Streaming<ShouldAllowRequest>>,
-    ) -> Result<tonic::Response<Self::ShouldAllowStreamStream>, tonic::Status> {
-        use tokio_stream::StreamExt;
-        let answers = request.into_inner().map(|m| {
-            m.map(|_| crate::grpc::proto::v1::StreamDecision {
-                decision: Some(ShouldAllowResponse {
-                    allowed: true,
-                    ..Default::default()
-                }),
-                error_code: 0,
-                error_message: String::new(),
-            })
-        });
-        Ok(tonic::Response::new(Box::pin(answers)))
-    }
-
-    async fn should_allow_batch(
-        &self,
-        request: tonic::Request<ShouldAllowBatchRequest>,
-    ) -> Result<tonic::Response<crate::grpc::proto::v1::ShouldAllowBatchResponse>, tonic::Status>
-    {
-        let n = request.get_ref().items.len();
-        Ok(tonic::Response::new(
-            crate::grpc::proto::v1::ShouldAllowBatchResponse {
-                allowed: true,
-                results: vec![
-                    ShouldAllowResponse {
-                        allowed: true,
-                        ..Default::default()
-                    };
-                    n
-                ],
-                retry_after: None,
-            },
-        ))
-    }
-}
-
-/// Serves [`EmptyRateLimiter`] on `listener` until the process ends, with
-/// the same server settings as `tollgate serve`.
-pub async fn serve_empty(listener: tokio::net::TcpListener) -> Result<(), tonic::transport::Error> {
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(crate::grpc::RateLimiterServer::new(EmptyRateLimiter))
-        .serve_with_incoming(crate::server::accepted(listener))
-        .await
 }
 
 #[cfg(test)]

@@ -7,10 +7,27 @@
 //! a flag given on the command line wins over the environment, which wins
 //! over the config file, which wins over the built-in default.
 
+/// `println!` for the commands' output, except that a reader that went away
+/// (`tollgate limits list | head -1`) ends the process quietly, as it would
+/// any Unix tool, instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// `print!`, likewise.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*))
+    };
+}
+
 mod client;
 mod limits;
 mod serve;
 
+use std::io::Write;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -189,4 +206,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             Ok(d)
         }
     })
+}
+
+/// Writes to stdout and flushes. When stdout is a pipe whose reader has
+/// closed, the process exits with status 0 (the reader has what it wanted);
+/// any other failure to write exits with status 1 and a message.
+pub fn write_stdout(text: std::fmt::Arguments) {
+    let mut stdout = std::io::stdout().lock();
+    if let Err(err) = stdout.write_fmt(text).and_then(|()| stdout.flush()) {
+        if err.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to stdout: {err}");
+        std::process::exit(1);
+    }
 }

@@ -235,6 +235,25 @@ fn worker_threads_sizes_the_runtime() {
     assert_eq!(workers(&server), cpus);
 }
 
+/// `tollgate limits list | head -0`: the reader is gone before the first
+/// line; the command ends quietly with status 0 instead of panicking.
+#[test]
+fn a_closed_stdout_ends_a_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = std::process::Command::new(common::process::BIN)
+        .current_dir(dir.path())
+        .args(["limits", "list"])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 #[test]
 fn tollgate_health_reports_serving() {
     let dir = tempfile::tempdir().unwrap();

@@ -61,7 +61,7 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
         } else {
             String::new()
         };
-        println!("{prefix}{}", describe(&response));
+        outln!("{prefix}{}", describe(&response));
     }
     Ok(())
 }
@@ -197,7 +197,7 @@ pub async fn top(args: TopArgs) -> anyhow::Result<()> {
                 out.push('\n');
             }
         }
-        print!("{out}");
+        out!("{out}");
         shown += 1;
         if args.count.is_some_and(|n| shown >= n) {
             return Ok(());
@@ -224,7 +224,7 @@ pub async fn health(server: String, service: String) -> anyhow::Result<()> {
         .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
         .into_inner()
         .status();
-    println!("{}", status.as_str_name());
+    outln!("{}", status.as_str_name());
     if status == ServingStatus::Serving {
         Ok(())
     } else {
@@ -301,11 +301,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     })
     .await
     .map_err(anyhow::Error::msg)?;
-    println!("{}", summary.render());
+    outln!("{}", summary.render());
     let cpu_line = |who: &str, before: Option<Duration>, after: Option<Duration>| {
         if let (Some(before), Some(after)) = (before, after) {
             let cpu = after.saturating_sub(before).as_secs_f64();
-            println!(
+            outln!(
                 "{who} CPU: {cpu:.2} s  = {:.2} µs per call, {:.3} µs per decision",
                 cpu * 1e6 / summary.calls.max(1) as f64,
                 cpu * 1e6 / summary.decisions.max(1) as f64

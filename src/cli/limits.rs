@@ -71,9 +71,9 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             let table = LimitsTable::open(&location.limits).await?;
             let rows = table.rows().await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                outln!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
-                print!("{}", render_rows(&rows));
+                out!("{}", render_rows(&rows));
             }
             for row in &rows {
                 if let Err(err) = row.validate() {
@@ -96,14 +96,14 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             let rule = row.validate()?;
             let table = LimitsTable::open(&args.location.limits).await?;
             table.upsert(&row).await?;
-            println!("set {rule}");
+            outln!("set {rule}");
         }
         LimitsCommand::Delete { location, name } => {
             let table = LimitsTable::open(&location.limits).await?;
             if !table.delete(&name).await? {
                 anyhow::bail!("no row is named {name:?}; `tollgate limits list` shows the names");
             }
-            println!("deleted {name}");
+            outln!("deleted {name}");
         }
     }
     Ok(())
