@@ -4,6 +4,7 @@ token_bucket.lua: decide requests against all of their buckets, atomically.
 One call decides one request or, when Tollgate coalesces concurrent
 decisions, several requests one after another (each all-or-nothing on its
 own, each seeing what the earlier ones wrote), all at the same instant.
+Every bucket of the call is read with one MGET before the first decision.
 
 The same arithmetic as src/bucket.rs (`decide`, `plan`) and src/bucket/window.rs
 (fixed and sliding windows); the differential test in tests/redis_store.rs
@@ -76,24 +77,26 @@ local function ceil_div(a, b)
 end
 
 -- Token bucket. Returns allowed, remaining, retry_after, reset_after, and
--- when allowed the value to store and its lifetime (µs).
-local function decide_tokens(stored, now, interval, burst, cost)
+-- when allowed the value to store and its lifetime (µs). `limit` is
+-- "INTERVAL:BURST" as the caller wrote them, so that the usual case (the
+-- limit did not change) compares one string instead of converting numbers.
+local function decide_tokens(stored, now, interval, burst, cost, limit)
   local tolerance = burst * interval
   local debt = 0
   if stored then
-    local f, si, sb = string.match(stored, '^(%d+):(%d+):(%d+)$')
+    local f, rest = string.match(stored, '^(%d+):(%d+:%d+)$')
     if f then
-      f, si, sb = tonumber(f), tonumber(si), tonumber(sb)
-      debt = math.max(f - now, 0)
-      if si ~= interval or sb ~= burst then
+      debt = math.max(tonumber(f) - now, 0)
+      if rest ~= limit then
         -- The limit changed: spent tokens stay spent, clamped to the new burst.
+        local si = tonumber(string.match(rest, '^%d+'))
         debt = math.min(ceil_div(debt, math.max(si, 1)) * interval, tolerance)
       end
     end
   end
   local debt_after = debt + cost * interval
   if debt_after <= tolerance then
-    local value = string.format('%d:%d:%d', now + debt_after, interval, burst)
+    local value = string.format('%d:%s', now + debt_after, limit)
     return true, floor_div(tolerance - debt_after, interval), 0, debt_after, value, debt_after
   end
   return false, floor_div(math.max(tolerance - debt, 0), interval), debt_after - tolerance, debt
@@ -150,11 +153,22 @@ local function decide_window(stored, now, sliding, window, max, cost)
   return false, math.max(max - used, 0), retry_at - now, reset(count)
 end
 
-local function decide(stored, now, algorithm, interval, burst, cost)
-  if algorithm == 't' then
-    return decide_tokens(stored, now, interval, burst, cost)
+-- Decides the bucket of key k (whose ARGV fields start at `a`, with the
+-- interval and burst already read) for `cost`.
+local function decide(stored, now, a, interval, burst, cost)
+  if ARGV[a] == 't' then
+    return decide_tokens(stored, now, interval, burst, cost, ARGV[a + 1] .. ':' .. ARGV[a + 2])
   end
-  return decide_window(stored, now, algorithm == 's', interval, burst, cost)
+  return decide_window(stored, now, ARGV[a] == 's', interval, burst, cost)
+end
+
+-- A cost from ARGV: "1" is by far the most common, and comparing interned
+-- strings is cheaper than converting.
+local function read_cost(s)
+  if s == '1' then
+    return 1
+  end
+  return tonumber(s)
 end
 
 local now
@@ -166,35 +180,52 @@ else
 end
 local margin_ms = tonumber(ARGV[3])
 
+-- What every bucket of the call held when it started, read with one MGET
+-- (a few for very large calls: unpack has a limit): a call of twenty
+-- coalesced decisions or a batch of a hundred items pays one command's
+-- overhead, not one per request or per item.
+local function read_all()
+  local stored, i = {}, 1
+  while i <= #KEYS do
+    local j = math.min(i + 3999, #KEYS)
+    local part = redis.call('MGET', unpack(KEYS, i, j))
+    if i == 1 and j == #KEYS then
+      return part
+    end
+    for x = 1, #part do
+      stored[i + x - 1] = part[x]
+    end
+    i = j + 1
+  end
+  return stored
+end
+
 -- Decides the request whose keys are KEYS[first .. first + n - 1] and
--- appends its answer to `out`.
-local function decide_request(first, n, spend, out)
-  -- One MGET for all of the request's buckets: a batch of a hundred items
-  -- pays one command's overhead, not a hundred.
-  local args, stored = {}, redis.call('MGET', unpack(KEYS, first, first + n - 1))
-  local allowed, remaining, retry, reset, value, ttl = {}, {}, {}, {}, {}, {}
+-- appends its answer to `out`. `stored` is read_all()'s snapshot and
+-- `written` what earlier requests of this call stored since (key -> value),
+-- which this one must see. (Plain arrays and no table per key: a batch call
+-- decides thousands of keys, and each table is garbage to collect.)
+local function decide_request(first, n, spend, out, snapshot, written)
+  local stored, allowed, remaining, retry, reset, value, ttl = {}, {}, {}, {}, {}, {}, {}
   local all_allowed = true
 
   for i = 1, n do
     local k = first + i - 1
+    stored[i] = written[KEYS[k]]
+    if stored[i] == nil then
+      stored[i] = snapshot[k]
+    end
     local a = 4 + (k - 1) * 5
-    args[i] = {
-      algorithm = ARGV[a],
-      interval = tonumber(ARGV[a + 1]),
-      burst = tonumber(ARGV[a + 2]),
-      cost = tonumber(ARGV[a + 3]),
-      enforce = ARGV[a + 4] == '1',
-    }
-    local g = args[i]
-    if g.cost > g.burst then
+    local interval, burst, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), read_cost(ARGV[a + 3])
+    if cost > burst then
       -- It can never pass: report what the bucket holds, and "never".
-      local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
+      local _, rem, _, rst = decide(stored[i], now, a, interval, burst, 0)
       allowed[i], remaining[i], retry[i], reset[i] = false, rem, -1, rst
     else
       allowed[i], remaining[i], retry[i], reset[i], value[i], ttl[i] =
-        decide(stored[i], now, g.algorithm, g.interval, g.burst, g.cost)
+        decide(stored[i], now, a, interval, burst, cost)
     end
-    if g.enforce and not allowed[i] then
+    if not allowed[i] and ARGV[a + 4] == '1' then
       all_allowed = false
     end
   end
@@ -202,26 +233,32 @@ local function decide_request(first, n, spend, out)
   if all_allowed and spend then
     for i = 1, n do
       if allowed[i] then
-        redis.call('SET', KEYS[first + i - 1], value[i], 'PX', ceil_div(ttl[i], 1000) + margin_ms)
+        -- PX as an integer string: Lua would otherwise print the number
+        -- with "%.14g", which costs more than the SET itself.
+        local key = KEYS[first + i - 1]
+        redis.call('SET', key, value[i], 'PX', string.format('%d', ceil_div(ttl[i], 1000) + margin_ms))
+        written[key] = value[i]
       end
     end
   elseif not all_allowed then
     -- Nothing is spent: report what the admitting buckets hold now.
     for i = 1, n do
       if allowed[i] then
-        local g = args[i]
-        local _, rem, _, rst = decide(stored[i], now, g.algorithm, g.interval, g.burst, 0)
+        local a = 4 + (first + i - 2) * 5
+        local _, rem, _, rst = decide(stored[i], now, a, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), 0)
         remaining[i], reset[i] = rem, rst
       end
     end
   end
 
-  out[#out + 1] = all_allowed and 1 or 0
+  local o = #out
+  out[o + 1] = all_allowed and 1 or 0
   for i = 1, n do
-    out[#out + 1] = allowed[i] and 1 or 0
-    out[#out + 1] = remaining[i]
-    out[#out + 1] = retry[i]
-    out[#out + 1] = reset[i]
+    local j = o + 2 + (i - 1) * 4
+    out[j] = allowed[i] and 1 or 0
+    out[j + 1] = remaining[i]
+    out[j + 2] = retry[i]
+    out[j + 3] = reset[i]
   end
 end
 
@@ -237,10 +274,11 @@ if total ~= #KEYS or #requests == 0 then
     ' keys, but the call has ' .. #KEYS)
 end
 
+local stored, written = read_all(), {}
 local out = { now }
 local first = 1
 for _, r in ipairs(requests) do
-  decide_request(first, r[1], r[2], out)
+  decide_request(first, r[1], r[2], out, stored, written)
   first = first + r[1]
 end
 return out

@@ -377,6 +377,42 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
     assert!(keys.is_empty(), "{keys:?}");
 }
 
+/// One script call, three requests on one bucket of burst 2 (one token per
+/// second) at a pinned instant: each sees what the earlier ones wrote, a dry
+/// run spends nothing, and the third is refused with the wait for a token.
+#[tokio::test]
+async fn requests_of_one_call_see_what_earlier_ones_wrote() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
+    let now: i64 = 1_700_000_000_000_000;
+    let mut inv = script.prepare_invoke();
+    inv.arg(now).arg("1s,1d,1s,1s").arg(1000);
+    for _ in 0..4 {
+        inv.key("tollgate:{t}:k::same")
+            .arg("t")
+            .arg(1_000_000)
+            .arg(2)
+            .arg(1)
+            .arg("1");
+    }
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
+    // [now, then per request: allowed, then per key: allowed, remaining, retry, reset]
+    assert_eq!(
+        reply,
+        vec![
+            now, 1, 1, 1, 0, 1_000_000, // spends the first token
+            1, 1, 0, 0,
+            2_000_000, // dry run: answers as if it took the second, spends nothing
+            1, 1, 0, 0, 2_000_000, // spends the second
+            0, 0, 0, 1_000_000, 2_000_000, // empty: one second to wait
+        ]
+    );
+    let stored: String = conn.get("tollgate:{t}:k::same").await.unwrap();
+    assert_eq!(stored, format!("{}:1000000:2", now + 2_000_000));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     let server = RedisServer::start();
