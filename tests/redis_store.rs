@@ -413,6 +413,42 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
     assert_eq!(stored, format!("{}:1000000:2", now + 2_000_000));
 }
 
+/// A call of more keys than one MGET reads (4 000): the script reads them in
+/// parts, and a bucket in the second part counts like one in the first.
+#[tokio::test]
+async fn a_call_larger_than_one_mget_reads_every_bucket() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let now: i64 = 1_700_000_000_000_000;
+    let key = |i: usize| format!("tollgate:{{t}}:k::k{i}");
+    // Two empty buckets (burst 1, full again one second from now), one in
+    // each part.
+    let empty = format!("{}:1000000:1", now + 1_000_000);
+    for i in [0, 4200] {
+        let _: () = conn.set(key(i), &empty).await.unwrap();
+    }
+    let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
+    let mut inv = script.prepare_invoke();
+    inv.arg(now).arg("4500s").arg(1000);
+    for i in 0..4500 {
+        inv.key(key(i))
+            .arg("t")
+            .arg(1_000_000)
+            .arg(1)
+            .arg(1)
+            .arg("1");
+    }
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(reply.len(), 2 + 4500 * 4);
+    assert_eq!(reply[1], 0, "two empty buckets refuse the request");
+    let refused: Vec<usize> = (0..4500).filter(|i| reply[2 + i * 4] == 0).collect();
+    assert_eq!(refused, vec![0, 4200]);
+    // Refused as a whole: nothing was written.
+    let keys: Vec<String> = conn.keys("tollgate:*").await.unwrap();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     let server = RedisServer::start();
