@@ -36,7 +36,7 @@ fn main() -> ExitCode {
     if let Command::Serve(args) = &cli.command
         && args.worker_threads > 0
     {
-        runtime.worker_threads(args.worker_threads);
+        runtime.worker_threads(usize::from(args.worker_threads));
     }
     let runtime = match runtime.build() {
         Ok(runtime) => runtime,

@@ -233,6 +233,11 @@ fn worker_threads_sizes_the_runtime() {
     server.wait_ready();
     let cpus = std::thread::available_parallelism().unwrap().get();
     assert_eq!(workers(&server), cpus);
+
+    let out = tollgate(dir.path(), &["serve", "--worker-threads", "5000"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("5000 is not in 0..=1024"), "{err}");
 }
 
 /// `tollgate limits list | head -0`: the reader is gone before the first

@@ -66,8 +66,13 @@ pub struct ServeArgs {
     pub local_fraction: f64,
     /// Threads that run the service; 0 starts one per CPU this process may
     /// use. Fewer leave cores to neighbours (a sidecar, a local Redis).
-    #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
-    pub worker_threads: usize,
+    #[arg(
+        long,
+        env = "TOLLGATE_WORKER_THREADS",
+        default_value_t = 0,
+        value_parser = clap::value_parser!(u16).range(0..=1024)
+    )]
+    pub worker_threads: u16,
     /// How often the limits table is re-read (e.g. 1s, 500ms).
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reload_interval: Duration,
