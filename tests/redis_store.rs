@@ -377,6 +377,43 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
     assert!(keys.is_empty(), "{keys:?}");
 }
 
+/// Large requests are not merged into one long script call (Redis serves
+/// nobody else while a script runs): eight concurrent batches of 1 000
+/// buckets go out as exactly eight calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_batches_go_out_one_per_call() {
+    let server = RedisServer::start();
+    let store = coalescing_store(server.url());
+    let charge = Charge {
+        limit: Limit::new(1_000_000, "1/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        enforce: true,
+    };
+    store
+        .apply(&[BucketKey::new("warm", "k", "", "up")], &[charge], true)
+        .await
+        .unwrap();
+    redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
+    let mut tasks = Vec::new();
+    for b in 0..8 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let keys: Vec<BucketKey> = (0..1000)
+                .map(|i| BucketKey::new("big", "k", "", &format!("b{b}-{i}")))
+                .collect();
+            store.apply(&keys, &vec![charge; 1000], true).await.unwrap()
+        }));
+    }
+    for t in tasks {
+        assert!(t.await.unwrap().allowed);
+    }
+    assert_eq!(evalsha_calls(server.port), 8);
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = conn.keys("tollgate:{big}:*").await.unwrap();
+    assert_eq!(keys.len(), 8000);
+}
+
 /// One script call, three requests on one bucket of burst 2 (one token per
 /// second) at a pinned instant: each sees what the earlier ones wrote, a dry
 /// run spends nothing, and the third is refused with the wait for a token.
