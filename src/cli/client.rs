@@ -184,18 +184,7 @@ pub async fn top(args: TopArgs) -> anyhow::Result<()> {
         if response.tenants.is_empty() {
             out.push_str("no rejections in the window\n");
         } else {
-            let widths: Vec<usize> = (0..4)
-                .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-                .collect();
-            for row in &rows {
-                let cells: Vec<String> = row
-                    .iter()
-                    .zip(&widths)
-                    .map(|(c, w)| format!("{c:<w$}"))
-                    .collect();
-                out.push_str(cells.join("  ").trim_end());
-                out.push('\n');
-            }
+            out.push_str(&super::aligned(&rows));
         }
         out!("{out}");
         shown += 1;

@@ -142,18 +142,5 @@ pub fn render_rows(rows: &[LimitRow]) -> String {
             r.updated_at.clone(),
         ]);
     }
-    let widths: Vec<usize> = (0..9)
-        .map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for line in lines {
-        let cells: Vec<String> = line
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        out.push_str(cells.join("  ").trim_end());
-        out.push('\n');
-    }
-    out
+    super::aligned(&lines)
 }
