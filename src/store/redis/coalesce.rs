@@ -45,10 +45,11 @@ const MAX_KEYS_PER_CALL: usize = 500;
 const SMALL_REQUEST_KEYS: usize = 8;
 
 impl Waiting {
-    /// Moves queued decisions into `batch` until it holds `max` decisions or
-    /// [`MAX_KEYS_PER_CALL`] buckets: an empty batch first takes the oldest
-    /// request whatever its size (so a large one is never passed over for
-    /// ever), then small requests, then large ones, each in arrival order.
+    /// Moves queued decisions into `batch`, at most `max` in all: an empty
+    /// batch first takes the oldest request whatever its size (so a large
+    /// one is never passed over for ever), then every small request, then
+    /// large ones in arrival order while the call stays within
+    /// [`MAX_KEYS_PER_CALL`] buckets.
     /// Decisions whose callers stopped waiting (their timeout passed, so
     /// their rule's store-unavailable policy already answered) are dropped
     /// rather than sent: they must not spend tokens now.
