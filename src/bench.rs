@@ -111,6 +111,9 @@ pub struct Summary {
     pub errors: u64,
     /// Decisions allowed.
     pub allowed: u64,
+    /// Decisions answered by a rule's store-unavailable policy instead of
+    /// the store (the `degraded` field; the Envoy API does not report it).
+    pub degraded: u64,
     /// Wall time of the run.
     pub elapsed: Duration,
     /// Latency percentiles in microseconds: p50, p90, p99, p99.9, max.
@@ -127,11 +130,12 @@ impl Summary {
     pub fn render(&self) -> String {
         let [p50, p90, p99, p999, max] = self.latency_us;
         format!(
-            "calls {}  decisions {}  errors {}  allowed {} ({:.1}%)  throughput {:.0} calls/s ({:.0} decisions/s)\n\
+            "calls {}  decisions {}  errors {}  degraded {}  allowed {} ({:.1}%)  throughput {:.0} calls/s ({:.0} decisions/s)\n\
              latency µs: p50 {p50}  p90 {p90}  p99 {p99}  p99.9 {p999}  max {max}",
             self.calls,
             self.decisions,
             self.errors,
+            self.degraded,
             self.allowed,
             100.0 * self.allowed as f64 / self.decisions.max(1) as f64,
             self.throughput(),
@@ -228,14 +232,18 @@ impl Client {
         })
     }
 
-    /// One call; returns (decisions made, decisions allowed).
+    /// One call; returns what it decided.
     async fn call(
         &mut self,
         tenant: &str,
         resource: &str,
         keys: &mut Keys,
-    ) -> Result<(u64, u64), tonic::Status> {
-        let allowed = |r: &ShouldAllowResponse| u64::from(r.allowed);
+    ) -> Result<Tally, tonic::Status> {
+        let tally = |r: &ShouldAllowResponse| Tally {
+            decisions: 1,
+            allowed: u64::from(r.allowed),
+            degraded: u64::from(r.degraded != 0),
+        };
         let request = |keys: &mut Keys| ShouldAllowRequest {
             key: format!("k{}", keys.next()),
             cost: 1,
@@ -246,7 +254,7 @@ impl Client {
         match self {
             Self::Native(c) => {
                 let r = c.should_allow(request(keys)).await?.into_inner();
-                Ok((1, allowed(&r)))
+                Ok(tally(&r))
             }
             Self::Batch(c, batch) => {
                 let items = (0..*batch)
@@ -264,7 +272,7 @@ impl Client {
                     })
                     .await?
                     .into_inner();
-                Ok((*batch as u64, r.results.iter().map(allowed).sum()))
+                Ok(r.results.iter().map(tally).sum())
             }
             Self::Envoy(c) => {
                 let r = c
@@ -282,7 +290,11 @@ impl Client {
                     })
                     .await?
                     .into_inner();
-                Ok((1, u64::from(r.overall_code == 1)))
+                Ok(Tally {
+                    decisions: 1,
+                    allowed: u64::from(r.overall_code == 1),
+                    degraded: 0,
+                })
             }
             Self::Stream(tx, rx) => {
                 tx.send(request(keys))
@@ -292,9 +304,33 @@ impl Client {
                     .message()
                     .await?
                     .ok_or_else(|| tonic::Status::unavailable("stream ended"))?;
-                Ok((1, answer.decision.as_ref().map_or(0, allowed)))
+                Ok(answer.decision.as_ref().map_or(
+                    Tally {
+                        decisions: 1,
+                        ..Tally::default()
+                    },
+                    tally,
+                ))
             }
         }
+    }
+}
+
+/// What one call decided.
+#[derive(Default)]
+struct Tally {
+    decisions: u64,
+    allowed: u64,
+    degraded: u64,
+}
+
+impl std::iter::Sum for Tally {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), |a, b| Self {
+            decisions: a.decisions + b.decisions,
+            allowed: a.allowed + b.allowed,
+            degraded: a.degraded + b.degraded,
+        })
     }
 }
 
@@ -304,6 +340,7 @@ struct Counters {
     calls: AtomicU64,
     decisions: AtomicU64,
     allowed: AtomicU64,
+    degraded: AtomicU64,
     errors: AtomicU64,
 }
 
@@ -412,9 +449,14 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
                     break;
                 }
                 match client.call(&tenant, &resource, &mut keys).await {
-                    Ok((decisions, allowed)) => {
-                        counters.decisions.fetch_add(decisions, Ordering::Relaxed);
-                        counters.allowed.fetch_add(allowed, Ordering::Relaxed);
+                    Ok(tally) => {
+                        counters
+                            .decisions
+                            .fetch_add(tally.decisions, Ordering::Relaxed);
+                        counters.allowed.fetch_add(tally.allowed, Ordering::Relaxed);
+                        counters
+                            .degraded
+                            .fetch_add(tally.degraded, Ordering::Relaxed);
                     }
                     Err(_) => {
                         counters.errors.fetch_add(1, Ordering::Relaxed);
@@ -439,6 +481,7 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
         decisions: counters.decisions.load(Ordering::Relaxed),
         errors: counters.errors.load(Ordering::Relaxed),
         allowed: counters.allowed.load(Ordering::Relaxed),
+        degraded: counters.degraded.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
         latency_us: [
             h.value_at_quantile(0.5),
