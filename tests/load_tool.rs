@@ -4,7 +4,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use common::process::{ServeProcess, stdout, tollgate};
 use common::redis::RedisServer;
