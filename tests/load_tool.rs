@@ -23,6 +23,23 @@ fn figures(out: &str) -> HashMap<String, u64> {
     figures
 }
 
+/// Runs `tollgate bench` for one second against `server` with `args` added;
+/// returns its output and the figures of its summary.
+fn bench(
+    dir: &std::path::Path,
+    server: &ServeProcess,
+    args: &[&str],
+) -> (String, HashMap<String, u64>) {
+    let url = format!("http://{}", server.grpc);
+    let mut all = vec!["bench", "--server", &url, "--duration", "1s", "--quiet"];
+    all.extend_from_slice(args);
+    let out = tollgate(dir, &all);
+    assert!(out.status.success(), "{out:?}");
+    let text = stdout(&out);
+    let f = figures(&text);
+    (text, f)
+}
+
 /// One key hammered by four workers for a second: the server's seeded
 /// default (burst 30, 600/minute) admits 30 plus 10 per second, and the
 /// tool reports exactly the calls, decisions and admissions it saw.
@@ -31,32 +48,23 @@ fn counts_what_the_server_decided() {
     let dir = tempfile::tempdir().unwrap();
     let server = ServeProcess::start(dir.path(), &[]);
     server.wait_ready();
-    let url = format!("http://{}", server.grpc);
     let pid = server.child.id().to_string();
     let started = Instant::now();
-    let out = tollgate(
+    let (text, f) = bench(
         dir.path(),
+        &server,
         &[
-            "bench",
-            "--server",
-            &url,
-            "--duration",
-            "1s",
             "--concurrency",
             "4",
             "--connections",
             "2",
             "--keys",
             "1",
-            "--quiet",
             "--server-pid",
             &pid,
         ],
     );
     let wall = started.elapsed().as_secs_f64();
-    assert!(out.status.success(), "{out:?}");
-    let text = stdout(&out);
-    let f = figures(&text);
     assert_eq!(f["errors"], 0, "{text}");
     assert_eq!(f["degraded"], 0, "{text}");
     assert_eq!(f["decisions"], f["calls"], "{text}");
@@ -91,15 +99,10 @@ fn counts_degraded_answers() {
     );
     server.wait_ready();
     redis.kill();
-    let url = format!("http://{}", server.grpc);
-    let out = tollgate(
+    let (text, f) = bench(
         dir.path(),
+        &server,
         &[
-            "bench",
-            "--server",
-            &url,
-            "--duration",
-            "1s",
             "--concurrency",
             "2",
             "--connections",
@@ -108,12 +111,8 @@ fn counts_degraded_answers() {
             "batch",
             "--batch",
             "10",
-            "--quiet",
         ],
     );
-    assert!(out.status.success(), "{out:?}");
-    let text = stdout(&out);
-    let f = figures(&text);
     assert_eq!(f["errors"], 0, "{text}");
     assert!(f["calls"] > 0, "{text}");
     assert_eq!(f["decisions"], f["calls"] * 10, "{text}");
