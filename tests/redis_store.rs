@@ -47,11 +47,7 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
     // A long expiry margin: real time must not expire keys the simulated
     // clock still considers in use.
     let store = store(server.url(), &clock, Duration::from_secs(3600));
-    let mut conn = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut conn = connect(&server).await;
 
     let mut limits: Vec<Limit> = [
         (5, "10/second"),
@@ -278,6 +274,16 @@ fn store_urls_are_checked_and_passwords_never_shown() {
 }
 
 /// A store coalescing up to 64 decisions per script call, on a pinned clock.
+/// A plain client connection to `server`, to look at keys or call the
+/// script directly.
+async fn connect(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
 fn coalescing_store(url: String) -> Arc<dyn Store> {
     let config = RedisConfig {
         timeout: Duration::from_secs(5),
@@ -352,8 +358,7 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
 #[tokio::test]
 async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
     let server = RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = connect(&server).await;
     let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
     let args = |inv: &mut redis::ScriptInvocation| {
         inv.key("tollgate:{t}:k::a")
@@ -408,8 +413,7 @@ async fn large_batches_go_out_one_per_call() {
         assert!(t.await.unwrap().allowed);
     }
     assert_eq!(evalsha_calls(server.port), 8);
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = connect(&server).await;
     let keys: Vec<String> = conn.keys("tollgate:{big}:*").await.unwrap();
     assert_eq!(keys.len(), 8000);
 }
@@ -420,8 +424,7 @@ async fn large_batches_go_out_one_per_call() {
 #[tokio::test]
 async fn requests_of_one_call_see_what_earlier_ones_wrote() {
     let server = RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = connect(&server).await;
     let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
     let now: i64 = 1_700_000_000_000_000;
     let mut inv = script.prepare_invoke();
@@ -455,8 +458,7 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
 #[tokio::test]
 async fn a_call_larger_than_one_mget_reads_every_bucket() {
     let server = RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = connect(&server).await;
     let now: i64 = 1_700_000_000_000_000;
     let key = |i: usize| format!("tollgate:{{t}}:k::k{i}");
     // Two empty buckets (burst 1, full again one second from now), one in
