@@ -286,7 +286,6 @@ async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
 }
 
 async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
-    metrics::worker_threads();
     if let Some(memory) = &state.memory {
         let (idle, capacity) = memory.evictions();
         metrics::memory_store(memory.len(), memory.max_buckets(), idle, capacity);

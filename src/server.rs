@@ -243,6 +243,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     crate::telemetry::metrics::handle(); // install the recorder before the first count
+    crate::telemetry::metrics::worker_threads();
     let tls = config.tls.as_ref().map(TlsFiles::config).transpose()?;
     let table = LimitsTable::open(&config.limits).await?;
     let limits = Arc::new(LiveLimits::load(&table).await?);

@@ -221,8 +221,8 @@ pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capac
     counter!(EVICTIONS, "reason" => "capacity").absolute(evicted_capacity);
 }
 
-/// Publishes how many threads run the service (called when metrics are
-/// scraped, from inside the runtime).
+/// Publishes how many threads run the service (called once at start, from
+/// inside the runtime).
 pub fn worker_threads() {
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     gauge!(WORKER_THREADS).set(workers as f64);
