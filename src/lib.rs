@@ -15,6 +15,7 @@ pub mod envoy;
 pub mod grpc;
 pub mod limiter;
 pub mod limits;
+pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -31,14 +31,11 @@ fn main() -> ExitCode {
             }
         }
     };
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    runtime.enable_all();
-    if let Command::Serve(args) = &cli.command
-        && args.worker_threads > 0
-    {
-        runtime.worker_threads(usize::from(args.worker_threads));
-    }
-    let runtime = match runtime.build() {
+    let workers = match &cli.command {
+        Command::Serve(args) => usize::from(args.worker_threads),
+        _ => 0,
+    };
+    let runtime = match tollgate::runtime::build(workers) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("error: starting the runtime: {err}");

@@ -243,7 +243,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     crate::telemetry::metrics::handle(); // install the recorder before the first count
-    crate::telemetry::metrics::worker_threads();
+    crate::telemetry::metrics::runtime();
     let tls = config.tls.as_ref().map(TlsFiles::config).transpose()?;
     let table = LimitsTable::open(&config.limits).await?;
     let limits = Arc::new(LiveLimits::load(&table).await?);
@@ -399,6 +399,13 @@ pub async fn run(
         limits = %table.location(),
         "tollgate listening"
     );
+    if crate::runtime::LIFO_SLOT {
+        tracing::warn!(
+            "built without --cfg tokio_unstable, so the runtime keeps its LIFO slot and each \
+             response costs a write of its own (about a third more CPU per decision); build \
+             from the repository, whose .cargo/config.toml sets it, or add it to RUSTFLAGS"
+        );
+    }
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;

@@ -212,18 +212,21 @@ fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
 }
 
 /// `--worker-threads N` runs the service on N threads (what the runtime
-/// reports), and 0, the default, on one per CPU the process may use.
+/// reports), and 0, the default, on one per CPU the process may use; the
+/// runtime has its LIFO slot off (the build flag in .cargo/config.toml).
 #[test]
 fn worker_threads_sizes_the_runtime() {
     let dir = tempfile::tempdir().unwrap();
-    let workers = |server: &ServeProcess| -> usize {
+    let gauge = |server: &ServeProcess, name: &str| -> usize {
         let metrics = server.admin_get("/metrics").unwrap();
+        let prefix = format!("{name} ");
         let line = metrics
             .lines()
-            .find(|l| l.starts_with("tollgate_worker_threads "))
-            .unwrap_or_else(|| panic!("no worker gauge in {metrics}"));
-        line["tollgate_worker_threads ".len()..].parse().unwrap()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("no {name} in {metrics}"));
+        line[prefix.len()..].parse().unwrap()
     };
+    let workers = |server: &ServeProcess| gauge(server, "tollgate_worker_threads");
     for n in [1, 3] {
         let server = ServeProcess::start(dir.path(), &["--worker-threads", &n.to_string()]);
         server.wait_ready();
@@ -233,6 +236,11 @@ fn worker_threads_sizes_the_runtime() {
     server.wait_ready();
     let cpus = std::thread::available_parallelism().unwrap().get();
     assert_eq!(workers(&server), cpus);
+    assert_eq!(
+        gauge(&server, "tollgate_runtime_lifo_slot"),
+        0,
+        "built without --cfg tokio_unstable: is .cargo/config.toml there, or does RUSTFLAGS replace it?"
+    );
 
     let out = tollgate(dir.path(), &["serve", "--worker-threads", "5000"]);
     assert!(!out.status.success());

@@ -24,6 +24,9 @@ pub const BUCKETS: &str = "tollgate_buckets";
 pub const BUCKETS_MAX: &str = "tollgate_buckets_max";
 /// Threads running the service (`--worker-threads`).
 pub const WORKER_THREADS: &str = "tollgate_worker_threads";
+/// 1 when this build keeps tokio's LIFO slot (built without `--cfg
+/// tokio_unstable`; see `tollgate::runtime`), 0 when it is off.
+pub const RUNTIME_LIFO_SLOT: &str = "tollgate_runtime_lifo_slot";
 /// Buckets dropped from memory, by `reason` (`idle`, `capacity`).
 pub const EVICTIONS: &str = "tollgate_bucket_evictions_total";
 
@@ -221,11 +224,12 @@ pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capac
     counter!(EVICTIONS, "reason" => "capacity").absolute(evicted_capacity);
 }
 
-/// Publishes how many threads run the service (called once at start, from
-/// inside the runtime).
-pub fn worker_threads() {
+/// Publishes how many threads run the service and whether the runtime
+/// keeps its LIFO slot (called once at start, from inside the runtime).
+pub fn runtime() {
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     gauge!(WORKER_THREADS).set(workers as f64);
+    gauge!(RUNTIME_LIFO_SLOT).set(f64::from(u8::from(crate::runtime::LIFO_SLOT)));
 }
 
 /// Store call latency, by `store` and `op`.
