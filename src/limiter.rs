@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::bucket::{Charge, Micros, Verdict};
 use crate::deny_cache::DenyCache;
 use crate::limits::watch::LiveLimits;
-use crate::limits::{Mode, OnStoreUnavailable, Rule, Scope, check_label};
+use crate::limits::{Mode, OnStoreUnavailable, Rule, Scope, check_label_named};
 use crate::store::{BucketKey, MemoryStore, Outcome, Store, StoreError};
 
 /// Longest key, in bytes.
@@ -554,7 +554,7 @@ fn check_item(item: &Item<'_>, field: impl Fn(&str) -> String) -> Result<(), Str
             item.key.len()
         ));
     }
-    check_label(&field("tenant"), item.tenant)?;
-    check_label(&field("resource"), item.resource)?;
+    check_label_named(item.tenant, || field("tenant"))?;
+    check_label_named(item.resource, || field("resource"))?;
     Ok(())
 }

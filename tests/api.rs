@@ -556,3 +556,71 @@ async fn a_stream_of_decisions_answers_each_message_in_order() {
     server.stop().await;
     assert!(answers.message().await.map_or(true, |m| m.is_none()));
 }
+
+/// A batch's decisions are counted per item, by rule and outcome, with the
+/// tokens they asked for, however its items interleave their rules. (The
+/// rule names are this test's own, so other tests' decisions do not mix in.)
+#[tokio::test]
+async fn batch_decisions_are_counted_per_item_by_rule_and_outcome() {
+    let server = TestServer::with_rows(&[
+        row("count-a", "", "count-a", "key", 10, "1/hour"),
+        row("count-b", "", "count-b", "key", 10, "1/hour"),
+    ])
+    .await;
+    let mut client = server.client().await;
+    let item = |resource: &str, key: &str, cost: u64| BatchItem {
+        key: key.into(),
+        cost,
+        tenant: String::new(),
+        resource: resource.into(),
+    };
+    let batch = |items| ShouldAllowBatchRequest {
+        items,
+        dry_run: false,
+    };
+    // a, a, b, a: three runs of one rule each.
+    let r = client
+        .should_allow_batch(batch(vec![
+            item("count-a", "k1", 1),
+            item("count-a", "k2", 2),
+            item("count-b", "k1", 3),
+            item("count-a", "k3", 1),
+        ]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.allowed);
+    // b's bucket k1 holds 7: cost 8 is refused, and so is the whole batch;
+    // the a item would have passed on its own and says so.
+    let r = client
+        .should_allow_batch(batch(vec![
+            item("count-b", "k1", 8),
+            item("count-a", "k1", 1),
+            item("count-b", "k2", 1),
+        ]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!r.allowed);
+    let verdicts: Vec<bool> = r.results.iter().map(|r| r.allowed).collect();
+    assert_eq!(verdicts, [false, true, true]);
+
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    let value = |name: &str, outcome: &str, rule: &str| -> u64 {
+        let series = format!(r#"{name}{{api="native",outcome="{outcome}",rule="{rule}"}} "#);
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map_or(0, |v| v.parse().unwrap())
+    };
+    let decisions = "tollgate_decisions_total";
+    let tokens = "tollgate_decision_tokens_total";
+    assert_eq!(value(decisions, "allowed", "count-a"), 4, "{metrics}");
+    assert_eq!(value(tokens, "allowed", "count-a"), 5);
+    assert_eq!(value(decisions, "allowed", "count-b"), 2);
+    assert_eq!(value(tokens, "allowed", "count-b"), 4);
+    assert_eq!(value(decisions, "rejected", "count-b"), 1);
+    assert_eq!(value(tokens, "rejected", "count-b"), 8);
+    assert_eq!(value(decisions, "rejected", "count-a"), 0);
+    server.stop().await;
+}

@@ -113,7 +113,15 @@ impl RateLimiterService {
     }
 
     fn record(&self, item: &Item<'_>, decision: &Decision) -> Outcome {
-        let cost = item.cost.max(1);
+        let outcome = self.classify(item, decision);
+        let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
+        metrics::decision(API, outcome, rule, item.cost.max(1));
+        outcome
+    }
+
+    /// The decision's outcome; a rejection also counts toward the
+    /// most-limited list.
+    fn classify(&self, item: &Item<'_>, decision: &Decision) -> Outcome {
         let outcome = match (decision.degraded, decision.allowed, decision.shadow) {
             (Some(OnStoreUnavailable::Allow), ..) => Outcome::FailedOpen,
             (Some(OnStoreUnavailable::Deny), ..) => Outcome::FailedClosed,
@@ -123,11 +131,36 @@ impl RateLimiterService {
             (None, true, false) => Outcome::Allowed,
         };
         if !decision.allowed {
-            self.top.record(item.tenant, item.key, cost);
+            self.top.record(item.tenant, item.key, item.cost.max(1));
         }
-        let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
-        metrics::decision(API, outcome, rule, cost);
         outcome
+    }
+
+    /// Counts a batch's decisions: one counter update per run of items with
+    /// the same outcome and rule (usually one for the whole batch) instead
+    /// of one per item.
+    fn record_batch(&self, items: &[Item<'_>], decisions: &[Decision]) {
+        let mut run: Option<(Outcome, &str, u64, u64)> = None;
+        for (item, decision) in items.iter().zip(decisions) {
+            let outcome = self.classify(item, decision);
+            let rule = decision.rule.as_ref().map_or("", |r| r.name.as_str());
+            let cost = item.cost.max(1);
+            match &mut run {
+                Some((o, r, n, tokens)) if *o == outcome && *r == rule => {
+                    *n += 1;
+                    *tokens += cost;
+                }
+                _ => {
+                    if let Some((o, r, n, tokens)) = run {
+                        metrics::decisions(API, o, r, n, tokens);
+                    }
+                    run = Some((outcome, rule, 1, cost));
+                }
+            }
+        }
+        if let Some((o, r, n, tokens)) = run {
+            metrics::decisions(API, o, r, n, tokens);
+        }
     }
 }
 
@@ -326,9 +359,7 @@ impl RateLimiter for RateLimiterService {
                     "outcome",
                     if batch.allowed { "allowed" } else { "rejected" },
                 );
-                for (decision, item) in batch.items.iter().zip(&items) {
-                    let _ = self.record(item, decision);
-                }
+                self.record_batch(&items, &batch.items);
                 Ok(Response::new(ShouldAllowBatchResponse {
                     allowed: batch.allowed,
                     results: batch.items.iter().map(to_response).collect(),

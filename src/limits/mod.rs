@@ -38,18 +38,28 @@ pub const MAX_LABEL_LEN: usize = 128;
 /// ASCII letters, digits, `.`, `_` and `-` (empty is allowed and means
 /// "default" or "any").
 pub fn check_label(what: &str, value: &str) -> Result<(), String> {
+    check_label_named(value, || what.to_owned())
+}
+
+/// [`check_label`] for a name that costs something to build (`items[3].tenant`):
+/// `what` runs only when the value is bad.
+pub fn check_label_named(value: &str, what: impl FnOnce() -> String) -> Result<(), String> {
     if value.len() > MAX_LABEL_LEN {
         return Err(format!(
-            "{what} is {} bytes; at most {MAX_LABEL_LEN} are allowed",
+            "{} is {} bytes; at most {MAX_LABEL_LEN} are allowed",
+            what(),
             value.len()
         ));
     }
-    if let Some(bad) = value
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
+    let allowed = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-');
+    if !value.bytes().all(allowed) {
+        let bad = value
+            .chars()
+            .find(|c| !c.is_ascii() || !allowed(*c as u8))
+            .unwrap_or_default();
         return Err(format!(
-            "{what} {value:?} contains {bad:?}; use ASCII letters, digits, '.', '_' and '-'"
+            "{} {value:?} contains {bad:?}; use ASCII letters, digits, '.', '_' and '-'",
+            what()
         ));
     }
     Ok(())

@@ -179,7 +179,13 @@ pub fn start_upkeep(period: Duration) {
 /// cached, so the hot path neither builds label strings nor looks the
 /// series up in the registry.
 pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
-    TOTALS[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    decisions(api, outcome, rule, 1, tokens);
+}
+
+/// Counts `n` decisions with the same outcome and rule, which spent
+/// `tokens` together (a batch's items).
+pub fn decisions(api: &'static str, outcome: Outcome, rule: &str, n: u64, tokens: u64) {
+    TOTALS[outcome as usize].fetch_add(n, Ordering::Relaxed);
     let api_index = usize::from(api != "native");
     let cached = decision_handles()
         .get(rule)
@@ -198,7 +204,7 @@ pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
             handles
         }
     };
-    decisions.increment(1);
+    decisions.increment(n);
     tokens_counter.increment(tokens);
 }
 
