@@ -9,6 +9,7 @@
 //! instead of silently lowering the load (coordinated omission).
 
 mod empty;
+mod verdicts;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,10 +26,11 @@ use crate::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
 use crate::grpc::proto::v1::{
-    BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
+    BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision,
 };
 
 pub use empty::{EmptyRateLimiter, serve_empty};
+use verdicts::{BatchVerdicts, Verdict};
 
 /// Which API to drive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -201,10 +203,13 @@ impl Keys {
 }
 
 /// One worker's connection to the API under test.
+const SHOULD_ALLOW: &str = "/tollgate.v1.RateLimiter/ShouldAllow";
+const SHOULD_ALLOW_BATCH: &str = "/tollgate.v1.RateLimiter/ShouldAllowBatch";
+
 enum Client {
-    Native(RateLimiterClient<Channel>),
+    Native(tonic::client::Grpc<Channel>),
     /// With the items per call.
-    Batch(RateLimiterClient<Channel>, usize),
+    Batch(tonic::client::Grpc<Channel>, usize),
     Envoy(RateLimitServiceClient<Channel>),
     /// The worker's own stream: requests in, decisions out.
     Stream(
@@ -217,8 +222,8 @@ impl Client {
     /// A client of `api` on `channel`; for streams, opens the stream.
     async fn open(api: Api, channel: Channel, batch: usize) -> Result<Self, String> {
         Ok(match api {
-            Api::Native => Self::Native(RateLimiterClient::new(channel)),
-            Api::Batch => Self::Batch(RateLimiterClient::new(channel), batch),
+            Api::Native => Self::Native(tonic::client::Grpc::new(channel)),
+            Api::Batch => Self::Batch(tonic::client::Grpc::new(channel), batch),
             Api::Envoy => Self::Envoy(RateLimitServiceClient::new(channel)),
             Api::Stream => {
                 let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -239,10 +244,10 @@ impl Client {
         resource: &str,
         keys: &mut Keys,
     ) -> Result<Tally, tonic::Status> {
-        let tally = |r: &ShouldAllowResponse| Tally {
+        let tally = |allowed: bool, degraded: i32| Tally {
             decisions: 1,
-            allowed: u64::from(r.allowed),
-            degraded: u64::from(r.degraded != 0),
+            allowed: u64::from(allowed),
+            degraded: u64::from(degraded != 0),
         };
         let request = |keys: &mut Keys| ShouldAllowRequest {
             key: format!("k{}", keys.next()),
@@ -253,8 +258,8 @@ impl Client {
         };
         match self {
             Self::Native(c) => {
-                let r = c.should_allow(request(keys)).await?.into_inner();
-                Ok(tally(&r))
+                let r: Verdict = verdicts::unary(c, SHOULD_ALLOW, request(keys)).await?;
+                Ok(tally(r.allowed, r.degraded))
             }
             Self::Batch(c, batch) => {
                 let items = (0..*batch)
@@ -265,14 +270,12 @@ impl Client {
                         resource: resource.to_owned(),
                     })
                     .collect();
-                let r = c
-                    .should_allow_batch(ShouldAllowBatchRequest {
-                        items,
-                        dry_run: false,
-                    })
-                    .await?
-                    .into_inner();
-                Ok(r.results.iter().map(tally).sum())
+                let request = ShouldAllowBatchRequest {
+                    items,
+                    dry_run: false,
+                };
+                let r: BatchVerdicts = verdicts::unary(c, SHOULD_ALLOW_BATCH, request).await?;
+                Ok(r.results.iter().map(|v| tally(v.allowed, v.degraded)).sum())
             }
             Self::Envoy(c) => {
                 let r = c
@@ -309,7 +312,7 @@ impl Client {
                         decisions: 1,
                         ..Tally::default()
                     },
-                    tally,
+                    |r| tally(r.allowed, r.degraded),
                 ))
             }
         }
