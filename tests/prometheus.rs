@@ -2,7 +2,8 @@
 //! rules`, then Prometheus scrapes a running Tollgate under load (including
 //! a Redis outage and rejected reloads) and every PromQL expression of
 //! `deploy/grafana/tollgate.json` and `deploy/prometheus/alerts.yml` must
-//! return data through the HTTP query API.
+//! return data through the HTTP query API, and `promtool check metrics`
+//! finds nothing to say about what Tollgate exposes.
 
 mod common;
 
@@ -202,5 +203,29 @@ async fn every_dashboard_and_alert_expression_returns_data() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(missing.is_empty(), "expressions without data: {missing:#?}");
+
+    // After all that, every series Tollgate exposes passes promtool's lint:
+    // help text, units and suffixes as Prometheus names them.
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    let mut lint = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    lint.stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let lint = lint.wait_with_output().unwrap();
+    assert!(
+        lint.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
     server.stop().await;
 }

@@ -122,6 +122,10 @@ pub fn handle() -> &'static PrometheusHandle {
         describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
         describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
         describe_gauge!(WORKER_THREADS, "Threads running the service.");
+        describe_gauge!(
+            RUNTIME_LIFO_SLOT,
+            "1 if the runtime keeps its LIFO slot (built without --cfg tokio_unstable), 0 if it is off."
+        );
         describe_counter!(EVICTIONS, "Buckets dropped from memory, by reason.");
         metrics::describe_histogram!(
             STORE_DURATION,
