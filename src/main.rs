@@ -31,11 +31,11 @@ fn main() -> ExitCode {
             }
         }
     };
-    let workers = match &cli.command {
-        Command::Serve(args) => usize::from(args.worker_threads),
-        _ => 0,
+    let (workers, keep_lifo_slot) = match &cli.command {
+        Command::Serve(args) => (usize::from(args.worker_threads), args.runtime_lifo_slot),
+        _ => (0, false),
     };
-    let runtime = match tollgate::runtime::build(workers) {
+    let runtime = match tollgate::runtime::build(workers, keep_lifo_slot) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("error: starting the runtime: {err}");

@@ -399,7 +399,7 @@ pub async fn run(
         limits = %table.location(),
         "tollgate listening"
     );
-    if crate::runtime::LIFO_SLOT {
+    if !crate::runtime::CAN_TURN_OFF_LIFO_SLOT {
         tracing::warn!(
             "built without --cfg tokio_unstable, so the runtime keeps its LIFO slot and each \
              response costs a write of its own (about a third more CPU per decision); build \

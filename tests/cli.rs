@@ -213,7 +213,8 @@ fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
 
 /// `--worker-threads N` runs the service on N threads (what the runtime
 /// reports), and 0, the default, on one per CPU the process may use; the
-/// runtime has its LIFO slot off (the build flag in .cargo/config.toml).
+/// runtime has its LIFO slot off (the build flag in .cargo/config.toml)
+/// unless `--runtime-lifo-slot` keeps it.
 #[test]
 fn worker_threads_sizes_the_runtime() {
     let dir = tempfile::tempdir().unwrap();
@@ -241,6 +242,13 @@ fn worker_threads_sizes_the_runtime() {
         0,
         "built without --cfg tokio_unstable: is .cargo/config.toml there, or does RUSTFLAGS replace it?"
     );
+    let server = ServeProcess::start(dir.path(), &["--runtime-lifo-slot"]);
+    server.wait_ready();
+    assert_eq!(gauge(&server, "tollgate_runtime_lifo_slot"), 1);
+    let server =
+        ServeProcess::start_with_env(dir.path(), &[], &[("TOLLGATE_RUNTIME_LIFO_SLOT", "true")]);
+    server.wait_ready();
+    assert_eq!(gauge(&server, "tollgate_runtime_lifo_slot"), 1);
 
     let out = tollgate(dir.path(), &["serve", "--worker-threads", "5000"]);
     assert!(!out.status.success());

@@ -73,6 +73,12 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u16).range(0..=1024)
     )]
     pub worker_threads: u16,
+    /// Keep tokio's LIFO slot (off by default): calls made one at a time
+    /// are answered sooner (~30 µs in memory, ~40 µs on Redis), but under
+    /// load each response costs a write of its own, about a third more CPU
+    /// per decision.
+    #[arg(long, env = "TOLLGATE_RUNTIME_LIFO_SLOT")]
+    pub runtime_lifo_slot: bool,
     /// How often the limits table is re-read (e.g. 1s, 500ms).
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reload_interval: Duration,

@@ -24,8 +24,9 @@ pub const BUCKETS: &str = "tollgate_buckets";
 pub const BUCKETS_MAX: &str = "tollgate_buckets_max";
 /// Threads running the service (`--worker-threads`).
 pub const WORKER_THREADS: &str = "tollgate_worker_threads";
-/// 1 when this build keeps tokio's LIFO slot (built without `--cfg
-/// tokio_unstable`; see `tollgate::runtime`), 0 when it is off.
+/// 1 when the runtime keeps tokio's LIFO slot (`--runtime-lifo-slot`, or a
+/// build without `--cfg tokio_unstable`; see `tollgate::runtime`), 0 when
+/// it is off.
 pub const RUNTIME_LIFO_SLOT: &str = "tollgate_runtime_lifo_slot";
 /// Buckets dropped from memory, by `reason` (`idle`, `capacity`).
 pub const EVICTIONS: &str = "tollgate_bucket_evictions_total";
@@ -124,7 +125,7 @@ pub fn handle() -> &'static PrometheusHandle {
         describe_gauge!(WORKER_THREADS, "Threads running the service.");
         describe_gauge!(
             RUNTIME_LIFO_SLOT,
-            "1 if the runtime keeps its LIFO slot (built without --cfg tokio_unstable), 0 if it is off."
+            "1 if the runtime keeps its LIFO slot (--runtime-lifo-slot, or built without --cfg tokio_unstable), 0 if it is off."
         );
         describe_counter!(EVICTIONS, "Buckets dropped from memory, by reason.");
         metrics::describe_histogram!(
@@ -239,7 +240,7 @@ pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capac
 pub fn runtime() {
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     gauge!(WORKER_THREADS).set(workers as f64);
-    gauge!(RUNTIME_LIFO_SLOT).set(f64::from(u8::from(crate::runtime::LIFO_SLOT)));
+    gauge!(RUNTIME_LIFO_SLOT).set(f64::from(u8::from(crate::runtime::lifo_slot())));
 }
 
 /// Store call latency, by `store` and `op`.
