@@ -145,7 +145,8 @@ fn redis_store(c: &mut Criterion) {
     };
     let _redis = Redis(child);
     std::thread::sleep(Duration::from_millis(300));
-    let runtime = tokio::runtime::Runtime::new().unwrap();
+    // The service's own runtime (src/runtime.rs), LIFO slot off.
+    let runtime = tollgate::runtime::build(0, false).unwrap();
     let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
     let store = runtime.block_on(async {
         let config = RedisConfig {
