@@ -66,6 +66,10 @@ pub enum Command {
         /// gRPC listen address.
         #[arg(long, default_value = "127.0.0.1:50052")]
         grpc_addr: std::net::SocketAddr,
+        /// Keep tokio's LIFO slot, as `serve --runtime-lifo-slot` does (so
+        /// that a comparison runs both servers on the same runtime).
+        #[arg(long)]
+        runtime_lifo_slot: bool,
     },
     /// Ask a running server's gRPC health service; exit 0 when serving (for
     /// container health checks).
