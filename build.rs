@@ -14,7 +14,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         .file_descriptor_set_path(out_dir.join("tollgate_descriptor.bin"))
         // Malformed requests are the caller's mistake: answer INVALID_ARGUMENT,
         // not the INTERNAL that the stock prost codec uses.
-        .codec_path("crate::grpc::codec::StrictProstCodec")
+        .codec_path("crate::api::codec::StrictProstCodec")
         .compile_with_config(
             config,
             &[

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tollgate::bucket::{Algorithm, Charge, Limit, Rate, decide, plan};
+use tollgate::algorithm::{Algorithm, Charge, Limit, Rate, decide, plan};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
 

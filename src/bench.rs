@@ -20,14 +20,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::grpc::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use crate::grpc::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use crate::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
-use crate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
-use crate::grpc::proto::v1::{
-    BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision,
-};
+use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use crate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use crate::proto::v1::rate_limiter_client::RateLimiterClient;
+use crate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision};
 
 pub use empty::{EmptyRateLimiter, serve_empty};
 use verdicts::{BatchVerdicts, Verdict};

@@ -1,20 +1,29 @@
 //! Tollgate: a rate-limit decision service.
 //!
-//! Dependencies point one way:
-//! `bucket` (pure arithmetic) ← `store` (where bucket state lives) ←
-//! `limiter` (rules → charges → decision) ← `grpc` / `admin` ← `server`.
-//! The limits table (`limits`) feeds the limiter its rules.
+//! One engine, many surfaces. Dependencies point one way:
+//!
+//! ```text
+//! api::{native, envoy, admin}    wings side by side; none imports another
+//!            |
+//!          engine                the only caller of the store
+//!         /      \
+//!     limits    store            store = backend wrapped in layers
+//!                 |
+//!        algorithm, clock        pure functions of (state, limit, cost, now)
+//! ```
+//!
+//! `server` wires them together; `proto` is the wire contract; `telemetry`
+//! holds metrics, traces and the top-limited sketch; `cli` is the command
+//! line of the binary.
 
-pub mod admin;
+pub mod algorithm;
+pub mod api;
 pub mod bench;
-pub mod bucket;
 pub mod cli;
 pub mod clock;
-pub mod deny_cache;
-pub mod envoy;
-pub mod grpc;
-pub mod limiter;
+pub mod engine;
 pub mod limits;
+pub mod proto;
 pub mod runtime;
 pub mod server;
 pub mod store;

@@ -12,15 +12,18 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::admin::{self, AdminAccess, AdminState};
+use crate::api::admin::grpc::{AdminServer, AdminService};
+use crate::api::admin::{self, AdminAccess, AdminState};
+use crate::api::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitServiceServer};
+use crate::api::envoy::{ConfigError, LiveEnvoyConfig};
+use crate::api::native::{RateLimiterServer, RateLimiterService, Unmatched};
 use crate::clock::Clock;
-use crate::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitServiceServer};
-use crate::envoy::{ConfigError, LiveEnvoyConfig};
-use crate::grpc::{AdminServer, AdminService, RateLimiterServer, RateLimiterService, proto};
-use crate::limiter::Fallback;
-use crate::limiter::{Limiter, Unmatched};
+use crate::engine::Engine;
 use crate::limits::table::{LimitsTable, TableError};
 use crate::limits::watch::{LiveLimits, LoadError, watch as watch_limits};
+use crate::proto;
+use crate::store::fallback::Fallback;
+use crate::store::stack::{self, Layer, Layers};
 use crate::store::{MemoryStore, RedisConfig, RedisStore, Store, StoreError, redact};
 use crate::telemetry::top::TopLimited;
 use tonic_health::ServingStatus;
@@ -254,7 +257,7 @@ pub async fn run(
     // The in-process store: the store itself, or the fallback for rules
     // that decide locally while Redis is down.
     let memory = Arc::new(MemoryStore::new(clock.clone(), config.max_buckets));
-    let (store, redis): (Arc<dyn Store>, Option<Arc<RedisStore>>) = match &config.store {
+    let (backend, fallback): (Arc<dyn Store>, Option<Fallback>) = match &config.store {
         StoreSpec::Memory => (memory.clone(), None),
         StoreSpec::Redis(url) => {
             let redis_config = RedisConfig {
@@ -267,25 +270,27 @@ pub async fn run(
                 ..RedisConfig::new(url.clone())
             };
             let pinned = config.redis_uses_clock.then(|| clock.clone());
-            let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
-            (redis.clone(), Some(redis))
+            let fallback = Fallback {
+                local: memory.clone(),
+                local_fraction: config.local_fraction,
+                deny_retry_after: config.breaker_cooldown.as_micros() as u64,
+            };
+            (
+                Arc::new(RedisStore::new(redis_config, pinned)?),
+                Some(fallback),
+            )
         }
     };
-    let mut limiter = Limiter::new(limits.clone(), store.clone(), config.unmatched);
-    if redis.is_some() {
-        limiter = limiter.with_fallback(Fallback {
-            local: memory.clone(),
-            local_fraction: config.local_fraction,
-            deny_retry_after: config.breaker_cooldown.as_micros() as u64,
-        });
-    }
-    if config.deny_cache {
-        limiter = limiter.with_deny_cache(crate::deny_cache::DenyCache::new(
-            clock.clone(),
-            config.max_buckets,
-        ));
-    }
-    let limiter = Arc::new(limiter);
+    let store = stack::build(
+        backend,
+        Layers {
+            fallback,
+            deny_cache: config.deny_cache.then_some(config.max_buckets),
+        },
+        clock.clone(),
+    );
+    let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
+    let engine = Arc::new(Engine::new(store.clone(), clock.clone(), top.clone()));
 
     // Every task stops when `shutdown` completes, or when the gRPC server
     // itself ends.
@@ -304,7 +309,7 @@ pub async fn run(
         let _ = trigger.send(true);
     });
 
-    let envoy_watcher = tokio::spawn(crate::envoy::watch(
+    let envoy_watcher = tokio::spawn(crate::api::envoy::watch(
         envoy_config.clone(),
         config.reload_interval,
         stopped(),
@@ -331,13 +336,14 @@ pub async fn run(
 
     let grpc_addr = listeners.grpc.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
-    let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
     let admin_state = Arc::new(AdminState {
+        limits: limits.clone(),
+        store: store.clone(),
         top: top.clone(),
-        limiter: limiter.clone(),
-        envoy: envoy_config.clone(),
-        memory: Some(memory),
-        redis,
+        envoy_status: {
+            let envoy = envoy_config.clone();
+            Box::new(move || serde_json::json!(envoy.status()))
+        },
         ready: false.into(),
         rates: Default::default(),
         table: table.clone(),
@@ -381,16 +387,17 @@ pub async fn run(
         .build_v1()
         .expect("the embedded descriptor sets are valid");
     let envoy = RateLimitServiceServer::new(EnvoyRateLimitService::new(
-        limiter.clone(),
+        engine.clone(),
         envoy_config,
         config.envoy_options,
-        top.clone(),
     ))
     .max_decoding_message_size(config.grpc_limits.max_message_bytes);
     let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
-    let native =
-        RateLimiterServer::new(RateLimiterService::new(limiter, top).with_shutdown(streams_stop))
-            .max_decoding_message_size(config.grpc_limits.max_message_bytes);
+    let native = RateLimiterServer::new(
+        RateLimiterService::new(engine, limits.clone(), config.unmatched)
+            .with_shutdown(streams_stop),
+    )
+    .max_decoding_message_size(config.grpc_limits.max_message_bytes);
 
     tracing::info!(
         grpc = %grpc_addr,
@@ -415,7 +422,7 @@ pub async fn run(
         .max_concurrent_streams(config.grpc_limits.max_concurrent_streams)
         .concurrency_limit_per_connection(config.grpc_limits.connection_concurrency)
         .timeout(config.grpc_limits.request_timeout)
-        .layer(crate::grpc::observe::ObserveLayer)
+        .layer(crate::api::observe::ObserveLayer)
         .add_service(health_service)
         .add_service(reflection)
         .add_service(native)
@@ -443,7 +450,7 @@ pub async fn run(
 /// Pings the store until it answers (backing off from 100 ms to 2 s), then
 /// reports the service ready.
 async fn become_ready(
-    store: Arc<dyn Store>,
+    store: Arc<dyn Layer>,
     health: HealthReporter,
     admin: Arc<AdminState>,
     stop: impl Future<Output = ()>,
@@ -472,7 +479,7 @@ async fn become_ready(
         .set_serving::<RateLimiterServer<RateLimiterService>>()
         .await;
     admin.ready.store(true, Ordering::Release);
-    tracing::info!(store = store.kind(), "store answered; ready");
+    tracing::info!(store = store.status().kind, "store answered; ready");
 }
 
 /// Connections accepted on `listener`, with TCP_NODELAY set on each (the

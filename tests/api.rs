@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{TestServer, ask, micros, req, row};
-use tollgate::grpc::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
+use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 
 fn headers(pairs: &[(&str, &str)]) -> HashMap<String, String> {
     pairs
@@ -391,7 +391,7 @@ async fn five_hundred_concurrent_calls_at_a_fresh_bucket_of_one_hundred() {
     let mut tasks = Vec::new();
     let channels: Vec<_> = futures_channels(&server, 4).await;
     for i in 0..500 {
-        let mut client = tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient::new(
+        let mut client = tollgate::proto::v1::rate_limiter_client::RateLimiterClient::new(
             channels[i % channels.len()].clone(),
         );
         tasks.push(tokio::spawn(async move {
@@ -519,7 +519,7 @@ async fn admin_port_reports_health_limits_and_metrics() {
 
 #[tokio::test]
 async fn a_stream_of_decisions_answers_each_message_in_order() {
-    use tollgate::grpc::proto::v1::StreamDecision;
+    use tollgate::proto::v1::StreamDecision;
     let server = TestServer::with_rows(&[row("per-key", "", "", "key", 3, "1/hour")]).await;
     let mut client = server.client().await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);

@@ -4,8 +4,8 @@
 mod common;
 
 use common::{TestServer, ask, req, row};
-use tollgate::grpc::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
-use tollgate::limiter::Unmatched;
+use tollgate::api::native::Unmatched;
+use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 use tonic::Code;
 
 async fn refused(server: &TestServer, request: ShouldAllowRequest) -> tonic::Status {

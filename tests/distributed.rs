@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use common::process::{ServeProcess, tollgate};
 use common::redis::{RedisCluster, RedisServer};
 use tokio::time::Instant;
-use tollgate::grpc::proto::v1::ShouldAllowRequest;
-use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::ShouldAllowRequest;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 
 struct Fleet {
     instances: Vec<ServeProcess>,

@@ -8,15 +8,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::TestServer;
-use tollgate::grpc::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use tollgate::grpc::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+use tollgate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use tollgate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
 };
-use tollgate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::{
-    Code, DescriptorStatus,
-};
-use tollgate::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tollgate::grpc::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tollgate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::transport::Channel;
 
 /// The test clock's T0 is 20 s into a minute.

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{TestServer, ask, micros, req, row};
-use tollgate::grpc::proto::v1::ShouldAllowRequest;
+use tollgate::proto::v1::ShouldAllowRequest;
 
 #[tokio::test]
 async fn changing_a_tenants_tier_takes_effect_without_a_restart() {

@@ -5,8 +5,8 @@ mod common;
 
 use common::process::{ServeProcess, stdout, tollgate};
 use common::{TestServer, ask, req, row};
-use tollgate::grpc::proto::v1::TopLimitedRequest;
-use tollgate::grpc::proto::v1::admin_client::AdminClient;
+use tollgate::proto::v1::TopLimitedRequest;
+use tollgate::proto::v1::admin_client::AdminClient;
 
 async fn hammer(server: &TestServer) {
     let mut client = server.client().await;

@@ -28,7 +28,7 @@ async fn limit_of(server: &TestServer, tenant: &str) -> (String, u64) {
     let mut client = server.client().await;
     let r = ask(
         &mut client,
-        tollgate::grpc::proto::v1::ShouldAllowRequest {
+        tollgate::proto::v1::ShouldAllowRequest {
             dry_run: true,
             ..req(tenant, "k")
         },

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use common::redis::{RedisServer, free_port};
 use common::{TestServer, row};
-use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
-use tollgate::grpc::proto::v1::{Degraded, ShouldAllowRequest, ShouldAllowResponse};
 use tollgate::limits::LimitRow;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::{Degraded, ShouldAllowRequest, ShouldAllowResponse};
 use tollgate::server::StoreSpec;
 use tonic::transport::Channel;
 

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use common::process::ServeProcess;
 use common::redis::{free_port, redis_cli};
-use tollgate::grpc::proto::v1::ShouldAllowRequest;
-use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::ShouldAllowRequest;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 
 const PASSWORD: &str = "s3cret-Pa55word";
 
@@ -45,7 +45,7 @@ fn start_redis(dir: &std::path::Path, args: &[&str]) -> Redis {
     Redis { child }
 }
 
-async fn decide(grpc: &str) -> tollgate::grpc::proto::v1::ShouldAllowResponse {
+async fn decide(grpc: &str) -> tollgate::proto::v1::ShouldAllowResponse {
     let mut client = RateLimiterClient::connect(format!("http://{grpc}"))
         .await
         .unwrap();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::T0;
 use common::redis::{RedisCluster, RedisServer, evalsha_calls, redis_cli};
 use redis::AsyncCommands;
-use tollgate::bucket::{Algorithm, Charge, Limit, Micros, Rate, State, plan};
+use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Rate, State, plan};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, RedisConfig, RedisStore, Store, StoreError};
 

@@ -11,9 +11,9 @@ use std::time::Duration;
 use common::redis::RedisServer;
 use common::{TestServer, ask, req};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tollgate::admin::AdminAccess;
-use tollgate::grpc::proto::v1::Degraded;
-use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::api::admin::AdminAccess;
+use tollgate::proto::v1::Degraded;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 use tollgate::server::{ServeConfig, StoreSpec, TlsFiles};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::T0;
 use common::redis::{RedisCluster, RedisServer};
-use tollgate::bucket::{Charge, Limit, Rate};
+use tollgate::algorithm::{Charge, Limit, Rate};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
 
@@ -217,7 +217,7 @@ async fn tenants_and_keys_are_separate_buckets(h: &Harness) {
 }
 
 async fn fixed_and_sliding_windows(h: &Harness) {
-    use tollgate::bucket::Algorithm;
+    use tollgate::algorithm::Algorithm;
     let minute = 1_700_000_040_000_000; // on a minute boundary
     h.clock.set(minute + 50_000_000);
     let window = |a| Charge {

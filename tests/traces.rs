@@ -17,8 +17,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use parking_lot::Mutex;
-use tollgate::grpc::proto::v1::ShouldAllowRequest;
-use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::ShouldAllowRequest;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 
 #[derive(Clone, Default)]
 struct Receiver(Arc<Mutex<Vec<Span>>>);

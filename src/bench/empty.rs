@@ -1,14 +1,14 @@
 //! The empty server `tollgate bench` compares Tollgate against
 //! (`tollgate bench-empty-server`).
 
-use crate::grpc::proto::v1::{ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse};
+use crate::proto::v1::{ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse};
 
 /// A `tollgate.v1.RateLimiter` whose handlers do nothing: the ceiling the
 /// real service is compared against, served by the same tonic stack.
 pub struct EmptyRateLimiter;
 
 #[tonic::async_trait]
-impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter {
+impl crate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter {
     async fn should_allow(
         &self,
         _: tonic::Request<ShouldAllowRequest>,
@@ -21,9 +21,8 @@ impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimit
 
     type ShouldAllowStreamStream = std::pin::Pin<
         Box<
-            dyn tokio_stream::Stream<
-                    Item = Result<crate::grpc::proto::v1::StreamDecision, tonic::Status>,
-                > + Send,
+            dyn tokio_stream::Stream<Item = Result<crate::proto::v1::StreamDecision, tonic::Status>>
+                + Send,
         >,
     >;
 
@@ -33,7 +32,7 @@ impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimit
     ) -> Result<tonic::Response<Self::ShouldAllowStreamStream>, tonic::Status> {
         use tokio_stream::StreamExt;
         let answers = request.into_inner().map(|m| {
-            m.map(|_| crate::grpc::proto::v1::StreamDecision {
+            m.map(|_| crate::proto::v1::StreamDecision {
                 decision: Some(ShouldAllowResponse {
                     allowed: true,
                     ..Default::default()
@@ -48,11 +47,10 @@ impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimit
     async fn should_allow_batch(
         &self,
         request: tonic::Request<ShouldAllowBatchRequest>,
-    ) -> Result<tonic::Response<crate::grpc::proto::v1::ShouldAllowBatchResponse>, tonic::Status>
-    {
+    ) -> Result<tonic::Response<crate::proto::v1::ShouldAllowBatchResponse>, tonic::Status> {
         let n = request.get_ref().items.len();
         Ok(tonic::Response::new(
-            crate::grpc::proto::v1::ShouldAllowBatchResponse {
+            crate::proto::v1::ShouldAllowBatchResponse {
                 allowed: true,
                 results: vec![
                     ShouldAllowResponse {
@@ -73,7 +71,7 @@ impl crate::grpc::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimit
 pub async fn serve_empty(listener: tokio::net::TcpListener) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .add_service(crate::grpc::RateLimiterServer::new(EmptyRateLimiter))
+        .add_service(crate::api::native::RateLimiterServer::new(EmptyRateLimiter))
         .serve_with_incoming(crate::server::accepted(listener))
         .await
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use clap::Args;
 
 use super::parse_duration;
-use crate::grpc::proto::v1::ShouldAllowRequest;
-use crate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
+use crate::proto::v1::ShouldAllowRequest;
+use crate::proto::v1::rate_limiter_client::RateLimiterClient;
 
 /// `tollgate check`.
 #[derive(Debug, Args)]
@@ -66,7 +66,7 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn describe(r: &crate::grpc::proto::v1::ShouldAllowResponse) -> String {
+fn describe(r: &crate::proto::v1::ShouldAllowResponse) -> String {
     let secs = |d: &Option<prost_types::Duration>| {
         d.as_ref()
             .map_or(0.0, |d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
@@ -128,8 +128,8 @@ pub struct TopArgs {
 /// Runs `top`: a table of the most limited tenants, redrawn in place on a
 /// terminal (appended otherwise).
 pub async fn top(args: TopArgs) -> anyhow::Result<()> {
-    use crate::grpc::proto::v1::TopLimitedRequest;
-    use crate::grpc::proto::v1::admin_client::AdminClient;
+    use crate::proto::v1::TopLimitedRequest;
+    use crate::proto::v1::admin_client::AdminClient;
     use std::io::IsTerminal;
 
     let mut client = AdminClient::connect(args.server.clone())

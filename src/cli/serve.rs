@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 
 use super::{LimitsLocation, parse_duration, parse_fraction, parse_ratio};
-use crate::limiter::Unmatched;
+use crate::api::native::Unmatched;
 use crate::server::{ServeConfig, StoreSpec};
 use crate::telemetry::LogFormat;
 
@@ -170,7 +170,7 @@ impl ServeArgs {
             redis_ca_cert: self.redis_ca_cert.clone(),
             deny_cache: self.deny_cache,
             envoy_config: self.envoy_config.clone(),
-            admin_access: crate::admin::AdminAccess {
+            admin_access: crate::api::admin::AdminAccess {
                 token: self.admin_token.clone(),
                 protect_reads: self.admin_protect_reads,
             },
@@ -189,7 +189,7 @@ impl ServeArgs {
                 connection_concurrency: self.grpc_connection_concurrency,
                 request_timeout: self.grpc_request_timeout,
             },
-            envoy_options: crate::envoy::service::EnvoyOptions {
+            envoy_options: crate::api::envoy::service::EnvoyOptions {
                 shadow_mode: self.envoy_shadow_mode,
                 response_headers: self.envoy_response_headers,
             },

@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::bucket::{Limit, Rate, RateUnit};
+use crate::algorithm::{Limit, Rate, RateUnit};
 
 /// Longest tenant or resource name, in bytes.
 pub const MAX_LABEL_LEN: usize = 128;
@@ -95,17 +95,7 @@ pub enum Mode {
     Shadow,
 }
 
-/// What a rule does when the shared store cannot be reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnStoreUnavailable {
-    /// Fail open: admit.
-    Allow,
-    /// Fail closed: reject.
-    Deny,
-    /// Decide with in-process buckets.
-    Local,
-}
+pub use crate::store::OnStoreUnavailable;
 
 fn parse_enum<T: for<'de> Deserialize<'de>>(
     what: &str,

@@ -26,8 +26,8 @@ use foldhash::fast::RandomState;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::{BucketKey, Outcome, PingFuture, Store, StoreFuture};
-use crate::bucket::{Charge, Micros, Plan, State, plan};
+use super::{BucketKey, Outcome, PingFuture, Store, StoreFuture, StoreStatus};
+use crate::algorithm::{Charge, Micros, Plan, State, plan};
 use crate::clock::Clock;
 
 const STRIPES: usize = 4096;
@@ -205,12 +205,20 @@ impl Store for MemoryStore {
     fn kind(&self) -> &'static str {
         "memory"
     }
+
+    fn status(&self) -> StoreStatus {
+        StoreStatus {
+            kind: "memory",
+            breaker: None,
+            local: Some(super::stack::memory_status(self)),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Limit, Rate};
+    use crate::algorithm::{Limit, Rate};
     use crate::clock::ManualClock;
     use std::time::Duration;
 
@@ -341,7 +349,7 @@ mod tests {
 #[test]
 #[ignore = "a measurement, not a check"]
 fn bytes_per_bucket() {
-    use crate::bucket::{Limit, Rate};
+    use crate::algorithm::{Limit, Rate};
     use crate::clock::ManualClock;
     let rss = || {
         std::fs::read_to_string("/proc/self/status")
@@ -355,7 +363,7 @@ fn bytes_per_bucket() {
             * 1024
     };
     let store = MemoryStore::new(Arc::new(ManualClock::new(1_700_000_000_000_000)), 2_000_000);
-    let charge = [crate::bucket::Charge {
+    let charge = [crate::algorithm::Charge {
         limit: Limit::new(30, "600/minute".parse::<Rate>().unwrap()).unwrap(),
         cost: 1,
         enforce: true,

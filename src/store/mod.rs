@@ -1,20 +1,29 @@
 //! Where bucket state lives.
 //!
-//! A store has one job: apply a decision to a set of buckets atomically,
-//! following [`crate::bucket::plan`] (all enforced buckets admit and every
-//! admitting bucket is spent, or nothing is spent). The store also owns the
-//! clock its buckets are measured by. One contract suite
-//! (`tests/store_contract.rs`) runs against every implementation.
+//! A backend ([`Store`]: [`memory`], [`redis`]) has one job: apply a
+//! decision to a set of buckets atomically, following
+//! [`crate::algorithm::plan`] (all enforced buckets admit and every
+//! admitting bucket is spent, or nothing is spent). The backend also owns
+//! the clock its buckets are measured by. One contract suite
+//! (`tests/store_contract.rs`) runs against every backend.
+//!
+//! The engine does not call a backend directly: [`stack`] wraps it in
+//! layers ([`deny_cache`], [`fallback`]), composed in one place.
 
 pub mod breaker;
+pub mod deny_cache;
+pub mod fallback;
 pub mod memory;
 pub mod redis;
+pub mod stack;
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::bucket::{Charge, Verdict};
+use serde::{Deserialize, Serialize};
+
+use crate::algorithm::{Charge, Verdict};
 
 pub use memory::MemoryStore;
 pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
@@ -129,4 +138,44 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs and metrics: `memory`, `redis`, ...
     fn kind(&self) -> &'static str;
+
+    /// Health and figures, for the admin port and metrics.
+    fn status(&self) -> StoreStatus;
+}
+
+/// What a rule does when the shared store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreUnavailable {
+    /// Fail open: admit.
+    Allow,
+    /// Fail closed: reject.
+    Deny,
+    /// Decide with in-process buckets.
+    Local,
+}
+
+/// A store's health and figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreStatus {
+    /// `memory`, `redis`.
+    pub kind: &'static str,
+    /// The circuit breaker's state, for a backend that has one.
+    pub breaker: Option<breaker::BreakerState>,
+    /// The in-process buckets: the memory backend's, or the local
+    /// fallback's.
+    pub local: Option<MemoryFigures>,
+}
+
+/// Figures of in-process buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryFigures {
+    /// Buckets held.
+    pub buckets: usize,
+    /// The cap.
+    pub max_buckets: usize,
+    /// Buckets dropped because they were full.
+    pub evicted_idle: u64,
+    /// Buckets dropped at the cap.
+    pub evicted_capacity: u64,
 }

@@ -44,7 +44,7 @@ mod coalesce;
 
 use super::breaker::{Breaker, BreakerState};
 use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
-use crate::bucket::{Algorithm, Charge, Micros, Verdict};
+use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
 use crate::clock::Clock;
 use crate::telemetry::metrics;
 
@@ -554,5 +554,13 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn status(&self) -> super::StoreStatus {
+        super::StoreStatus {
+            kind: "redis",
+            breaker: Some(self.breaker_state()),
+            local: None,
+        }
     }
 }

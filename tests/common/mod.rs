@@ -14,12 +14,12 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tollgate::api::native::Unmatched;
 use tollgate::clock::ManualClock;
-use tollgate::grpc::proto::v1::rate_limiter_client::RateLimiterClient;
-use tollgate::grpc::proto::v1::{ShouldAllowRequest, ShouldAllowResponse};
-use tollgate::limiter::Unmatched;
 use tollgate::limits::LimitRow;
 use tollgate::limits::table::LimitsTable;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::{ShouldAllowRequest, ShouldAllowResponse};
 use tollgate::server::{self, Listeners, ServeConfig, ServeError};
 use tonic::transport::Channel;
 

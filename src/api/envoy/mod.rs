@@ -1,8 +1,8 @@
 //! Envoy's rate limit service API and envoyproxy/ratelimit's configuration.
 //!
 //! [`config`] loads the YAML configuration unchanged; [`service`] serves
-//! `envoy.service.ratelimit.v3.RateLimitService` through the same limiter
-//! and stores as the native API. [`LiveEnvoyConfig`] keeps the
+//! `envoy.service.ratelimit.v3.RateLimitService` through the engine, as
+//! every API decides. [`LiveEnvoyConfig`] keeps the
 //! configuration directory loaded and hot-reloads it.
 
 pub mod config;

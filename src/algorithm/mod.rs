@@ -1,23 +1,14 @@
-//! The token bucket: a pure function of (state, limit, cost, now).
+//! The algorithms: pure functions of (state, limit, cost, now).
 //!
-//! A bucket holds up to `burst` tokens and refills at `rate`, lazily: nothing
-//! runs between requests. The state is a single instant, the moment the
-//! bucket will be full again (the "theoretical arrival time" of GCRA, which
-//! is a token bucket written as one number):
+//! No clock reads, no I/O: the caller reads the clock once and passes `now`.
+//! Everything is integer microseconds, so the same arithmetic gives the same
+//! answer in Redis's Lua (`lua/token_bucket.lua`).
 //!
-//! ```text
-//! interval  = time to refill one token          (unit / rate, rounded up to 1 µs)
-//! tolerance = burst × interval                  (time to refill an empty bucket)
-//! debt      = max(full_at − now, 0)             (time until full)
-//! tokens    = (tolerance − debt) / interval
-//! ```
+//! - [`token_bucket`]: the token bucket (GCRA), the default;
+//! - [`window`]: fixed and sliding windows (envoyproxy/ratelimit's);
+//! - [`plan`]: several buckets decided together, all or nothing.
 //!
-//! Spending `cost` tokens adds `cost × interval` to the debt; the request is
-//! admitted when the debt stays within the tolerance. Everything is integer
-//! microseconds, so the same arithmetic gives the same answer in Redis's Lua.
-//!
-//! Rounding the interval up means the sustained rate is at most the nominal
-//! rate (never above it): 3000/second refills one token every 334 µs.
+//! This file holds the shared vocabulary: rates, limits, verdicts, charges.
 
 use std::fmt;
 use std::time::Duration;
@@ -229,8 +220,11 @@ impl Limit {
             return Self::new(rate.count, rate);
         }
         // The sliding window weighs counts by milliseconds: keep
-        // count × window-in-ms exact in a double.
-        if rate.count.saturating_mul(rate.unit.micros() / 1000) > window::MAX_WEIGHT {
+        // count × window-in-ms exact in a double. A fixed window only
+        // counts, so any count up to the caps is exact.
+        if algorithm == Algorithm::SlidingWindow
+            && rate.count.saturating_mul(rate.unit.micros() / 1000) > window::MAX_WEIGHT
+        {
             return Err(LimitError::TooSlow {
                 burst: rate.count,
                 rate,
@@ -288,36 +282,6 @@ impl Limit {
     }
 }
 
-/// What a store keeps per bucket. A bucket with no state is full.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BucketState {
-    /// The instant the bucket is full again.
-    pub full_at: Micros,
-    /// The refill interval `full_at` was computed with, so that a limit
-    /// change converts the debt in tokens, not in time.
-    pub interval: Micros,
-    /// The capacity the state was written under, so that a smaller burst
-    /// clamps the debt.
-    pub burst: u64,
-}
-
-impl BucketState {
-    /// The state of a full bucket at `now` (equivalent to no state).
-    pub fn full(limit: &Limit, now: Micros) -> Self {
-        Self {
-            full_at: now,
-            interval: limit.interval,
-            burst: limit.burst,
-        }
-    }
-
-    /// True when the bucket is full at `now`: it is then indistinguishable
-    /// from a bucket that was never used and may be dropped.
-    pub fn is_full(&self, now: Micros) -> bool {
-        self.full_at <= now
-    }
-}
-
 /// The answer for one bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Verdict {
@@ -353,72 +317,6 @@ pub struct CostExceedsBurst {
     pub burst: u64,
 }
 
-/// The bucket's debt at `now`, carried over from `state` into `limit`'s terms.
-///
-/// The stored instant is never moved backwards, so a clock that steps back
-/// sees a larger debt (fewer tokens), never a smaller one. When the limit has
-/// changed since the state was written, the debt is converted in tokens (the
-/// spent tokens stay spent) and clamped to the new capacity.
-fn debt(state: Option<BucketState>, limit: &Limit, now: Micros) -> Micros {
-    let Some(state) = state else { return 0 };
-    let debt = state.full_at.saturating_sub(now);
-    if state.interval == limit.interval && state.burst == limit.burst {
-        return debt;
-    }
-    let tokens_owed = debt.div_ceil(state.interval.max(1));
-    tokens_owed
-        .saturating_mul(limit.interval)
-        .min(limit.tolerance())
-}
-
-/// Decides whether a bucket admits `cost` tokens at `now`.
-///
-/// Returns the verdict and the state to store if the cost is spent. A denied
-/// request spends nothing: the caller keeps the old state. A cost above the
-/// capacity is an error, since it could never be admitted.
-pub fn decide(
-    state: Option<BucketState>,
-    limit: &Limit,
-    cost: u64,
-    now: Micros,
-) -> Result<(Verdict, BucketState), CostExceedsBurst> {
-    if cost > limit.burst {
-        return Err(CostExceedsBurst {
-            cost,
-            burst: limit.burst,
-        });
-    }
-    let tolerance = limit.tolerance();
-    let debt_now = debt(state, limit, now);
-    // cost <= burst, so this is at most the tolerance and cannot overflow.
-    let debt_after = debt_now + cost * limit.interval;
-    if debt_after <= tolerance {
-        let verdict = Verdict {
-            allowed: true,
-            remaining: (tolerance - debt_after) / limit.interval,
-            retry_after: 0,
-            reset_after: debt_after,
-        };
-        let next = BucketState {
-            full_at: now + debt_after,
-            interval: limit.interval,
-            burst: limit.burst,
-        };
-        Ok((verdict, next))
-    } else {
-        let verdict = Verdict {
-            allowed: false,
-            remaining: tolerance.saturating_sub(debt_now) / limit.interval,
-            retry_after: debt_after - tolerance,
-            reset_after: debt_now,
-        };
-        Ok((
-            verdict,
-            state.unwrap_or_else(|| BucketState::full(limit, now)),
-        ))
-    }
-}
-
 /// What a store keeps per bucket, for any algorithm. No state means a full
 /// bucket or an empty window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -445,41 +343,6 @@ impl State {
     }
 }
 
-/// Decides one charge under any algorithm. A state written under another
-/// algorithm (the rule changed its algorithm) counts as no state.
-pub fn decide_any(
-    state: Option<State>,
-    limit: &Limit,
-    cost: u64,
-    now: Micros,
-) -> Result<(Verdict, State), CostExceedsBurst> {
-    match limit.algorithm {
-        Algorithm::TokenBucket => {
-            let tokens = match state {
-                Some(State::Tokens(s)) => Some(s),
-                _ => None,
-            };
-            decide(tokens, limit, cost, now).map(|(v, s)| (v, State::Tokens(s)))
-        }
-        _ => {
-            let win = match state {
-                Some(State::Window(w)) => Some(w),
-                _ => None,
-            };
-            window::decide(win, limit, cost, now).map(|(v, w)| (v, State::Window(w)))
-        }
-    }
-}
-
-/// What a bucket holds at `now`, without spending: the verdict for a cost
-/// of zero.
-pub fn current(state: Option<State>, limit: &Limit, now: Micros) -> Verdict {
-    match decide_any(state, limit, 0, now) {
-        Ok((verdict, _)) => verdict,
-        Err(_) => unreachable!("a cost of zero never exceeds a capacity"),
-    }
-}
-
 /// One bucket's part in a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Charge {
@@ -492,74 +355,12 @@ pub struct Charge {
     pub enforce: bool,
 }
 
-/// The outcome of [`plan`]: one verdict per charge, and whether to write.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
-    /// One verdict per charge, in order.
-    pub verdicts: Vec<Verdict>,
-    /// The states to store, one per charge: `Some` where the bucket changes.
-    pub writes: Vec<Option<State>>,
-    /// True when every enforced charge admits its cost.
-    pub allowed: bool,
-}
-
-/// Decides a set of buckets together: all-or-nothing.
-///
-/// The request is allowed when every enforced charge admits it. Only then,
-/// and only when `spend` is true, is anything written: each charge that
-/// admitted its cost (shadow ones included) is spent. When the request is
-/// rejected nothing is spent, and the verdicts of buckets that would have
-/// admitted the cost report what they hold now rather than after a spend.
-/// Each bucket must appear at most once (merge costs beforehand); costs
-/// must not exceed capacities (check beforehand; such a charge is reported
-/// as denied with an unbounded wait).
-pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, spend: bool) -> Plan {
-    debug_assert_eq!(states.len(), charges.len());
-    let mut verdicts = Vec::with_capacity(charges.len());
-    let mut next = Vec::with_capacity(charges.len());
-    let mut allowed = true;
-    for (state, charge) in states.iter().zip(charges) {
-        let (verdict, state) =
-            decide_any(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
-                let verdict = Verdict {
-                    allowed: false,
-                    retry_after: Micros::MAX,
-                    ..current(*state, &charge.limit, now)
-                };
-                (
-                    verdict,
-                    State::Tokens(BucketState::full(&charge.limit, now)),
-                )
-            });
-        allowed &= verdict.allowed || !charge.enforce;
-        verdicts.push(verdict);
-        next.push(state);
-    }
-    let writes = if allowed && spend {
-        verdicts
-            .iter()
-            .zip(next)
-            .map(|(v, s)| v.allowed.then_some(s))
-            .collect()
-    } else {
-        if !allowed {
-            // Nothing is spent: report what the admitting buckets hold now.
-            for ((v, c), state) in verdicts.iter_mut().zip(charges).zip(states) {
-                if v.allowed {
-                    *v = current(*state, &c.limit, now);
-                }
-            }
-        }
-        vec![None; charges.len()]
-    };
-    Plan {
-        verdicts,
-        writes,
-        allowed,
-    }
-}
-
+pub mod plan;
+pub mod token_bucket;
 pub mod window;
+
+pub use plan::{Plan, current, decide_any, plan};
+pub use token_bucket::{BucketState, decide};
 
 #[cfg(test)]
 mod tests;

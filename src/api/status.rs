@@ -1,4 +1,4 @@
-//! The one place errors become gRPC statuses.
+//! The one place errors become gRPC statuses, for every API.
 //!
 //! Caller mistakes carry a message that says what to fix. Store failures
 //! are logged here with their details and reach the caller only as
@@ -6,7 +6,7 @@
 
 use tonic::Status;
 
-use crate::limiter::DecideError;
+use crate::engine::DecideError;
 use crate::store::StoreError;
 
 /// Converts a decision error into the status the caller sees.
@@ -14,6 +14,7 @@ pub fn from_decide_error(err: DecideError) -> Status {
     match err {
         DecideError::InvalidField(_)
         | DecideError::InvalidBatch(_)
+        | DecideError::TooManyBuckets { .. }
         | DecideError::CostExceedsCapacity { .. } => Status::invalid_argument(err.to_string()),
         DecideError::NoRule { .. } => Status::failed_precondition(err.to_string()),
         DecideError::Store(StoreError::Unsupported(why)) => Status::invalid_argument(why),

@@ -1,4 +1,6 @@
-//! The admin HTTP port: health, metrics and the limits in force.
+//! The admin wing: the admin HTTP port (health, metrics, the limits in
+//! force, the status page) and the `tollgate.v1.Admin` gRPC service
+//! ([`grpc`]).
 //!
 //! | path          | what                                                   |
 //! |---------------|--------------------------------------------------------|
@@ -22,25 +24,25 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
 
-use crate::envoy::LiveEnvoyConfig;
-use crate::limiter::Limiter;
+pub mod grpc;
+
 use crate::limits::table::LimitsTable;
-use crate::store::{MemoryStore, RedisStore};
+use crate::limits::watch::LiveLimits;
+use crate::store::breaker::BreakerState;
+use crate::store::stack::Layer;
 use crate::telemetry::metrics;
 use crate::telemetry::top::TopLimited;
 
 /// What the admin handlers read.
 pub struct AdminState {
-    /// The limiter, for its rules and store.
-    pub limiter: Arc<Limiter>,
+    /// The rules in force.
+    pub limits: Arc<LiveLimits>,
+    /// The store, for its health and figures.
+    pub store: Arc<dyn Layer>,
     /// Rejections by tenant and key.
     pub top: Arc<TopLimited>,
-    /// The Envoy configuration, for its status.
-    pub envoy: Arc<LiveEnvoyConfig>,
-    /// The in-process store (the store, or the local fallback), for its figures.
-    pub memory: Option<Arc<MemoryStore>>,
-    /// The Redis store, when in use, for its breaker state.
-    pub redis: Option<Arc<RedisStore>>,
+    /// The Envoy configuration's reload status, as JSON.
+    pub envoy_status: Box<dyn Fn() -> serde_json::Value + Send + Sync>,
     /// Set once the gRPC server accepts requests.
     pub ready: AtomicBool,
     /// Decision rates for the status page.
@@ -175,7 +177,7 @@ async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes
     }
     match state.table.upsert(&row).await {
         Ok(()) => {
-            let _ = state.limiter.limits().reload(&state.table).await;
+            let _ = state.limits.reload(&state.table).await;
             (StatusCode::OK, Json(json!({ "set": row.name }))).into_response()
         }
         Err(crate::limits::table::TableError::Conflict(why)) => {
@@ -191,7 +193,7 @@ async fn delete_limit(
 ) -> Response {
     match state.table.delete(&name).await {
         Ok(true) => {
-            let _ = state.limiter.limits().reload(&state.table).await;
+            let _ = state.limits.reload(&state.table).await;
             (StatusCode::OK, Json(json!({ "deleted": name }))).into_response()
         }
         Ok(false) => (StatusCode::NOT_FOUND, format!("no row is named {name:?}\n")).into_response(),
@@ -230,17 +232,18 @@ async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
         total.insert(outcome.label().into(), totals[i].into());
         per_second.insert(outcome.label().into(), rates[i].into());
     }
-    let breaker = state.redis.as_ref().map(|r| match r.breaker_state() {
-        crate::store::breaker::BreakerState::Closed => "closed",
-        crate::store::breaker::BreakerState::Open => "open",
-        crate::store::breaker::BreakerState::HalfOpen => "half-open",
+    let store = state.store.status();
+    let breaker = store.breaker.map(|b| match b {
+        BreakerState::Closed => "closed",
+        BreakerState::Open => "open",
+        BreakerState::HalfOpen => "half-open",
     });
     Json(json!({
         "ready": state.ready.load(Ordering::Acquire),
         "store": {
-            "kind": state.limiter.store().kind(),
+            "kind": store.kind,
             "breaker": breaker,
-            "buckets_in_memory": state.memory.as_ref().map_or(0, |m| m.len()),
+            "buckets_in_memory": store.local.map_or(0, |m| m.buckets),
         },
         "decisions_total": total,
         "decisions_per_second": per_second,
@@ -286,12 +289,12 @@ async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
 }
 
 async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
-    if let Some(memory) = &state.memory {
-        let (idle, capacity) = memory.evictions();
-        metrics::memory_store(memory.len(), memory.max_buckets(), idle, capacity);
+    let store = state.store.status();
+    if let Some(m) = store.local {
+        metrics::memory_store(m.buckets, m.max_buckets, m.evicted_idle, m.evicted_capacity);
     }
-    if let Some(redis) = &state.redis {
-        metrics::breaker_state("redis", redis.breaker_state() as u8);
+    if let Some(breaker) = store.breaker {
+        metrics::breaker_state(store.kind, breaker as u8);
     }
     let mut text = metrics::handle().render();
     text.push_str(&crate::telemetry::top::render_metric(&state.top.top(10, 0)));
@@ -316,11 +319,11 @@ async fn top_limited(
 }
 
 async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
-    Json(json!({ "status": state.envoy.status() }))
+    Json(json!({ "status": (state.envoy_status)() }))
 }
 
 async fn limits(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
-    let limits = state.limiter.limits();
+    let limits = &state.limits;
     let rules: Vec<_> = limits
         .snapshot()
         .rules()

@@ -1,4 +1,5 @@
-//! A local cache of rejected buckets (off by default; `--deny-cache`).
+//! A local cache of rejected buckets, as a store layer (off by default;
+//! `--deny-cache`).
 //!
 //! When the shared store rejects a request, the bucket that rejected it
 //! cannot admit the same cost again before `retry_after`, whatever any
@@ -16,9 +17,10 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 
-use crate::bucket::{Charge, Micros, Verdict};
+use super::stack::{Applied, Layer, LayerFuture, Request};
+use super::{BucketKey, Outcome, PingFuture, StoreStatus};
+use crate::algorithm::{Charge, Micros, Verdict};
 use crate::clock::Clock;
-use crate::store::{BucketKey, Outcome};
 
 /// Rejected buckets and until when.
 pub struct DenyCache {
@@ -92,5 +94,46 @@ impl DenyCache {
         if self.until.len() > self.capacity {
             self.until.retain(|_, until| *until > now);
         }
+    }
+}
+
+impl DenyCache {
+    /// This cache around `inner`.
+    pub fn wrap(self, inner: Box<dyn Layer>) -> DenyCacheLayer {
+        DenyCacheLayer { inner, cache: self }
+    }
+}
+
+/// [`DenyCache`] around a layer.
+pub struct DenyCacheLayer {
+    inner: Box<dyn Layer>,
+    cache: DenyCache,
+}
+
+impl Layer for DenyCacheLayer {
+    fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
+        if let Some(outcome) = self.cache.check(r.buckets, r.charges) {
+            crate::telemetry::metrics::deny_cache_hit();
+            return Box::pin(std::future::ready(Ok(Applied {
+                outcome,
+                degraded: false,
+            })));
+        }
+        let inner = self.inner.apply(r);
+        Box::pin(async move {
+            let applied = inner.await?;
+            if !applied.degraded {
+                self.cache.remember(r.buckets, r.charges, &applied.outcome);
+            }
+            Ok(applied)
+        })
+    }
+
+    fn ping(&self) -> PingFuture<'_> {
+        self.inner.ping()
+    }
+
+    fn status(&self) -> StoreStatus {
+        self.inner.status()
     }
 }

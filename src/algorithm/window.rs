@@ -17,7 +17,7 @@
 //! window: the stored window is kept until time passes it again.
 
 use super::{CostExceedsBurst, Limit, Micros, Verdict};
-use crate::bucket::Algorithm;
+use crate::algorithm::Algorithm;
 
 /// The largest `limit × window-in-ms` of a sliding window, so that the
 /// weighting stays exact in a double (Lua) and a u64.
@@ -154,7 +154,7 @@ fn reset_after(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Rate, RateUnit};
+    use crate::algorithm::{Rate, RateUnit};
     use proptest::prelude::*;
 
     const MIN: Micros = 60_000_000;

@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use yaml_rust2::{Yaml, YamlLoader};
 
-use crate::bucket::{Algorithm, Limit, Rate, RateUnit};
+use crate::algorithm::{Algorithm, Limit, Rate, RateUnit};
 use crate::limits::OnStoreUnavailable;
 
 const VALID_KEYS: &[&str] = &[
@@ -140,6 +140,11 @@ impl EnvoyConfig {
     /// Number of domains.
     pub fn domains(&self) -> usize {
         self.domains.len()
+    }
+
+    /// True when `domain` is configured.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
     }
 
     /// Number of `rate_limit`s.

@@ -1,0 +1,62 @@
+//! `tollgate.v1.Admin`: the most limited tenants and keys over gRPC.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::algorithm::Micros;
+use crate::api::duration;
+use crate::proto::v1::{LimitedKey, LimitedTenant, TopLimitedRequest, TopLimitedResponse};
+use crate::telemetry::top::TopLimited;
+
+pub use crate::proto::v1::admin_server::AdminServer;
+
+/// Implements `tollgate.v1.Admin`.
+pub struct AdminService {
+    top: Arc<TopLimited>,
+}
+
+impl AdminService {
+    /// The service reading `top`.
+    pub fn new(top: Arc<TopLimited>) -> Self {
+        Self { top }
+    }
+}
+
+#[tonic::async_trait]
+impl crate::proto::v1::admin_server::Admin for AdminService {
+    async fn top_limited(
+        &self,
+        request: Request<TopLimitedRequest>,
+    ) -> Result<Response<TopLimitedResponse>, Status> {
+        let r = request.get_ref();
+        let pick = |n: u32, default: usize| {
+            if n == 0 {
+                default
+            } else {
+                (n as usize).min(100)
+            }
+        };
+        let tenants = self.top.top(pick(r.tenants, 10), pick(r.keys, 5));
+        Ok(Response::new(TopLimitedResponse {
+            window: Some(duration(self.top.window().as_micros() as Micros)),
+            tenants: tenants
+                .into_iter()
+                .map(|t| LimitedTenant {
+                    tenant: t.tenant,
+                    rejections: t.rejections,
+                    error: t.error,
+                    keys: t
+                        .keys
+                        .into_iter()
+                        .map(|k| LimitedKey {
+                            key: k.name,
+                            rejections: k.count,
+                            error: k.error,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }))
+    }
+}

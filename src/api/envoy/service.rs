@@ -1,0 +1,390 @@
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+//!
+//! Proto mapping plus envoyproxy/ratelimit's rule lookup: each request
+//! descriptor becomes one item of a [`Demand`], with one line for the rule
+//! it matches; the engine decides them together in one atomic call. Unlike
+//! envoyproxy/ratelimit, a request over the limit of one descriptor spends
+//! nothing from the others.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use super::LiveEnvoyConfig;
+use super::config::{EnvoyRule, Match, RuleKind};
+use crate::algorithm::{Algorithm, Limit, Rate, RateUnit};
+use crate::api::{duration, status};
+use crate::engine::{
+    self, Allowance, Api, DecideError, Demand, Engine, Item, Line, OverCapacity, caps,
+};
+use crate::limits::OnStoreUnavailable;
+use crate::proto::envoy::config::core::v3::HeaderValue;
+use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit::Unit,
+};
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use crate::store::BucketKey;
+use crate::telemetry::traces;
+
+pub use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+
+/// The metric label of every limit sent in a request (`limit` override):
+/// request values never become label values.
+pub const OVERRIDE_LABEL: &str = "override";
+
+/// Service-wide options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvoyOptions {
+    /// Global shadow mode: count everything, never answer OVER_LIMIT.
+    pub shadow_mode: bool,
+    /// Add `RateLimit-*` (and, when over limit, `Retry-After`) to
+    /// `response_headers_to_add`.
+    pub response_headers: bool,
+}
+
+impl Default for EnvoyOptions {
+    fn default() -> Self {
+        Self {
+            shadow_mode: false,
+            response_headers: true,
+        }
+    }
+}
+
+/// Serves Envoy's rate limit service through the [`Engine`].
+pub struct EnvoyRateLimitService {
+    engine: Arc<Engine>,
+    config: Arc<LiveEnvoyConfig>,
+    options: EnvoyOptions,
+}
+
+impl EnvoyRateLimitService {
+    /// The service; rejections are counted in the top-limited views under
+    /// the tenant `~DOMAIN`.
+    pub fn new(engine: Arc<Engine>, config: Arc<LiveEnvoyConfig>, options: EnvoyOptions) -> Self {
+        Self {
+            engine,
+            config,
+            options,
+        }
+    }
+}
+
+/// The rule each descriptor matched, after `replaces`.
+type Matched = Vec<Option<(Match, u64)>>;
+
+#[tonic::async_trait]
+impl RateLimitService for EnvoyRateLimitService {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let req = request.get_ref();
+        let request_hits = u64::from(req.hits_addend.max(1));
+        let domain_for_span = truncate(&req.domain, caps::MAX_DOMAIN_BYTES);
+        let span = traces::decision_span(
+            "ShouldRateLimit",
+            request.metadata(),
+            domain_for_span,
+            request_hits,
+        );
+        let refuse = |err: DecideError| {
+            let _entered = span.enter();
+            engine::refused(Api::Envoy, req.descriptors.len());
+            status::from_decide_error(err)
+        };
+        check(req).map_err(refuse)?;
+        let matched = self.matched(req, request_hits).map_err(refuse)?;
+        let tenant = format!("~{}", req.domain);
+        let bucket_tenant = encode_domain(&req.domain);
+        let mut demand = Demand::new(Api::Envoy, true, OverCapacity::Reject);
+        for (i, found) in matched.iter().enumerate() {
+            let cost = found.as_ref().map_or(request_hits, |(_, hits)| *hits);
+            let key = found.as_ref().map_or("", |(m, _)| m.counter.as_str());
+            demand.items.push(Item {
+                tenant: &tenant,
+                key: truncate(key, caps::MAX_KEY_BYTES),
+                cost,
+            });
+            let Some((m, _)) = found else { continue };
+            let allowance = match m.rule.kind {
+                RuleKind::Unlimited => Allowance::Unlimited,
+                RuleKind::Block => Allowance::Blocked {
+                    window: m.rule.unit.micros(),
+                },
+                RuleKind::Limited(limit) => Allowance::Limited(limit),
+            };
+            let algorithm = match m.rule.kind {
+                RuleKind::Limited(limit) => limit.algorithm(),
+                _ => Algorithm::FixedWindow,
+            };
+            demand.lines.push(Line {
+                item: i,
+                bucket: BucketKey::new(&bucket_tenant, "e", algorithm.as_str(), &m.counter),
+                allowance,
+                enforce: !m.rule.shadow,
+                on_store_unavailable: m.rule.on_store_unavailable,
+                // A configured rule's key; overrides have none.
+                label: if m.rule.full_key.is_empty() {
+                    OVERRIDE_LABEL
+                } else {
+                    &m.rule.full_key
+                },
+            });
+        }
+        let answer = self
+            .engine
+            .decide(&demand)
+            .instrument(span.clone())
+            .await
+            .map_err(status::from_decide_error)?;
+
+        let statuses = answer
+            .items
+            .iter()
+            .zip(&matched)
+            .map(|(a, found)| {
+                let Some((m, _)) = found else {
+                    return DescriptorStatus {
+                        code: Code::Ok as i32,
+                        ..Default::default()
+                    };
+                };
+                let rule = &m.rule;
+                let code = if a.allowed { Code::Ok } else { Code::OverLimit };
+                match rule.kind {
+                    RuleKind::Unlimited => DescriptorStatus {
+                        code: code as i32,
+                        limit_remaining: u32::MAX,
+                        ..Default::default()
+                    },
+                    _ => DescriptorStatus {
+                        code: code as i32,
+                        current_limit: Some(current_limit(rule)),
+                        limit_remaining: u32::try_from(a.remaining).unwrap_or(u32::MAX),
+                        duration_until_reset: Some(duration(a.reset_after)),
+                        quota: None,
+                    },
+                }
+            })
+            .collect();
+        let response_headers_to_add = match (self.options.response_headers, answer.headers) {
+            (true, Some(headers)) => headers
+                .pairs()
+                .map(|(key, value)| HeaderValue {
+                    key: key.into(),
+                    value,
+                    raw_value: Vec::new(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let overall = if answer.allowed || self.options.shadow_mode {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        Ok(Response::new(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            response_headers_to_add,
+            ..Default::default()
+        }))
+    }
+}
+
+impl EnvoyRateLimitService {
+    /// Looks each descriptor up as envoyproxy/ratelimit does; a matched
+    /// rule that `replaces` another drops it from this request.
+    fn matched(&self, req: &RateLimitRequest, request_hits: u64) -> Result<Matched, DecideError> {
+        let config = self.config.snapshot();
+        // envoyproxy/ratelimit looks the domain up first: in a domain that
+        // is not configured, nothing is limited, overrides included.
+        if !config.has_domain(&req.domain) {
+            return Ok(vec![None; req.descriptors.len()]);
+        }
+        let mut matched: Matched = Vec::with_capacity(req.descriptors.len());
+        for (i, d) in req.descriptors.iter().enumerate() {
+            let entries: Vec<(&str, &str)> = d
+                .entries
+                .iter()
+                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .collect();
+            let hits = d.hits_addend.unwrap_or(request_hits);
+            let found = match &d.limit {
+                Some(over) => Some(override_rule(
+                    i,
+                    &entries,
+                    over.requests_per_unit,
+                    over.unit,
+                )?),
+                None => config.find(&req.domain, &entries),
+            };
+            matched.push(found.map(|m| (m, hits)));
+        }
+        let replaced: Vec<String> = matched
+            .iter()
+            .flatten()
+            .flat_map(|(m, _)| m.rule.replaces.iter().cloned())
+            .collect();
+        for found in &mut matched {
+            if found
+                .as_ref()
+                .is_some_and(|(m, _)| !m.rule.name.is_empty() && replaced.contains(&m.rule.name))
+            {
+                *found = None;
+            }
+        }
+        Ok(matched)
+    }
+}
+
+/// The request's shape against the caps, before any lookup.
+fn check(req: &RateLimitRequest) -> Result<(), DecideError> {
+    if req.domain.is_empty() {
+        return Err(DecideError::InvalidField(
+            "rate limit domain must not be empty".into(),
+        ));
+    }
+    if req.domain.len() > caps::MAX_DOMAIN_BYTES {
+        return Err(DecideError::InvalidField(format!(
+            "domain is {} bytes; at most {} are allowed",
+            req.domain.len(),
+            caps::MAX_DOMAIN_BYTES
+        )));
+    }
+    if req.descriptors.is_empty() {
+        return Err(DecideError::InvalidBatch(
+            "rate limit descriptor list must not be empty".into(),
+        ));
+    }
+    caps::check_items("descriptors", req.descriptors.len())?;
+    for (i, d) in req.descriptors.iter().enumerate() {
+        check_descriptor(i, d)?;
+    }
+    Ok(())
+}
+
+fn check_descriptor(i: usize, d: &RateLimitDescriptor) -> Result<(), DecideError> {
+    if d.entries.len() > caps::MAX_ENTRIES {
+        return Err(DecideError::InvalidField(format!(
+            "descriptors[{i}].entries has {} entries; at most {} are allowed",
+            d.entries.len(),
+            caps::MAX_ENTRIES
+        )));
+    }
+    for (j, e) in d.entries.iter().enumerate() {
+        caps::check_key(|| format!("descriptors[{i}].entries[{j}].key"), &e.key)?;
+        caps::check_key(|| format!("descriptors[{i}].entries[{j}].value"), &e.value)?;
+    }
+    Ok(())
+}
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn current_limit(rule: &EnvoyRule) -> RateLimit {
+    RateLimit {
+        name: rule.name.clone(),
+        requests_per_unit: rule.requests_per_unit,
+        unit: match rule.unit {
+            RateUnit::Second => Unit::Second,
+            RateUnit::Minute => Unit::Minute,
+            RateUnit::Hour => Unit::Hour,
+            RateUnit::Day => Unit::Day,
+            RateUnit::Week => Unit::Week,
+            RateUnit::Month => Unit::Month,
+            RateUnit::Year => Unit::Year,
+        } as i32,
+    }
+}
+
+/// A limit sent by Envoy in the descriptor: a fixed window, as
+/// envoyproxy/ratelimit treats it, never in shadow mode; a limit of zero
+/// blocks. Its metrics are labelled [`OVERRIDE_LABEL`].
+fn override_rule(
+    i: usize,
+    entries: &[(&str, &str)],
+    requests_per_unit: u32,
+    unit: i32,
+) -> Result<Match, DecideError> {
+    let unit = match unit {
+        1 => RateUnit::Second,
+        2 => RateUnit::Minute,
+        3 => RateUnit::Hour,
+        4 => RateUnit::Day,
+        5 => RateUnit::Month,
+        6 => RateUnit::Year,
+        7 => RateUnit::Week,
+        other => {
+            return Err(DecideError::InvalidField(format!(
+                "descriptors[{i}].limit.unit is {other}; use SECOND (1), MINUTE (2), HOUR (3), \
+                 DAY (4), MONTH (5), YEAR (6) or WEEK (7)"
+            )));
+        }
+    };
+    let counter = entries
+        .iter()
+        .map(|(k, v)| {
+            if v.is_empty() {
+                k.to_string()
+            } else {
+                format!("{k}_{v}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".");
+    let kind = if requests_per_unit == 0 {
+        RuleKind::Block
+    } else {
+        let rate = Rate {
+            count: u64::from(requests_per_unit),
+            unit,
+        };
+        let limit = Limit::window(Algorithm::FixedWindow, rate)
+            .map_err(|e| DecideError::InvalidField(format!("descriptors[{i}].limit: {e}")))?;
+        RuleKind::Limited(limit)
+    };
+    Ok(Match {
+        rule: Arc::new(EnvoyRule {
+            full_key: String::new(),
+            name: String::new(),
+            replaces: Vec::new(),
+            kind,
+            requests_per_unit,
+            unit,
+            shadow: false,
+            detailed_metric: false,
+            on_store_unavailable: OnStoreUnavailable::Allow,
+        }),
+        counter: format!("override:{counter}"),
+    })
+}
+
+/// A domain as the tenant part of a bucket name: characters outside
+/// `[A-Za-z0-9._-]` are percent-encoded, so any domain is safe as a Redis
+/// hash tag and in `tenant:scope:resource:key`.
+fn encode_domain(domain: &str) -> String {
+    let mut out = String::with_capacity(domain.len() + 2);
+    out.push('~'); // keeps Envoy domains apart from native tenants
+    for b in domain.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,27 @@
+//! The API wings, side by side over the engine: none imports another.
+//!
+//! - [`native`]: `tollgate.v1.RateLimiter` (single, batch, stream);
+//! - [`envoy`]: Envoy's `envoy.service.ratelimit.v3.RateLimitService`, with
+//!   envoyproxy/ratelimit's YAML configuration;
+//! - [`admin`]: the admin HTTP port and the `tollgate.v1.Admin` gRPC service.
+//!
+//! Each wing maps its wire format to an [`crate::engine::Demand`] and the
+//! engine's answer back. What they share lives here: the protobuf codec,
+//! the one error → status mapping, the request-latency layer.
+
+pub mod admin;
+pub mod codec;
+pub mod envoy;
+pub mod native;
+pub mod observe;
+pub mod status;
+
+use crate::algorithm::Micros;
+
+/// Microseconds as a protobuf Duration.
+pub fn duration(us: Micros) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: (us / 1_000_000) as i64,
+        nanos: ((us % 1_000_000) * 1_000) as i32,
+    }
+}

@@ -1,0 +1,339 @@
+//! The native wing: `tollgate.v1.RateLimiter` (single, batch and stream).
+//!
+//! Maps a request to a [`Demand`] (one item per request item; one line per
+//! limits-table rule that applies to it) and the engine's [`Answer`] back
+//! to the response. It decides nothing itself.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use super::{duration, status};
+use crate::engine::{
+    self, Allowance, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line, OverCapacity, caps,
+};
+use crate::limits::watch::LiveLimits;
+use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
+use crate::proto::v1::rate_limiter_server::RateLimiter;
+use crate::proto::v1::{
+    BatchItem, Degraded, ShouldAllowBatchRequest, ShouldAllowBatchResponse, ShouldAllowRequest,
+    ShouldAllowResponse, StreamDecision,
+};
+use crate::store::BucketKey;
+use crate::telemetry::traces;
+
+pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
+
+/// What to do with a request no rule applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unmatched {
+    /// Admit it, unlimited (the default).
+    #[default]
+    Allow,
+    /// Refuse it with FAILED_PRECONDITION.
+    Deny,
+}
+
+/// One item as the wire gives it (a `ShouldAllowRequest` or a batch item).
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    key: &'a str,
+    cost: u64,
+    tenant: &'a str,
+    resource: &'a str,
+}
+
+impl<'a> From<&'a ShouldAllowRequest> for Asked<'a> {
+    fn from(r: &'a ShouldAllowRequest) -> Self {
+        Self {
+            key: &r.key,
+            cost: r.cost,
+            tenant: &r.tenant,
+            resource: &r.resource,
+        }
+    }
+}
+
+impl<'a> From<&'a BatchItem> for Asked<'a> {
+    fn from(r: &'a BatchItem) -> Self {
+        Self {
+            key: &r.key,
+            cost: r.cost,
+            tenant: &r.tenant,
+            resource: &r.resource,
+        }
+    }
+}
+
+/// Implements `tollgate.v1.RateLimiter` over the [`Engine`].
+#[derive(Clone)]
+pub struct RateLimiterService {
+    engine: Arc<Engine>,
+    limits: Arc<LiveLimits>,
+    unmatched: Unmatched,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl RateLimiterService {
+    /// The service deciding through `engine` by the rules in `limits`.
+    pub fn new(engine: Arc<Engine>, limits: Arc<LiveLimits>, unmatched: Unmatched) -> Self {
+        Self {
+            engine,
+            limits,
+            unmatched,
+            stop: None,
+        }
+    }
+
+    /// Ends open decision streams once `stop` turns true (at shutdown), so
+    /// that a graceful shutdown does not wait for sidecars to hang up.
+    pub fn with_shutdown(mut self, stop: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+
+    /// Decides the items of one request (one item, or a batch's) and
+    /// returns each item's answer with the rule that decided it.
+    async fn decide(
+        &self,
+        items: &[Asked<'_>],
+        batch: bool,
+        dry_run: bool,
+    ) -> Result<(engine::Answer, Vec<Option<Arc<Rule>>>), Status> {
+        let rules = self.limits.snapshot();
+        let mut line_rules: Vec<Arc<Rule>> = Vec::new();
+        let demand = self
+            .demand(&rules, items, batch, dry_run, &mut line_rules)
+            .map_err(|err| {
+                engine::refused(Api::Native, items.len());
+                status::from_decide_error(err)
+            })?;
+        let answer = self
+            .engine
+            .decide(&demand)
+            .await
+            .map_err(status::from_decide_error)?;
+        let deciders = answer
+            .items
+            .iter()
+            .map(|a| a.line.map(|l| line_rules[l].clone()))
+            .collect();
+        Ok((answer, deciders))
+    }
+
+    /// The demand: per item, a line for each rule that applies, in the
+    /// order [`RuleSet::applicable`] gives them.
+    fn demand<'a>(
+        &self,
+        rules: &'a RuleSet,
+        items: &[Asked<'a>],
+        batch: bool,
+        dry_run: bool,
+        line_rules: &mut Vec<Arc<Rule>>,
+    ) -> Result<Demand<'a>, DecideError> {
+        let field = |i: usize, name: &str| {
+            if batch {
+                format!("items[{i}].{name}")
+            } else {
+                name.to_owned()
+            }
+        };
+        caps::check_items("items", items.len())?;
+        let mut demand = Demand::new(Api::Native, !dry_run, OverCapacity::Invalid);
+        for (i, req) in items.iter().enumerate() {
+            if req.key.is_empty() {
+                return Err(DecideError::InvalidField(format!(
+                    "{} is empty; send the caller's API key, user id or IP address",
+                    field(i, "key")
+                )));
+            }
+            caps::check_key(|| field(i, "key"), req.key)?;
+            check_label_named(req.tenant, || field(i, "tenant"))
+                .map_err(DecideError::InvalidField)?;
+            check_label_named(req.resource, || field(i, "resource"))
+                .map_err(DecideError::InvalidField)?;
+            demand.items.push(Item {
+                tenant: req.tenant,
+                key: req.key,
+                cost: req.cost.max(1),
+            });
+            let mut matched = false;
+            for rule in rules.applicable(req.tenant, req.resource) {
+                matched = true;
+                let key = if rule.scope == Scope::Key {
+                    req.key
+                } else {
+                    ""
+                };
+                demand.lines.push(Line {
+                    item: i,
+                    bucket: BucketKey::new(req.tenant, rule.bucket_tag(), &rule.resource, key),
+                    allowance: Allowance::Limited(rule.limit),
+                    enforce: rule.mode == Mode::Enforce,
+                    on_store_unavailable: rule.on_store_unavailable,
+                    label: &rule.name,
+                });
+                line_rules.push(rule.clone());
+            }
+            if !matched && self.unmatched == Unmatched::Deny {
+                return Err(DecideError::NoRule {
+                    tenant: req.tenant.into(),
+                    resource: req.resource.into(),
+                });
+            }
+        }
+        Ok(demand)
+    }
+
+    async fn decide_one(
+        &self,
+        req: &ShouldAllowRequest,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<ShouldAllowResponse, Status> {
+        let span = traces::decision_span("ShouldAllow", metadata, &req.tenant, req.cost.max(1));
+        let (answer, rules) = self
+            .decide(&[Asked::from(req)], false, req.dry_run)
+            .instrument(span)
+            .await?;
+        Ok(to_response(&answer.items[0], rules[0].as_deref()))
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimiter for RateLimiterService {
+    type ShouldAllowStreamStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<StreamDecision, Status>> + Send>>;
+
+    async fn should_allow_stream(
+        &self,
+        request: Request<tonic::Streaming<ShouldAllowRequest>>,
+    ) -> Result<Response<Self::ShouldAllowStreamStream>, Status> {
+        let metadata = request.metadata().clone();
+        let mut inbound = request.into_inner();
+        let service = self.clone();
+        let mut stop = self.stop.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            let stopping = async {
+                match stop.as_mut() {
+                    Some(stop) => {
+                        let _ = stop.wait_for(|s| *s).await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(stopping);
+            // One at a time, in order: each answer is sent before the next
+            // message is read. At shutdown the stream ends between messages.
+            loop {
+                let next = tokio::select! {
+                    _ = &mut stopping => return,
+                    next = inbound.message() => next,
+                };
+                let message = match next {
+                    Ok(Some(message)) => message,
+                    Ok(None) => return,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                let answer = match service.decide_one(&message, &metadata).await {
+                    Ok(decision) => StreamDecision {
+                        decision: Some(decision),
+                        error_code: 0,
+                        error_message: String::new(),
+                    },
+                    Err(status) => StreamDecision {
+                        decision: None,
+                        error_code: status.code() as u32,
+                        error_message: status.message().to_owned(),
+                    },
+                };
+                if tx.send(Ok(answer)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn should_allow(
+        &self,
+        request: Request<ShouldAllowRequest>,
+    ) -> Result<Response<ShouldAllowResponse>, Status> {
+        self.decide_one(request.get_ref(), request.metadata())
+            .await
+            .map(Response::new)
+    }
+
+    async fn should_allow_batch(
+        &self,
+        request: Request<ShouldAllowBatchRequest>,
+    ) -> Result<Response<ShouldAllowBatchResponse>, Status> {
+        let req = request.get_ref();
+        let tenant = req.items.first().map_or("", |i| i.tenant.as_str());
+        let span = traces::decision_span(
+            "ShouldAllowBatch",
+            request.metadata(),
+            tenant,
+            req.items.len() as u64,
+        );
+        let items: Vec<Asked<'_>> = req.items.iter().map(Asked::from).collect();
+        let (answer, rules) = self
+            .decide(&items, true, req.dry_run)
+            .instrument(span)
+            .await?;
+        Ok(Response::new(ShouldAllowBatchResponse {
+            allowed: answer.allowed,
+            results: answer
+                .items
+                .iter()
+                .zip(&rules)
+                .map(|(a, r)| to_response(a, r.as_deref()))
+                .collect(),
+            retry_after: Some(duration(answer.retry_after)),
+        }))
+    }
+}
+
+fn degraded(answer: &ItemAnswer) -> Degraded {
+    match answer.degraded {
+        None => Degraded::None,
+        Some(OnStoreUnavailable::Allow) => Degraded::FailedOpen,
+        Some(OnStoreUnavailable::Deny) => Degraded::FailedClosed,
+        Some(OnStoreUnavailable::Local) => Degraded::Local,
+    }
+}
+
+/// Builds the response, including the HTTP header values.
+pub fn to_response(answer: &ItemAnswer, rule: Option<&Rule>) -> ShouldAllowResponse {
+    let Some(rule) = rule else {
+        // No rule applied: unlimited, so there is no budget to report.
+        return ShouldAllowResponse {
+            allowed: answer.allowed,
+            retry_after: Some(duration(0)),
+            reset_after: Some(duration(0)),
+            ..Default::default()
+        };
+    };
+    ShouldAllowResponse {
+        allowed: answer.allowed,
+        remaining: answer.remaining,
+        retry_after: Some(duration(answer.retry_after)),
+        reset_after: Some(duration(answer.reset_after)),
+        limit: rule.limit.burst(),
+        limit_name: rule.name.clone(),
+        shadow: answer.shadow,
+        headers: answer
+            .headers
+            .map(|h| h.pairs().map(|(k, v)| (k.to_owned(), v)).collect())
+            .unwrap_or_default(),
+        rate: rule.rate_text.clone(),
+        degraded: degraded(answer) as i32,
+    }
+}

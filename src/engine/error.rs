@@ -1,0 +1,59 @@
+//! Why a demand could not be decided. Being over the limit is not an
+//! error; it is an answer. `crate::api::status` turns these into gRPC
+//! statuses, for every API alike.
+
+use super::Api;
+use crate::store::StoreError;
+
+/// Why a demand could not be decided.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    /// A field is missing, too long or malformed. The message starts with
+    /// the field's name, such as `key`, `items[2].tenant` or
+    /// `descriptors[0].entries[1].value`.
+    #[error("{0}")]
+    InvalidField(String),
+    /// The request has too many or no items.
+    #[error("{0}")]
+    InvalidBatch(String),
+    /// The demand touches more buckets than one store call may.
+    #[error(
+        "the request touches more than {max} buckets; one decision may touch at most {max}, so split it{}",
+        match api { Api::Native => " into smaller batches", Api::Envoy => " (fewer descriptors)" }
+    )]
+    TooManyBuckets {
+        /// The API, for the advice.
+        api: Api,
+        /// The cap.
+        max: usize,
+    },
+    /// The request spends more than a rule's capacity: it could never pass.
+    #[error(
+        "cost {cost} of {what} exceeds the capacity (burst) {burst} of rule {rule:?}; \
+         it can never be allowed, so lower the cost or raise the rule's burst"
+    )]
+    CostExceedsCapacity {
+        /// `the request`, `items[i]`, or the items that share the bucket.
+        what: String,
+        /// The rule.
+        rule: String,
+        /// Its capacity.
+        burst: u64,
+        /// The cost asked for.
+        cost: u64,
+    },
+    /// No rule applies and the server refuses unlimited requests.
+    #[error(
+        "no limit applies to tenant {tenant:?} (resource {resource:?}) and this server refuses \
+         unlimited requests; add a row for the tenant or a default row (tenant '') to the limits table"
+    )]
+    NoRule {
+        /// The tenant.
+        tenant: String,
+        /// The resource.
+        resource: String,
+    },
+    /// The store failed and no fallback covered it.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}

@@ -1,0 +1,121 @@
+//! The store as the engine sees it: a backend wrapped in layers.
+//!
+//! A [`Layer`] applies one atomic decision like a [`Store`] does, but also
+//! knows each charge's store-unavailable policy and reports whether the
+//! answer came from a fallback. Each layer adds one behaviour by wrapping
+//! the next, and [`build`] composes them in one place:
+//!
+//! ```text
+//! DenyCache  ->  Fallback  ->  backend (memory, or Redis with its breaker)
+//! ```
+//!
+//! The deny cache answers buckets it knows are exhausted without a store
+//! call; the fallback answers by each rule's policy when the backend fails
+//! with a transient error. The Redis backend keeps its own circuit breaker
+//! and timeout around each Redis call (coalesced calls share them).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use super::deny_cache::DenyCache;
+use super::fallback::Fallback;
+use super::{BucketKey, MemoryStore, Outcome, PingFuture, Store, StoreError, StoreStatus};
+use crate::algorithm::Charge;
+use crate::clock::Clock;
+use crate::limits::OnStoreUnavailable;
+
+/// One atomic decision as the engine asks it.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// The buckets, each at most once.
+    pub buckets: &'a [BucketKey],
+    /// One charge per bucket.
+    pub charges: &'a [Charge],
+    /// One store-unavailable policy per bucket.
+    pub policies: &'a [OnStoreUnavailable],
+    /// False for a dry run.
+    pub spend: bool,
+}
+
+/// What a layered store answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// The verdicts.
+    pub outcome: Outcome,
+    /// True when the backend was unavailable and the verdicts follow each
+    /// charge's store-unavailable policy.
+    pub degraded: bool,
+}
+
+/// The future of [`Layer::apply`].
+pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Applied, StoreError>> + Send + 'a>>;
+
+/// A store, possibly wrapped: what the engine calls.
+pub trait Layer: Send + Sync + 'static {
+    /// Applies `request` as one atomic decision.
+    fn apply<'a>(&'a self, request: Request<'a>) -> LayerFuture<'a>;
+
+    /// Checks that the backend answers.
+    fn ping(&self) -> PingFuture<'_>;
+
+    /// Health and figures of the backend (and of the in-process buckets
+    /// of the local fallback).
+    fn status(&self) -> StoreStatus;
+}
+
+/// The bottom of the stack: a backend store.
+struct Backend(Arc<dyn Store>);
+
+impl Layer for Backend {
+    fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
+        let inner = self.0.apply(r.buckets, r.charges, r.spend);
+        Box::pin(async move {
+            Ok(Applied {
+                outcome: inner.await?,
+                degraded: false,
+            })
+        })
+    }
+
+    fn ping(&self) -> PingFuture<'_> {
+        self.0.ping()
+    }
+
+    fn status(&self) -> StoreStatus {
+        self.0.status()
+    }
+}
+
+/// The layers to put around a backend.
+pub struct Layers {
+    /// Decide by each rule's policy when the backend is unavailable; only
+    /// for a shared backend (the in-process one cannot be unavailable).
+    pub fallback: Option<Fallback>,
+    /// Answer recently rejected buckets locally (`--deny-cache`), holding
+    /// at most about this many buckets.
+    pub deny_cache: Option<usize>,
+}
+
+/// Composes the stack: the one place the layers are put together.
+pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> Arc<dyn Layer> {
+    let mut stack: Box<dyn Layer> = Box::new(Backend(backend));
+    if let Some(fallback) = layers.fallback {
+        stack = Box::new(fallback.wrap(stack));
+    }
+    if let Some(capacity) = layers.deny_cache {
+        stack = Box::new(DenyCache::new(clock, capacity).wrap(stack));
+    }
+    Arc::from(stack)
+}
+
+/// The in-process figures a status reports.
+pub(crate) fn memory_status(memory: &MemoryStore) -> super::MemoryFigures {
+    let (idle, capacity) = memory.evictions();
+    super::MemoryFigures {
+        buckets: memory.len(),
+        max_buckets: memory.max_buckets(),
+        evicted_idle: idle,
+        evicted_capacity: capacity,
+    }
+}
