@@ -6,7 +6,7 @@ decisions, several requests one after another (each all-or-nothing on its
 own, each seeing what the earlier ones wrote), all at the same instant.
 Every bucket of the call is read with one MGET before the first decision.
 
-The same arithmetic as src/bucket.rs (`decide`, `plan`) and src/bucket/window.rs
+The same arithmetic as src/algorithm/token_bucket.rs (`decide`), plan.rs (`plan`) and window.rs
 (fixed and sliding windows); the differential test in tests/redis_store.rs
 feeds both the same random sequences and requires identical answers.
 

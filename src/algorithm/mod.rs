@@ -237,6 +237,16 @@ impl Limit {
         })
     }
 
+    /// A fixed window of one per `window` µs, for a limit of zero: charged
+    /// with a cost above its capacity, it never admits.
+    pub fn blocking(window: Micros) -> Self {
+        Self {
+            algorithm: Algorithm::FixedWindow,
+            burst: 1,
+            interval: window.clamp(1_000_000, MAX_TOLERANCE),
+        }
+    }
+
     /// How this limit counts.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm

@@ -196,16 +196,6 @@ impl Engine {
         Self { store, clock, top }
     }
 
-    /// The store, for health and statistics.
-    pub fn store(&self) -> &Arc<dyn Layer> {
-        &self.store
-    }
-
-    /// The top-limited sketch.
-    pub fn top(&self) -> &Arc<TopLimited> {
-        &self.top
-    }
-
     /// Decides a demand: validates it, applies it to the store as one
     /// atomic step, and records what happened. Every error is counted once,
     /// as the `error` outcome of the demand's API.
@@ -221,11 +211,6 @@ impl Engine {
     async fn decide_inner(&self, demand: &Demand<'_>) -> Result<Answer, DecideError> {
         caps::check_demand(demand)?;
         let merged = merge(demand)?;
-        // A blocked enforced line rejects the whole demand: nothing is spent.
-        let blocked = demand
-            .lines
-            .iter()
-            .any(|l| l.enforce && matches!(l.allowance, Allowance::Blocked { .. }));
         let (outcome, degraded) = if merged.charges.is_empty() {
             (None, false)
         } else {
@@ -235,7 +220,7 @@ impl Engine {
                     buckets: &merged.buckets,
                     charges: &merged.charges,
                     policies: &merged.policies,
-                    spend: demand.spend && !blocked,
+                    spend: demand.spend,
                 })
                 .await?;
             (Some(applied.outcome), applied.degraded)
@@ -253,27 +238,25 @@ impl Engine {
             .lines
             .iter()
             .zip(&merged.line_charge)
-            .map(|(line, charge)| match (line.allowance, charge) {
-                (Allowance::Limited(_), Some(c)) => {
-                    outcome.as_ref().map(|o| o.verdicts[*c]).unwrap_or(Verdict {
-                        allowed: true,
+            .map(|(line, charge)| {
+                let verdict = charge.and_then(|c| outcome.as_ref().map(|o| o.verdicts[c]));
+                match (line.allowance, verdict) {
+                    (Allowance::Limited(_), Some(v)) => v,
+                    // A limit of zero never admits; its window ends on the
+                    // unit, as envoyproxy/ratelimit reports it.
+                    (Allowance::Blocked { window }, _) => Verdict {
+                        allowed: false,
                         remaining: 0,
+                        retry_after: Micros::MAX,
+                        reset_after: window.max(1) - now % window.max(1),
+                    },
+                    _ => Verdict {
+                        allowed: true,
+                        remaining: u64::MAX,
                         retry_after: 0,
                         reset_after: 0,
-                    })
+                    },
                 }
-                (Allowance::Blocked { window }, _) => Verdict {
-                    allowed: false,
-                    remaining: 0,
-                    retry_after: Micros::MAX,
-                    reset_after: window.max(1) - now % window.max(1),
-                },
-                _ => Verdict {
-                    allowed: true,
-                    remaining: u64::MAX,
-                    retry_after: 0,
-                    reset_after: 0,
-                },
             })
             .collect();
         Ok(summary::summarise(demand, lines, degraded))
@@ -353,11 +336,17 @@ fn merge(demand: &Demand<'_>) -> Result<Merged, DecideError> {
     };
     let mut index = summary::BucketIndex::default();
     for line in &demand.lines {
-        let Allowance::Limited(limit) = line.allowance else {
-            merged.line_charge.push(None);
-            continue;
+        let (limit, cost) = match line.allowance {
+            Allowance::Limited(limit) => (limit, demand.items[line.item].cost.min(caps::MAX_COST)),
+            // A limit of zero is a charge no bucket can hold: the store
+            // denies it like any cost above a capacity, so the demand is
+            // rejected in the same atomic step and nothing is spent.
+            Allowance::Blocked { window } => (Limit::blocking(window), caps::MAX_COST),
+            Allowance::Unlimited => {
+                merged.line_charge.push(None);
+                continue;
+            }
         };
-        let cost = demand.items[line.item].cost.min(caps::MAX_COST);
         let at = match index.find(&merged.buckets, &line.bucket) {
             Some(c) => {
                 let charge = &mut merged.charges[c];
@@ -386,6 +375,7 @@ fn merge(demand: &Demand<'_>) -> Result<Merged, DecideError> {
         };
         let charge = &merged.charges[at];
         if demand.over_capacity == OverCapacity::Invalid
+            && matches!(line.allowance, Allowance::Limited(_))
             && charge.enforce
             && charge.cost > limit.burst()
         {

@@ -26,7 +26,7 @@
 //! instances with skewed clocks agree. Tests can pin it with a [`Clock`].
 //!
 //! Every call has a timeout, and a [`Breaker`] stops calling a Redis that
-//! keeps failing; the limiter then applies each rule's store-unavailable
+//! keeps failing; the fallback layer (`super::fallback`) then applies each rule's store-unavailable
 //! policy.
 
 use std::sync::Arc;

@@ -67,15 +67,16 @@ impl SpaceSaving {
     /// Counts `weight` for `name`.
     pub fn add(&mut self, name: &str, weight: u64) {
         let count = if let Some(entry) = self.items.get_mut(name) {
-            entry.0 += weight;
+            entry.0 = entry.0.saturating_add(weight);
             entry.0
         } else if self.items.len() < self.capacity {
             self.items.insert(name.to_owned(), (weight, 0));
             weight
         } else {
             let min = self.pop_min();
-            self.items.insert(name.to_owned(), (min + weight, min));
-            min + weight
+            self.items
+                .insert(name.to_owned(), (min.saturating_add(weight), min));
+            min.saturating_add(weight)
         };
         self.heap.push(Reverse((count, name.to_owned())));
         if self.heap.len() > self.capacity * 4 {
