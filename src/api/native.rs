@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -35,6 +36,11 @@ pub enum Unmatched {
     /// Refuse it with FAILED_PRECONDITION.
     Deny,
 }
+
+/// The rule of each line of a demand (a single decision has one to four).
+type LineRules = SmallVec<[Arc<Rule>; 4]>;
+/// The rule that decided each item, if any.
+type Deciders = SmallVec<[Option<Arc<Rule>>; 1]>;
 
 /// One item as the wire gives it (a `ShouldAllowRequest` or a batch item).
 #[derive(Clone, Copy)]
@@ -101,9 +107,9 @@ impl RateLimiterService {
         items: &[Asked<'_>],
         batch: bool,
         dry_run: bool,
-    ) -> Result<(engine::Answer, Vec<Option<Arc<Rule>>>), Status> {
+    ) -> Result<(engine::Answer, Deciders), Status> {
         let rules = self.limits.snapshot();
-        let mut line_rules: Vec<Arc<Rule>> = Vec::new();
+        let mut line_rules = LineRules::new();
         let demand = self
             .demand(&rules, items, batch, dry_run, &mut line_rules)
             .map_err(|err| {
@@ -131,7 +137,7 @@ impl RateLimiterService {
         items: &[Asked<'a>],
         batch: bool,
         dry_run: bool,
-        line_rules: &mut Vec<Arc<Rule>>,
+        line_rules: &mut LineRules,
     ) -> Result<Demand<'a>, DecideError> {
         let field = |i: usize, name: &str| {
             if batch {
