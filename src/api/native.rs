@@ -107,18 +107,19 @@ impl RateLimiterService {
         items: &[Asked<'_>],
         batch: bool,
         dry_run: bool,
+        span: &tracing::Span,
     ) -> Result<(engine::Answer, Deciders), Status> {
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
         let demand = self
             .demand(&rules, items, batch, dry_run, &mut line_rules)
             .map_err(|err| {
-                engine::refused(Api::Native, items.len());
+                engine::refused(Api::Native, items.len(), span);
                 status::from_decide_error(err)
             })?;
         let answer = self
             .engine
-            .decide(&demand)
+            .decide(&demand, span)
             .await
             .map_err(status::from_decide_error)?;
         let deciders = answer
@@ -200,8 +201,8 @@ impl RateLimiterService {
     ) -> Result<ShouldAllowResponse, Status> {
         let span = traces::decision_span("ShouldAllow", metadata, &req.tenant, req.cost.max(1));
         let (answer, rules) = self
-            .decide(&[Asked::from(req)], false, req.dry_run)
-            .instrument(span)
+            .decide(&[Asked::from(req)], false, req.dry_run, &span)
+            .instrument(span.clone())
             .await?;
         Ok(to_response(&answer.items[0], rules[0].as_deref()))
     }
@@ -291,8 +292,8 @@ impl RateLimiter for RateLimiterService {
         );
         let items: Vec<Asked<'_>> = req.items.iter().map(Asked::from).collect();
         let (answer, rules) = self
-            .decide(&items, true, req.dry_run)
-            .instrument(span)
+            .decide(&items, true, req.dry_run, &span)
+            .instrument(span.clone())
             .await?;
         Ok(Response::new(ShouldAllowBatchResponse {
             allowed: answer.allowed,

@@ -199,11 +199,17 @@ impl Engine {
     /// Decides a demand: validates it, applies it to the store as one
     /// atomic step, and records what happened. Every error is counted once,
     /// as the `error` outcome of the demand's API.
-    pub async fn decide(&self, demand: &Demand<'_>) -> Result<Answer, DecideError> {
+    /// `span` is the API's decision span; its `outcome` and `rule` fields
+    /// are filled here (a disabled span costs nothing).
+    pub async fn decide(
+        &self,
+        demand: &Demand<'_>,
+        span: &tracing::Span,
+    ) -> Result<Answer, DecideError> {
         let result = self.decide_inner(demand).await;
         match &result {
-            Ok(answer) => self.record(demand, answer),
-            Err(_) => refused(demand.api, demand.items.len().max(1)),
+            Ok(answer) => self.record(demand, answer, span),
+            Err(_) => refused(demand.api, demand.items.len().max(1), span),
         }
         result
     }
@@ -265,7 +271,7 @@ impl Engine {
     /// Counts the answer's items by outcome and deciding rule (one counter
     /// update per run of equal items), records rejections in the
     /// top-limited sketch, and fills the current span's outcome.
-    fn record(&self, demand: &Demand<'_>, answer: &Answer) {
+    fn record(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
         let mut run: Option<(Outcome, &str, u64, u64)> = None;
         for (item, a) in demand.items.iter().zip(&answer.items) {
             let label = a.line.map_or("", |l| demand.lines[l].label);
@@ -288,7 +294,6 @@ impl Engine {
         if let Some((o, r, n, tokens)) = run {
             metrics::decisions(demand.api.label(), o, r, n, tokens);
         }
-        let span = tracing::Span::current();
         if !span.is_disabled() {
             let outcome = match answer.items.as_slice() {
                 [one] => one.outcome.label(),
@@ -307,9 +312,8 @@ impl Engine {
 /// as `n` decisions with the `error` outcome. Tokens asked for by a refused
 /// demand are not counted: they were never decided, and a hostile caller
 /// could make the sum wrap.
-pub fn refused(api: Api, n: usize) {
+pub fn refused(api: Api, n: usize, span: &tracing::Span) {
     metrics::decisions(api.label(), Outcome::Error, "", n as u64, 0);
-    let span = tracing::Span::current();
     if !span.is_disabled() {
         span.record("outcome", Outcome::Error.label());
     }

@@ -92,8 +92,7 @@ impl RateLimitService for EnvoyRateLimitService {
             request_hits,
         );
         let refuse = |err: DecideError| {
-            let _entered = span.enter();
-            engine::refused(Api::Envoy, req.descriptors.len());
+            engine::refused(Api::Envoy, req.descriptors.len(), &span);
             status::from_decide_error(err)
         };
         check(req).map_err(refuse)?;
@@ -137,7 +136,7 @@ impl RateLimitService for EnvoyRateLimitService {
         }
         let answer = self
             .engine
-            .decide(&demand)
+            .decide(&demand, &span)
             .instrument(span.clone())
             .await
             .map_err(status::from_decide_error)?;
@@ -230,6 +229,9 @@ impl EnvoyRateLimitService {
             .flatten()
             .flat_map(|(m, _)| m.rule.replaces.iter().cloned())
             .collect();
+        if replaced.is_empty() {
+            return Ok(matched);
+        }
         for found in &mut matched {
             if found
                 .as_ref()
