@@ -4,17 +4,15 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
 use common::TestServer;
+use common::envoy::{ask, config_dir, descriptor, header, request_in, start};
 use tollgate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use tollgate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
-    Entry, RateLimitOverride,
-};
+use tollgate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use tollgate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tollgate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::transport::Channel;
 
 /// The test clock's T0 is 20 s into a minute.
@@ -51,48 +49,8 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 2, algorithm: sliding_window}
 ";
 
-async fn start(dir: &Path, shadow: bool) -> TestServer {
-    let dir = dir.to_owned();
-    TestServer::launch(None, move |c| {
-        c.envoy_config = Some(dir);
-        c.envoy_options.shadow_mode = shadow;
-    })
-    .await
-}
-
-fn config_dir(text: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("edge.yaml"), text).unwrap();
-    dir
-}
-
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry {
-                key: k.to_string(),
-                value: v.to_string(),
-            })
-            .collect(),
-        limit: None,
-        hits_addend: None,
-    }
-}
-
 fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: "edge".into(),
-        descriptors,
-        hits_addend: 0,
-    }
-}
-
-async fn ask(
-    client: &mut RateLimitServiceClient<Channel>,
-    r: RateLimitRequest,
-) -> RateLimitResponse {
-    client.should_rate_limit(r).await.unwrap().into_inner()
+    request_in("edge", descriptors)
 }
 
 async fn one(
@@ -101,13 +59,6 @@ async fn one(
 ) -> (Code, DescriptorStatus) {
     let r = ask(client, request(vec![descriptor(entries)])).await;
     (r.overall_code(), r.statuses[0].clone())
-}
-
-fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
-    r.response_headers_to_add
-        .iter()
-        .find(|h| h.key == name)
-        .map(|h| h.value.as_str())
 }
 
 #[tokio::test]

@@ -5,19 +5,13 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
 use common::TestServer;
+use common::envoy::{ask, client, config_dir, descriptor, refused, request_in, start, with_limit};
 use tollgate::engine::caps;
 use tollgate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use tollgate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
-    Entry, RateLimitOverride,
-};
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tollgate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use tonic::transport::Channel;
 
 /// The test clock's T0 is 20 s into a minute, on a whole second.
 const INTO_MINUTE: u64 = 20;
@@ -33,85 +27,15 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 0, name: closed-for-now}
 ";
 
-async fn start(dir: &Path) -> TestServer {
-    let dir = dir.to_owned();
-    TestServer::launch(None, move |c| c.envoy_config = Some(dir)).await
-}
-
-fn config_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("edge.yaml"), CONFIG).unwrap();
-    dir
-}
-
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry {
-                key: k.to_string(),
-                value: v.to_string(),
-            })
-            .collect(),
-        limit: None,
-        hits_addend: None,
-    }
-}
-
-fn with_limit(entries: &[(&str, &str)], requests_per_unit: u32, unit: i32) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        limit: Some(RateLimitOverride {
-            requests_per_unit,
-            unit,
-        }),
-        ..descriptor(entries)
-    }
-}
-
-fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors,
-        hits_addend: 0,
-    }
-}
-
-async fn ask(
-    client: &mut RateLimitServiceClient<Channel>,
-    r: RateLimitRequest,
-) -> RateLimitResponse {
-    client.should_rate_limit(r).await.unwrap().into_inner()
-}
-
-async fn refused(
-    client: &mut RateLimitServiceClient<Channel>,
-    r: RateLimitRequest,
-) -> tonic::Status {
-    let status = client.should_rate_limit(r).await.unwrap_err();
-    assert_eq!(
-        status.code(),
-        tonic::Code::InvalidArgument,
-        "{}",
-        status.message()
-    );
-    status
-}
-
-fn client_for(channel: Channel) -> RateLimitServiceClient<Channel> {
-    RateLimitServiceClient::new(channel)
-        .max_encoding_message_size(4 << 20)
-        .max_decoding_message_size(4 << 20)
-}
-
 #[tokio::test]
 async fn oversized_values_and_too_many_descriptors_or_entries_are_invalid() {
-    let dir = config_dir();
-    let server = start(dir.path()).await;
-    let mut client = client_for(server.channel().await);
+    let dir = config_dir(CONFIG);
+    let server = start(dir.path(), false).await;
+    let mut client = client(server.channel().await);
     let big = "v".repeat(1_000_000);
     let status = refused(
         &mut client,
-        request("edge", vec![descriptor(&[("remote_address", &big)])]),
+        request_in("edge", vec![descriptor(&[("remote_address", &big)])]),
     )
     .await;
     assert_eq!(
@@ -120,7 +44,7 @@ async fn oversized_values_and_too_many_descriptors_or_entries_are_invalid() {
     );
     let status = refused(
         &mut client,
-        request(
+        request_in(
             "edge",
             vec![
                 descriptor(&[("remote_address", "a")]),
@@ -135,21 +59,21 @@ async fn oversized_values_and_too_many_descriptors_or_entries_are_invalid() {
     );
     // Short descriptors, so that 50 000 fit in one message.
     let many = vec![descriptor(&[("r", "1")]); 50_000];
-    let status = refused(&mut client, request("edge", many)).await;
+    let status = refused(&mut client, request_in("edge", many)).await;
     assert_eq!(
         status.message(),
         "descriptors has 50000 entries; at most 1000 are allowed, so split the request"
     );
     let deep: Vec<(String, String)> = (0..17).map(|i| (format!("k{i}"), "v".into())).collect();
     let deep: Vec<(&str, &str)> = deep.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let status = refused(&mut client, request("edge", vec![descriptor(&deep)])).await;
+    let status = refused(&mut client, request_in("edge", vec![descriptor(&deep)])).await;
     assert_eq!(
         status.message(),
         "descriptors[0].entries has 17 entries; at most 16 are allowed"
     );
     let status = refused(
         &mut client,
-        request(
+        request_in(
             &"d".repeat(129),
             vec![descriptor(&[("remote_address", "a")])],
         ),
@@ -162,7 +86,7 @@ async fn oversized_values_and_too_many_descriptors_or_entries_are_invalid() {
     // Nothing above was charged: the address still has all 3.
     let r = ask(
         &mut client,
-        request("edge", vec![descriptor(&[("remote_address", "a")])]),
+        request_in("edge", vec![descriptor(&[("remote_address", "a")])]),
     )
     .await;
     assert_eq!(r.statuses[0].limit_remaining, 2);
@@ -171,20 +95,20 @@ async fn oversized_values_and_too_many_descriptors_or_entries_are_invalid() {
 
 #[tokio::test]
 async fn hits_that_overflow_when_summed_are_never_admitted() {
-    let dir = config_dir();
-    let server = start(dir.path()).await;
-    let mut client = client_for(server.channel().await);
+    let dir = config_dir(CONFIG);
+    let server = start(dir.path(), false).await;
+    let mut client = client(server.channel().await);
     let with_hits = |hits: u64| RateLimitDescriptor {
         hits_addend: Some(hits),
         ..descriptor(&[("remote_address", "x")])
     };
     // Exhaust the key, then send hits that wrap to 0 when added in u64.
     for _ in 0..3 {
-        ask(&mut client, request("edge", vec![with_hits(1)])).await;
+        ask(&mut client, request_in("edge", vec![with_hits(1)])).await;
     }
     let r = ask(
         &mut client,
-        request("edge", vec![with_hits(u64::MAX), with_hits(1)]),
+        request_in("edge", vec![with_hits(u64::MAX), with_hits(1)]),
     )
     .await;
     assert_eq!(r.overall_code(), Code::OverLimit);
@@ -200,11 +124,11 @@ async fn hits_that_overflow_when_summed_are_never_admitted() {
     };
     let r = ask(
         &mut client,
-        request("edge", vec![fresh(u64::MAX), fresh(1)]),
+        request_in("edge", vec![fresh(u64::MAX), fresh(1)]),
     )
     .await;
     assert_eq!(r.overall_code(), Code::OverLimit);
-    let r = ask(&mut client, request("edge", vec![fresh(1)])).await;
+    let r = ask(&mut client, request_in("edge", vec![fresh(1)])).await;
     assert_eq!(
         (r.overall_code(), r.statuses[0].limit_remaining),
         (Code::Ok, 2)
@@ -214,13 +138,13 @@ async fn hits_that_overflow_when_summed_are_never_admitted() {
 
 #[tokio::test]
 async fn generous_zero_and_malformed_overrides() {
-    let dir = config_dir();
-    let server = start(dir.path()).await;
-    let mut client = client_for(server.channel().await);
+    let dir = config_dir(CONFIG);
+    let server = start(dir.path(), false).await;
+    let mut client = client(server.channel().await);
     // 200 000 a year is a limit like any other, not a block.
     let r = ask(
         &mut client,
-        request("edge", vec![with_limit(&[("tier", "big")], 200_000, 6)]),
+        request_in("edge", vec![with_limit(&[("tier", "big")], 200_000, 6)]),
     )
     .await;
     assert_eq!(r.overall_code(), Code::Ok);
@@ -235,7 +159,7 @@ async fn generous_zero_and_malformed_overrides() {
     for unit in [0, 8, -1] {
         let status = refused(
             &mut client,
-            request("edge", vec![with_limit(&[("tier", "x")], 10, unit)]),
+            request_in("edge", vec![with_limit(&[("tier", "x")], 10, unit)]),
         )
         .await;
         assert_eq!(
@@ -251,7 +175,7 @@ async fn generous_zero_and_malformed_overrides() {
     // of the current unit window, as envoyproxy/ratelimit answers.
     let r = ask(
         &mut client,
-        request("edge", vec![with_limit(&[("tier", "none")], 0, 2)]),
+        request_in("edge", vec![with_limit(&[("tier", "none")], 0, 2)]),
     )
     .await;
     assert_eq!(r.overall_code(), Code::OverLimit);
@@ -271,7 +195,7 @@ async fn generous_zero_and_malformed_overrides() {
     server.clock.advance(Duration::from_millis(250));
     let r = ask(
         &mut client,
-        request("edge", vec![descriptor(&[("banned", "b")])]),
+        request_in("edge", vec![descriptor(&[("banned", "b")])]),
     )
     .await;
     let s = &r.statuses[0];
@@ -303,7 +227,7 @@ async fn generous_zero_and_malformed_overrides() {
     // A zero beside a limit with room: the other descriptor is not charged.
     let r = ask(
         &mut client,
-        request(
+        request_in(
             "edge",
             vec![
                 descriptor(&[("remote_address", "z")]),
@@ -326,7 +250,7 @@ async fn generous_zero_and_malformed_overrides() {
     // envoyproxy/ratelimit ignores the whole domain.
     let r = ask(
         &mut client,
-        request("elsewhere", vec![with_limit(&[("tier", "x")], 0, 1)]),
+        request_in("elsewhere", vec![with_limit(&[("tier", "x")], 0, 1)]),
     )
     .await;
     assert_eq!(r.overall_code(), Code::Ok);
@@ -345,7 +269,7 @@ async fn one_redis_script_call_never_carries_more_than_the_bucket_cap() {
         "--slowlog-max-len",
         "100000",
     ]);
-    let dir = config_dir();
+    let dir = config_dir(CONFIG);
     let path = dir.path().to_owned();
     let url = redis.url();
     let server = TestServer::launch(None, move |c| {
@@ -356,14 +280,14 @@ async fn one_redis_script_call_never_carries_more_than_the_bucket_cap() {
         c.store_timeout = Duration::from_secs(10);
     })
     .await;
-    let mut client = client_for(server.channel().await);
+    let mut client = client(server.channel().await);
     let many = |n: usize, tag: &str| {
         (0..n)
             .map(|i| descriptor(&[("remote_address", &format!("{tag}-{i}"))]))
             .collect::<Vec<_>>()
     };
     let flood = vec![descriptor(&[("r", "1")]); 50_000];
-    let status = refused(&mut client, request("edge", flood)).await;
+    let status = refused(&mut client, request_in("edge", flood)).await;
     assert!(
         status
             .message()
@@ -372,7 +296,11 @@ async fn one_redis_script_call_never_carries_more_than_the_bucket_cap() {
         status.message()
     );
     // The most a request may carry goes through, in one call.
-    let r = ask(&mut client, request("edge", many(caps::MAX_ITEMS, "full"))).await;
+    let r = ask(
+        &mut client,
+        request_in("edge", many(caps::MAX_ITEMS, "full")),
+    )
+    .await;
     assert_eq!(r.overall_code(), Code::Ok);
     assert!(r.statuses.iter().all(|s| s.limit_remaining == 2));
 
