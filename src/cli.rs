@@ -1,6 +1,6 @@
 //! The command line: `serve` (in `serve`), `limits` (in `limits`), and the
-//! commands that talk to a running server, `check`, `top`, `health` and
-//! `bench` (in `client`). This file holds the command tree, the parsing of
+//! commands that talk to a running server, `check`, `top` and `health` (in
+//! `client`). The load tool is a binary of its own (`bench/`). This file holds the command tree, the parsing of
 //! a `serve --config` file, and the value parsers the flags share.
 //!
 //! Every `serve` flag also reads an environment variable (`TOLLGATE_…`);
@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-pub use client::{BenchArgs, CheckArgs, TopArgs, bench, check, health, top};
+pub use client::{CheckArgs, TopArgs, check, health, top};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use serve::ServeArgs;
 
@@ -57,20 +57,6 @@ pub enum Command {
     Check(CheckArgs),
     /// Show the most limited tenants of a running server, refreshing in place.
     Top(TopArgs),
-    /// Drive a running server with load and report throughput and latency.
-    Bench(BenchArgs),
-    /// Serve a RateLimiter whose handlers do nothing: the ceiling `bench`
-    /// compares the real service against.
-    #[command(hide = true)]
-    BenchEmptyServer {
-        /// gRPC listen address.
-        #[arg(long, default_value = "127.0.0.1:50052")]
-        grpc_addr: std::net::SocketAddr,
-        /// Keep tokio's LIFO slot, as `serve --runtime-lifo-slot` does (so
-        /// that a comparison runs both servers on the same runtime).
-        #[arg(long)]
-        runtime_lifo_slot: bool,
-    },
     /// Ask a running server's gRPC health service; exit 0 when serving (for
     /// container health checks).
     Health {

@@ -14,11 +14,10 @@
 //!
 //! `server` wires them together; `proto` is the wire contract; `telemetry`
 //! holds metrics, traces and the top-limited sketch; `cli` is the command
-//! line of the binary.
+//! line of the binary. The load tool lives in its own crate, `bench/`.
 
 pub mod algorithm;
 pub mod api;
-pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod engine;

@@ -33,9 +33,6 @@ fn main() -> ExitCode {
     };
     let (workers, keep_lifo_slot) = match &cli.command {
         Command::Serve(args) => (usize::from(args.worker_threads), args.runtime_lifo_slot),
-        Command::BenchEmptyServer {
-            runtime_lifo_slot, ..
-        } => (0, *runtime_lifo_slot),
         _ => (0, false),
     };
     let runtime = match tollgate::runtime::build(workers, keep_lifo_slot) {
@@ -77,15 +74,6 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Check(args) => cli::check(args).await?,
         Command::Top(args) => cli::top(args).await?,
         Command::Health { server, service } => cli::health(server, service).await?,
-        Command::Bench(args) => cli::bench(args).await?,
-        Command::BenchEmptyServer { grpc_addr, .. } => {
-            let listener = tokio::net::TcpListener::bind(grpc_addr).await?;
-            eprintln!(
-                "empty RateLimiter listening grpc={}",
-                listener.local_addr()?
-            );
-            tollgate::bench::serve_empty(listener).await?;
-        }
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! The commands that talk to a running server over gRPC: `check`, `top`,
-//! `health`, and the load tool `bench`.
+//! `health`.
 
 use std::time::Duration;
 
@@ -219,97 +219,4 @@ pub async fn health(server: String, service: String) -> anyhow::Result<()> {
     } else {
         anyhow::bail!("not serving")
     }
-}
-
-/// `tollgate bench`.
-#[derive(Debug, Args)]
-pub struct BenchArgs {
-    /// The server's gRPC address.
-    #[arg(
-        long,
-        env = "TOLLGATE_SERVER",
-        default_value = "http://127.0.0.1:50051"
-    )]
-    pub server: String,
-    /// Which API to drive.
-    #[arg(long, value_enum, default_value = "native")]
-    pub api: crate::bench::Api,
-    /// Items per call with --api batch.
-    #[arg(long, default_value_t = 100)]
-    pub batch: usize,
-    /// HTTP/2 connections to spread the calls over.
-    #[arg(long, default_value_t = 4)]
-    pub connections: usize,
-    /// Calls in flight (closed loop), or workers sending on schedule (open loop).
-    #[arg(long, default_value_t = 64)]
-    pub concurrency: usize,
-    /// Open loop: this many calls per second on a fixed schedule; latency is
-    /// measured from each call's scheduled time.
-    #[arg(long)]
-    pub rate: Option<u64>,
-    /// How long to run.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
-    pub duration: Duration,
-    /// Distinct keys.
-    #[arg(long, default_value_t = 10_000)]
-    pub keys: u64,
-    /// Key distribution: uniform, zipf or zipf:EXPONENT.
-    #[arg(long, default_value = "uniform")]
-    pub distribution: crate::bench::Distribution,
-    /// Tenant (native) or domain (Envoy) of the calls.
-    #[arg(long, default_value = "bench")]
-    pub tenant: String,
-    /// Resource of the native, batch and stream calls (none by default).
-    #[arg(long, default_value = "")]
-    pub resource: String,
-    /// PID of the server, to report its CPU time per decision.
-    #[arg(long)]
-    pub server_pid: Option<u32>,
-    /// No per-second progress line.
-    #[arg(long)]
-    pub quiet: bool,
-}
-
-/// Runs `bench`.
-pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let server_before = args.server_pid.and_then(crate::bench::cpu_time);
-    let client_before = crate::bench::cpu_time(std::process::id());
-    let summary = crate::bench::run(crate::bench::LoadOptions {
-        server: args.server.clone(),
-        api: args.api,
-        batch: args.batch,
-        connections: args.connections,
-        concurrency: args.concurrency,
-        rate: args.rate,
-        duration: args.duration,
-        keys: args.keys,
-        distribution: args.distribution,
-        tenant: args.tenant.clone(),
-        resource: args.resource.clone(),
-        progress: !args.quiet,
-    })
-    .await
-    .map_err(anyhow::Error::msg)?;
-    outln!("{}", summary.render());
-    let cpu_line = |who: &str, before: Option<Duration>, after: Option<Duration>| {
-        if let (Some(before), Some(after)) = (before, after) {
-            let cpu = after.saturating_sub(before).as_secs_f64();
-            outln!(
-                "{who} CPU: {cpu:.2} s  = {:.2} µs per call, {:.3} µs per decision",
-                cpu * 1e6 / summary.calls.max(1) as f64,
-                cpu * 1e6 / summary.decisions.max(1) as f64
-            );
-        }
-    };
-    cpu_line(
-        "server",
-        server_before,
-        args.server_pid.and_then(crate::bench::cpu_time),
-    );
-    cpu_line(
-        "client",
-        client_before,
-        crate::bench::cpu_time(std::process::id()),
-    );
-    Ok(())
 }

@@ -1,5 +1,4 @@
-//! `tollgate bench`: a load generator for the gRPC APIs, and the empty
-//! server it is compared against.
+//! The load generator for the gRPC APIs.
 //!
 //! Closed loop: `concurrency` requests in flight, each sent as soon as the
 //! previous answered; throughput is what the server sustains. Open loop:
@@ -7,9 +6,6 @@
 //! answers do, and each latency is measured from the moment the request was
 //! *due*, not when it was sent, so a stalled server shows up as latency
 //! instead of silently lowering the load (coordinated omission).
-
-mod empty;
-mod verdicts;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,15 +16,14 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use crate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
-use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use crate::proto::v1::rate_limiter_client::RateLimiterClient;
-use crate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision};
+use tollgate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use tollgate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use tollgate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision};
 
-pub use empty::{EmptyRateLimiter, serve_empty};
-use verdicts::{BatchVerdicts, Verdict};
+use crate::verdicts::{self, BatchVerdicts, Verdict};
 
 /// Which API to drive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

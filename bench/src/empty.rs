@@ -1,0 +1,112 @@
+//! The empty server `tollgate-bench run` compares Tollgate against
+//! (`tollgate-bench empty-server`): Tollgate's own API and Envoy's, with
+//! handlers that do nothing.
+
+use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use tollgate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tollgate::proto::v1::{ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse};
+
+/// A `tollgate.v1.RateLimiter` whose handlers do nothing: the ceiling the
+/// real service is compared against, served by the same tonic stack.
+pub struct EmptyRateLimiter;
+
+#[tonic::async_trait]
+impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter {
+    async fn should_allow(
+        &self,
+        _: tonic::Request<ShouldAllowRequest>,
+    ) -> Result<tonic::Response<ShouldAllowResponse>, tonic::Status> {
+        Ok(tonic::Response::new(ShouldAllowResponse {
+            allowed: true,
+            ..Default::default()
+        }))
+    }
+
+    type ShouldAllowStreamStream = std::pin::Pin<
+        Box<
+            dyn tokio_stream::Stream<
+                    Item = Result<tollgate::proto::v1::StreamDecision, tonic::Status>,
+                > + Send,
+        >,
+    >;
+
+    async fn should_allow_stream(
+        &self,
+        request: tonic::Request<tonic::Streaming<ShouldAllowRequest>>,
+    ) -> Result<tonic::Response<Self::ShouldAllowStreamStream>, tonic::Status> {
+        use tokio_stream::StreamExt;
+        let answers = request.into_inner().map(|m| {
+            m.map(|_| tollgate::proto::v1::StreamDecision {
+                decision: Some(ShouldAllowResponse {
+                    allowed: true,
+                    ..Default::default()
+                }),
+                error_code: 0,
+                error_message: String::new(),
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(answers)))
+    }
+
+    async fn should_allow_batch(
+        &self,
+        request: tonic::Request<ShouldAllowBatchRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::ShouldAllowBatchResponse>, tonic::Status> {
+        let n = request.get_ref().items.len();
+        Ok(tonic::Response::new(
+            tollgate::proto::v1::ShouldAllowBatchResponse {
+                allowed: true,
+                results: vec![
+                    ShouldAllowResponse {
+                        allowed: true,
+                        ..Default::default()
+                    };
+                    n
+                ],
+                retry_after: None,
+            },
+        ))
+    }
+}
+
+/// Envoy's `RateLimitService` whose handler does nothing: every descriptor
+/// OK, so `run --api envoy` has the same ceiling to compare against.
+pub struct EmptyEnvoy;
+
+#[tonic::async_trait]
+impl RateLimitService for EmptyEnvoy {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        let n = request.get_ref().descriptors.len();
+        Ok(tonic::Response::new(RateLimitResponse {
+            overall_code: Code::Ok as i32,
+            statuses: vec![
+                DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                };
+                n
+            ],
+            ..Default::default()
+        }))
+    }
+}
+
+/// Serves [`EmptyRateLimiter`] and [`EmptyEnvoy`] on `listener` until the process ends: the
+/// same accept path and socket options as `tollgate serve`, and none of its
+/// layers (limits, timeout, metrics), whose cost counts against Tollgate.
+pub async fn serve_empty(listener: tokio::net::TcpListener) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(tollgate::api::native::RateLimiterServer::new(
+            EmptyRateLimiter,
+        ))
+        .add_service(RateLimitServiceServer::new(EmptyEnvoy))
+        .serve_with_incoming(tollgate::server::accepted(listener))
+        .await
+}
