@@ -34,7 +34,7 @@ use clap::{Args, Parser, Subcommand};
 
 pub use client::{CheckArgs, TopArgs, check, health, top};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
-pub use serve::ServeArgs;
+pub use serve::{Process, Serve, ServeArgs};
 
 /// Tollgate: a rate-limit decision service.
 #[derive(Debug, Parser)]
@@ -78,82 +78,35 @@ pub enum Command {
 pub struct LimitsLocation {
     /// The limits table: a SQLite file path or `sqlite:` URL, or a
     /// `postgres://` URL (created and seeded when missing).
-    #[arg(long, env = "TOLLGATE_LIMITS", default_value = "tollgate-limits.db")]
+    #[arg(long, env = "TOLLGATE_LIMITS", default_value = crate::limits::table::DEFAULT_LOCATION)]
     pub limits: String,
 }
 
-/// Parses the command line, filling `serve` options that neither a flag nor
-/// the environment set from the `--config` file.
-pub fn parse() -> Result<Cli, String> {
-    use clap::parser::ValueSource;
+/// Parses the command line. `serve --help` shows each option's default,
+/// read from the one place defaults are written (see [`serve`]).
+pub fn parse() -> Result<Cli, clap::Error> {
     use clap::{CommandFactory, FromArgMatches};
 
-    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let matches = Cli::command()
-        .try_get_matches_from(&args)
-        .map_err(|e| e.to_string())?;
-    let Some(serve) = matches.subcommand_matches("serve") else {
-        return Cli::from_arg_matches(&matches).map_err(|e| e.to_string());
+    let defaults = match serde_json::to_value(ServeArgs::defaults()) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => Default::default(),
     };
-    let Some(path) = serve.get_one::<std::path::PathBuf>("config") else {
-        return Cli::from_arg_matches(&matches).map_err(|e| e.to_string());
-    };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("config file {}: {e}", path.display()))?;
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e| format!("config file {}: {e}", path.display()))?;
-    let known: Vec<String> = Cli::command()
-        .find_subcommand("serve")
-        .map(|c| c.get_arguments().map(|a| a.get_id().to_string()).collect())
-        .unwrap_or_default();
-    let mut extra: Vec<std::ffi::OsString> = Vec::new();
-    for (key, value) in &table {
-        if key == "config" || !known.contains(key) {
-            let mut valid: Vec<&str> = known
-                .iter()
-                .map(String::as_str)
-                .filter(|k| *k != "config")
-                .collect();
-            valid.sort_unstable();
-            return Err(format!(
-                "config file {}: unknown option {key:?}; known options: {}",
-                path.display(),
-                valid.join(", ")
-            ));
+    let command = Cli::command().mut_subcommand("serve", |mut serve| {
+        for (name, value) in &defaults {
+            let shown = match value {
+                serde_json::Value::Null => continue,
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            serve = serve.mut_arg(name, |arg| {
+                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                arg.help(format!("{help} [default: {shown}]"))
+            });
         }
-        // Flags and the environment win over the file.
-        if matches!(
-            serve.value_source(key),
-            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-        ) {
-            continue;
-        }
-        let flag = format!("--{}", key.replace('_', "-"));
-        match value {
-            toml::Value::Boolean(true) if key != "envoy_response_headers" => {
-                extra.push(flag.into())
-            }
-            toml::Value::Boolean(false) if key != "envoy_response_headers" => {}
-            toml::Value::String(s) => extra.extend([flag.into(), s.into()]),
-            toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_) => {
-                extra.extend([flag.into(), value.to_string().into()])
-            }
-            other => {
-                return Err(format!(
-                    "config file {}: {key} must be a string, number or boolean, not {}",
-                    path.display(),
-                    other.type_str()
-                ));
-            }
-        }
-    }
-    let mut all = args;
-    all.extend(extra);
-    let matches = Cli::command()
-        .try_get_matches_from(all)
-        .map_err(|e| format!("config file {}: {e}", path.display()))?;
-    Cli::from_arg_matches(&matches).map_err(|e| e.to_string())
+        serve
+    });
+    let matches = command.try_get_matches()?;
+    Cli::from_arg_matches(&matches)
 }
 
 /// Parses a ratio in [0, 1].

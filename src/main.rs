@@ -4,8 +4,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
-use tollgate::cli::{self, Cli, Command};
+use tollgate::cli::{self, Cli, Command, Serve};
 use tollgate::clock::SystemClock;
 use tollgate::server::{self, Listeners};
 use tollgate::telemetry::{self, LogFormat};
@@ -18,23 +17,26 @@ use tollgate::telemetry::{self, LogFormat};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = match cli::parse() {
-        Ok(cli) => cli,
-        Err(message) => {
-            // clap's own messages (including --help and --version) print as is.
-            match Cli::try_parse() {
-                Err(e) => e.exit(),
-                Ok(_) => {
-                    eprintln!("error: {message}");
-                    return ExitCode::FAILURE;
-                }
+    // clap's own messages (including --help and --version) print as is.
+    let cli = cli::parse().unwrap_or_else(|e| e.exit());
+    // `serve`'s options: flags, environment and config file, resolved
+    // before the runtime starts (its size is one of them).
+    let serve = match &cli.command {
+        Command::Serve(args) => match args.resolve() {
+            Ok(serve) => Some(serve),
+            Err(message) => {
+                eprintln!("error: {message}");
+                return ExitCode::FAILURE;
             }
-        }
+        },
+        _ => None,
     };
-    let (workers, keep_lifo_slot) = match &cli.command {
-        Command::Serve(args) => (usize::from(args.worker_threads), args.runtime_lifo_slot),
-        _ => (0, false),
-    };
+    let (workers, keep_lifo_slot) = serve.as_ref().map_or((0, false), |s| {
+        (
+            usize::from(s.process.worker_threads),
+            s.process.runtime_lifo_slot,
+        )
+    });
     let runtime = match tollgate::runtime::build(workers, keep_lifo_slot) {
         Ok(runtime) => runtime,
         Err(err) => {
@@ -42,7 +44,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli)) {
+    match runtime.block_on(dispatch(cli, serve)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
@@ -51,20 +53,20 @@ fn main() -> ExitCode {
     }
 }
 
-async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(args) => {
+        Command::Serve(_) => {
+            let Serve { process, config } = serve.expect("resolved in main");
             let traces = if telemetry::traces::configured() {
                 Some(
-                    telemetry::traces::provider(args.trace_sample_ratio)
+                    telemetry::traces::provider(process.trace_sample_ratio)
                         .map_err(anyhow::Error::msg)?,
                 )
             } else {
                 None
             };
-            let _flush_traces_at_exit = telemetry::init(args.log_format, traces);
-            let config = args.config().map_err(anyhow::Error::msg)?;
-            let listeners = Listeners::bind(args.grpc_addr, args.admin_addr).await?;
+            let _flush_traces_at_exit = telemetry::init(process.log_format, traces);
+            let listeners = Listeners::bind(process.grpc_addr, process.admin_addr).await?;
             server::run(config, listeners, Arc::new(SystemClock), shutdown_signal()).await?;
         }
         Command::Limits(command) => {

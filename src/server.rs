@@ -116,19 +116,23 @@ pub struct ServeConfig {
 }
 
 impl Default for ServeConfig {
+    /// The defaults of `tollgate serve`, written here once (the Redis ones
+    /// in [`RedisConfig::new`], the gRPC ones in [`GrpcLimits::default`],
+    /// the Envoy ones in [`EnvoyOptions::default`]).
     fn default() -> Self {
+        let redis = RedisConfig::new(String::new());
         Self {
-            limits: "tollgate-limits.db".into(),
+            limits: crate::limits::table::DEFAULT_LOCATION.into(),
             store: StoreSpec::Memory,
             reload_interval: Duration::from_secs(1),
             sweep_interval: Duration::from_secs(10),
             max_buckets: 1_000_000,
             unmatched: Unmatched::Allow,
-            redis_prefix: "tollgate:".into(),
-            redis_coalesce: 64,
-            store_timeout: Duration::from_millis(100),
-            breaker_threshold: 5,
-            breaker_cooldown: Duration::from_secs(1),
+            redis_prefix: redis.prefix,
+            redis_coalesce: redis.coalesce,
+            store_timeout: redis.timeout,
+            breaker_threshold: redis.breaker_threshold,
+            breaker_cooldown: redis.breaker_cooldown,
             local_fraction: 1.0,
             redis_ca_cert: None,
             envoy_config: None,

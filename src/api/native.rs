@@ -27,7 +27,17 @@ use crate::telemetry::traces;
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
 
 /// What to do with a request no rule applies to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Unmatched {
     /// Admit it, unlimited (the default).

@@ -1,199 +1,499 @@
-//! `tollgate serve`: its flags and the server configuration they describe.
+//! `tollgate serve`: its options, from flags, the environment and a config
+//! file, filling one typed structure.
+//!
+//! [`ServeArgs`] is that structure: clap fills it from flags and the
+//! environment, serde from the TOML file (same names, snake_case), every
+//! field optional. [`ServeArgs::resolve`] layers them (flag, then
+//! environment, then file) and fills what none of them set from the
+//! defaults, which are written once: [`ServeConfig::default`] for the server
+//! and [`Process::default`] for the process around it.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use clap::builder::BoolishValueParser;
+use serde::{Deserialize, Serialize};
 
-use super::{LimitsLocation, parse_duration, parse_fraction, parse_ratio};
+use super::{parse_duration, parse_fraction, parse_ratio};
+use crate::api::admin::AdminAccess;
+use crate::api::envoy::service::EnvoyOptions;
 use crate::api::native::Unmatched;
-use crate::server::{ServeConfig, StoreSpec};
+use crate::server::{GrpcLimits, ServeConfig, StoreSpec, TlsFiles};
 use crate::telemetry::LogFormat;
 
-/// `tollgate serve`.
-#[derive(Debug, Args)]
+/// Most `--worker-threads`.
+pub const MAX_WORKER_THREADS: u16 = 1024;
+
+/// `tollgate serve`. Every option is optional here; see the module docs for
+/// how the sources are layered.
+#[derive(Debug, Clone, Default, Args, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ServeArgs {
     /// A TOML file with any of these options (same names, snake_case, e.g.
     /// `grpc_addr = "0.0.0.0:50051"`). Flags win over the environment,
     /// which wins over the file, which wins over the defaults.
     #[arg(long, env = "TOLLGATE_CONFIG")]
-    pub config: Option<std::path::PathBuf>,
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
     /// gRPC listen address (port 0 picks a free port).
-    #[arg(long, env = "TOLLGATE_GRPC_ADDR", default_value = "127.0.0.1:50051")]
-    pub grpc_addr: SocketAddr,
+    #[arg(long, env = "TOLLGATE_GRPC_ADDR")]
+    pub grpc_addr: Option<SocketAddr>,
     /// Admin HTTP listen address: /healthz, /readyz, /metrics, /v1/limits.
-    #[arg(long, env = "TOLLGATE_ADMIN_ADDR", default_value = "127.0.0.1:8090")]
-    pub admin_addr: SocketAddr,
-    /// The limits table.
-    #[command(flatten)]
-    pub limits: LimitsLocation,
+    #[arg(long, env = "TOLLGATE_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// The limits table: a SQLite file path or `sqlite:` URL, or a
+    /// `postgres://` URL (created and seeded when missing).
+    #[arg(long, env = "TOLLGATE_LIMITS")]
+    pub limits: Option<String>,
     /// Where bucket state lives: `memory` (in this process),
     /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS), or
     /// `redis-cluster://[user:password@]host:port,host:port,…`.
-    #[arg(
-        long,
-        env = "TOLLGATE_STORE",
-        default_value = "memory",
-        hide_env_values = true
-    )]
-    pub store: String,
+    #[arg(long, env = "TOLLGATE_STORE", hide_env_values = true)]
+    pub store: Option<String>,
     /// PEM file of the CA that signed the Redis server's certificate (for
     /// rediss:// with a private CA).
     #[arg(long, env = "TOLLGATE_REDIS_CA_CERT")]
-    pub redis_ca_cert: Option<std::path::PathBuf>,
+    pub redis_ca_cert: Option<PathBuf>,
     /// Prefix of every Redis key.
-    #[arg(long, env = "TOLLGATE_REDIS_PREFIX", default_value = "tollgate:")]
-    pub redis_prefix: String,
+    #[arg(long, env = "TOLLGATE_REDIS_PREFIX")]
+    pub redis_prefix: Option<String>,
     /// Most concurrent decisions sent to Redis in one script call (they
     /// are decided one after another, in arrival order, at one instant).
     /// 0 or 1 sends every decision in its own call.
-    #[arg(long, env = "TOLLGATE_REDIS_COALESCE", default_value_t = 64)]
-    pub redis_coalesce: usize,
+    #[arg(long, env = "TOLLGATE_REDIS_COALESCE")]
+    pub redis_coalesce: Option<usize>,
     /// Longest wait for one store call before the rule's store-unavailable
     /// policy decides instead.
-    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
-    pub store_timeout: Duration,
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub store_timeout: Option<Duration>,
     /// Consecutive store failures that open the circuit breaker.
-    #[arg(long, env = "TOLLGATE_BREAKER_THRESHOLD", default_value_t = 5)]
-    pub breaker_threshold: u32,
+    #[arg(long, env = "TOLLGATE_BREAKER_THRESHOLD")]
+    pub breaker_threshold: Option<u32>,
     /// How long the open breaker skips the store before probing it again.
-    #[arg(long, env = "TOLLGATE_BREAKER_COOLDOWN", default_value = "1s", value_parser = parse_duration)]
-    pub breaker_cooldown: Duration,
+    #[arg(long, env = "TOLLGATE_BREAKER_COOLDOWN", value_parser = parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub breaker_cooldown: Option<Duration>,
     /// While the store is down, the share of each limit that a rule with
     /// on_store_unavailable=local allows in this instance (e.g. 0.34 with
     /// three instances).
-    #[arg(long, env = "TOLLGATE_LOCAL_FRACTION", default_value_t = 1.0, value_parser = parse_fraction)]
-    pub local_fraction: f64,
+    #[arg(long, env = "TOLLGATE_LOCAL_FRACTION", value_parser = parse_fraction)]
+    pub local_fraction: Option<f64>,
     /// Threads that run the service; 0 starts one per CPU this process may
     /// use. Fewer leave cores to neighbours (a sidecar, a local Redis).
     #[arg(
         long,
         env = "TOLLGATE_WORKER_THREADS",
-        default_value_t = 0,
-        value_parser = clap::value_parser!(u16).range(0..=1024)
+        value_parser = clap::value_parser!(u16).range(0..=i64::from(MAX_WORKER_THREADS))
     )]
-    pub worker_threads: u16,
+    pub worker_threads: Option<u16>,
     /// Keep tokio's LIFO slot (off by default): calls made one at a time
     /// are answered sooner (~30 µs in memory, ~40 µs on Redis), but under
     /// load each response costs a write of its own, about a third more CPU
     /// per decision.
-    #[arg(long, env = "TOLLGATE_RUNTIME_LIFO_SLOT")]
-    pub runtime_lifo_slot: bool,
+    #[arg(long, env = "TOLLGATE_RUNTIME_LIFO_SLOT", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub runtime_lifo_slot: Option<bool>,
     /// How often the limits table is re-read (e.g. 1s, 500ms).
-    #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
-    pub reload_interval: Duration,
+    #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", value_parser = parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub reload_interval: Option<Duration>,
     /// Most buckets held in memory; beyond it idle buckets, then the ones
     /// closest to full, are dropped.
-    #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 1_000_000)]
-    pub max_buckets: usize,
+    #[arg(long, env = "TOLLGATE_MAX_BUCKETS")]
+    pub max_buckets: Option<usize>,
     /// What to do with requests no rule applies to.
-    #[arg(long, env = "TOLLGATE_UNMATCHED", value_enum, default_value = "allow")]
-    pub unmatched: Unmatched,
+    #[arg(long, env = "TOLLGATE_UNMATCHED", value_enum)]
+    pub unmatched: Option<Unmatched>,
     /// Log format.
-    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
     /// Answer requests for buckets the store recently rejected from a local
     /// cache until their retry-after, without asking Redis (can reject more,
     /// never admit more; see BENCHMARKS.md).
-    #[arg(long, env = "TOLLGATE_DENY_CACHE")]
-    pub deny_cache: bool,
+    #[arg(long, env = "TOLLGATE_DENY_CACHE", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub deny_cache: Option<bool>,
     /// Share of decisions traced when the caller's trace is not sampled
     /// (traces are exported only when OTEL_EXPORTER_OTLP_ENDPOINT is set).
-    #[arg(long, env = "TOLLGATE_TRACE_SAMPLE_RATIO", default_value_t = 0.01, value_parser = parse_ratio)]
-    pub trace_sample_ratio: f64,
-    /// TLS on the gRPC port: the server's certificate chain (PEM).
-    #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
-    pub tls_cert: Option<std::path::PathBuf>,
-    /// TLS on the gRPC port: the server's private key (PEM).
-    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
-    pub tls_key: Option<std::path::PathBuf>,
+    #[arg(long, env = "TOLLGATE_TRACE_SAMPLE_RATIO", value_parser = parse_ratio)]
+    pub trace_sample_ratio: Option<f64>,
+    /// TLS on the gRPC port: the server's certificate chain (PEM); needs
+    /// --tls-key.
+    #[arg(long, env = "TOLLGATE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS on the gRPC port: the server's private key (PEM); needs
+    /// --tls-cert.
+    #[arg(long, env = "TOLLGATE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
     /// Mutual TLS: accept only clients with a certificate from this CA (PEM).
-    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
-    pub tls_client_ca: Option<std::path::PathBuf>,
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Bearer token for the admin port's changing endpoints (POST/DELETE
     /// /v1/limits); without it they are disabled.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Require the admin token for the read-only admin endpoints too
     /// (/healthz and /readyz stay open for probes).
-    #[arg(long, env = "TOLLGATE_ADMIN_PROTECT_READS", requires = "admin_token")]
-    pub admin_protect_reads: bool,
+    #[arg(long, env = "TOLLGATE_ADMIN_PROTECT_READS", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub admin_protect_reads: Option<bool>,
     /// Largest gRPC request message, in bytes.
-    #[arg(long, env = "TOLLGATE_GRPC_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
-    pub grpc_max_message_bytes: usize,
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_MESSAGE_BYTES")]
+    pub grpc_max_message_bytes: Option<usize>,
     /// Concurrent HTTP/2 streams per gRPC connection.
-    #[arg(
-        long,
-        env = "TOLLGATE_GRPC_MAX_CONCURRENT_STREAMS",
-        default_value_t = 1024
-    )]
-    pub grpc_max_concurrent_streams: u32,
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_CONCURRENT_STREAMS")]
+    pub grpc_max_concurrent_streams: Option<u32>,
     /// Requests served at once per connection (more wait their turn).
-    #[arg(
-        long,
-        env = "TOLLGATE_GRPC_CONNECTION_CONCURRENCY",
-        default_value_t = 256
-    )]
-    pub grpc_connection_concurrency: usize,
+    #[arg(long, env = "TOLLGATE_GRPC_CONNECTION_CONCURRENCY")]
+    pub grpc_connection_concurrency: Option<usize>,
     /// Longest a gRPC request may take before it is cancelled.
-    #[arg(long, env = "TOLLGATE_GRPC_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
-    pub grpc_request_timeout: Duration,
+    #[arg(long, env = "TOLLGATE_GRPC_REQUEST_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub grpc_request_timeout: Option<Duration>,
     /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
     /// for Envoy's rate limit service API; re-read every reload interval.
     #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
-    pub envoy_config: Option<std::path::PathBuf>,
+    pub envoy_config: Option<PathBuf>,
     /// Envoy API global shadow mode: count, but never answer OVER_LIMIT.
-    #[arg(long, env = "TOLLGATE_ENVOY_SHADOW_MODE")]
-    pub envoy_shadow_mode: bool,
+    #[arg(long, env = "TOLLGATE_ENVOY_SHADOW_MODE", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub envoy_shadow_mode: Option<bool>,
     /// Add RateLimit-* and Retry-After to Envoy's response_headers_to_add.
-    #[arg(long, env = "TOLLGATE_ENVOY_RESPONSE_HEADERS", default_value_t = true, action = clap::ArgAction::Set)]
-    pub envoy_response_headers: bool,
+    #[arg(long, env = "TOLLGATE_ENVOY_RESPONSE_HEADERS", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub envoy_response_headers: Option<bool>,
+}
+
+/// What `serve` runs with besides the server's own configuration: the
+/// process around it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Process {
+    /// gRPC listen address.
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address.
+    pub admin_addr: SocketAddr,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Runtime threads; 0: one per CPU.
+    pub worker_threads: u16,
+    /// Keep tokio's LIFO slot.
+    pub runtime_lifo_slot: bool,
+    /// Share of unsampled callers' decisions traced.
+    pub trace_sample_ratio: f64,
+}
+
+impl Default for Process {
+    fn default() -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            admin_addr: SocketAddr::from(([127, 0, 0, 1], 8090)),
+            log_format: LogFormat::Text,
+            worker_threads: 0,
+            runtime_lifo_slot: false,
+            trace_sample_ratio: 0.01,
+        }
+    }
+}
+
+/// Everything `serve` runs with, resolved.
+#[derive(Debug, Clone)]
+pub struct Serve {
+    /// The process around the server.
+    pub process: Process,
+    /// The server.
+    pub config: ServeConfig,
 }
 
 impl ServeArgs {
-    /// The server configuration these flags describe. (The store is parsed
-    /// here rather than by clap so that a password in its URL never reaches
-    /// an error message.)
-    pub fn config(&self) -> Result<ServeConfig, String> {
-        Ok(ServeConfig {
-            limits: self.limits.limits.clone(),
-            store: self.store.parse::<StoreSpec>()?,
-            reload_interval: self.reload_interval,
-            max_buckets: self.max_buckets,
-            unmatched: self.unmatched,
-            redis_prefix: self.redis_prefix.clone(),
-            redis_coalesce: self.redis_coalesce,
-            store_timeout: self.store_timeout,
-            breaker_threshold: self.breaker_threshold,
-            breaker_cooldown: self.breaker_cooldown,
-            local_fraction: self.local_fraction,
-            redis_ca_cert: self.redis_ca_cert.clone(),
-            deny_cache: self.deny_cache,
-            envoy_config: self.envoy_config.clone(),
-            admin_access: crate::api::admin::AdminAccess {
-                token: self.admin_token.clone(),
-                protect_reads: self.admin_protect_reads,
+    /// Reads the config file named by `--config`, if any, and layers it
+    /// under these options (flags and environment win), then fills the
+    /// rest from the defaults and validates.
+    pub fn resolve(&self) -> Result<Serve, String> {
+        let merged = match &self.config {
+            None => self.clone(),
+            Some(path) => {
+                let file = Self::from_file(path)?;
+                self.over(&file)
+                    .map_err(|e| format!("config file {}: {e}", path.display()))?
+            }
+        };
+        merged.build()
+    }
+
+    /// The options a TOML file sets. Unknown names are refused, listing the
+    /// known ones.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, String> {
+        let at = |e: &dyn std::fmt::Display| format!("config file {}: {e}", path.display());
+        let text = std::fs::read_to_string(path).map_err(|e| at(&e))?;
+        let table: toml::Table = text.parse().map_err(|e| at(&e))?;
+        let known = Self::names();
+        if let Some(key) = table.keys().find(|k| !known.contains(k)) {
+            return Err(at(&format!(
+                "unknown option {key:?}; known options: {}",
+                known.join(", ")
+            )));
+        }
+        table.try_into().map_err(|e| at(&e))
+    }
+
+    /// The option names a config file may use, sorted.
+    pub fn names() -> Vec<String> {
+        let mut names: Vec<String> = match serde_json::to_value(Self::default()) {
+            Ok(serde_json::Value::Object(map)) => map.keys().cloned().collect(),
+            _ => Vec::new(),
+        };
+        names.sort_unstable();
+        names
+    }
+
+    /// These options, with `under`'s filling what these leave unset.
+    fn over(&self, under: &Self) -> Result<Self, String> {
+        let (serde_json::Value::Object(mut top), serde_json::Value::Object(bottom)) = (
+            serde_json::to_value(self).map_err(|e| e.to_string())?,
+            serde_json::to_value(under).map_err(|e| e.to_string())?,
+        ) else {
+            return Err("options are not a map".into());
+        };
+        for (key, value) in bottom {
+            let slot = top.entry(key).or_insert(serde_json::Value::Null);
+            if slot.is_null() {
+                *slot = value;
+            }
+        }
+        let mut merged: Self =
+            serde_json::from_value(serde_json::Value::Object(top)).map_err(|e| e.to_string())?;
+        merged.config = self.config.clone();
+        Ok(merged)
+    }
+
+    /// The resolved settings: each option as given, else its default.
+    fn build(&self) -> Result<Serve, String> {
+        let d = ServeConfig::default();
+        let p = Process::default();
+        // Values from a file skip clap's parsers: check them here too.
+        let local_fraction = match self.local_fraction {
+            Some(f) => parse_fraction(&f.to_string()).map_err(|e| format!("local_fraction {e}"))?,
+            None => d.local_fraction,
+        };
+        let trace_sample_ratio = match self.trace_sample_ratio {
+            Some(r) => {
+                parse_ratio(&r.to_string()).map_err(|e| format!("trace_sample_ratio {e}"))?
+            }
+            None => p.trace_sample_ratio,
+        };
+        let worker_threads = self.worker_threads.unwrap_or(p.worker_threads);
+        if worker_threads > MAX_WORKER_THREADS {
+            return Err(format!(
+                "worker_threads {worker_threads} is not in 0..={MAX_WORKER_THREADS}"
+            ));
+        }
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            }),
+            (None, None) if self.tls_client_ca.is_none() => None,
+            (None, None) => return Err("--tls-client-ca needs --tls-cert and --tls-key".into()),
+            _ => return Err("--tls-cert and --tls-key go together; give both".into()),
+        };
+        let protect_reads = self
+            .admin_protect_reads
+            .unwrap_or(d.admin_access.protect_reads);
+        if protect_reads && self.admin_token.is_none() {
+            return Err("--admin-protect-reads needs --admin-token".into());
+        }
+        let or = |v: Option<Duration>, d: Duration| v.unwrap_or(d);
+        let config = ServeConfig {
+            limits: self.limits.clone().unwrap_or(d.limits),
+            // Parsed here rather than by clap so that a password in the URL
+            // never reaches an error message.
+            store: match &self.store {
+                Some(s) => s.parse::<StoreSpec>()?,
+                None => d.store,
             },
-            tls: self
-                .tls_cert
-                .clone()
-                .zip(self.tls_key.clone())
-                .map(|(cert, key)| crate::server::TlsFiles {
-                    cert,
-                    key,
-                    client_ca: self.tls_client_ca.clone(),
-                }),
-            grpc_limits: crate::server::GrpcLimits {
-                max_message_bytes: self.grpc_max_message_bytes,
-                max_concurrent_streams: self.grpc_max_concurrent_streams,
-                connection_concurrency: self.grpc_connection_concurrency,
-                request_timeout: self.grpc_request_timeout,
+            reload_interval: or(self.reload_interval, d.reload_interval),
+            sweep_interval: d.sweep_interval,
+            max_buckets: self.max_buckets.unwrap_or(d.max_buckets),
+            unmatched: self.unmatched.unwrap_or(d.unmatched),
+            redis_prefix: self.redis_prefix.clone().unwrap_or(d.redis_prefix),
+            redis_coalesce: self.redis_coalesce.unwrap_or(d.redis_coalesce),
+            store_timeout: or(self.store_timeout, d.store_timeout),
+            breaker_threshold: self.breaker_threshold.unwrap_or(d.breaker_threshold),
+            breaker_cooldown: or(self.breaker_cooldown, d.breaker_cooldown),
+            local_fraction,
+            redis_ca_cert: self.redis_ca_cert.clone().or(d.redis_ca_cert),
+            envoy_config: self.envoy_config.clone().or(d.envoy_config),
+            envoy_options: EnvoyOptions {
+                shadow_mode: self
+                    .envoy_shadow_mode
+                    .unwrap_or(d.envoy_options.shadow_mode),
+                response_headers: self
+                    .envoy_response_headers
+                    .unwrap_or(d.envoy_options.response_headers),
             },
-            envoy_options: crate::api::envoy::service::EnvoyOptions {
-                shadow_mode: self.envoy_shadow_mode,
-                response_headers: self.envoy_response_headers,
+            admin_access: AdminAccess {
+                token: self.admin_token.clone().or(d.admin_access.token),
+                protect_reads,
             },
-            ..ServeConfig::default()
+            tls,
+            grpc_limits: GrpcLimits {
+                max_message_bytes: self
+                    .grpc_max_message_bytes
+                    .unwrap_or(d.grpc_limits.max_message_bytes),
+                max_concurrent_streams: self
+                    .grpc_max_concurrent_streams
+                    .unwrap_or(d.grpc_limits.max_concurrent_streams),
+                connection_concurrency: self
+                    .grpc_connection_concurrency
+                    .unwrap_or(d.grpc_limits.connection_concurrency),
+                request_timeout: or(self.grpc_request_timeout, d.grpc_limits.request_timeout),
+            },
+            deny_cache: self.deny_cache.unwrap_or(d.deny_cache),
+            redis_uses_clock: d.redis_uses_clock,
+        };
+        Ok(Serve {
+            process: Process {
+                grpc_addr: self.grpc_addr.unwrap_or(p.grpc_addr),
+                admin_addr: self.admin_addr.unwrap_or(p.admin_addr),
+                log_format: self.log_format.unwrap_or(p.log_format),
+                worker_threads,
+                runtime_lifo_slot: self.runtime_lifo_slot.unwrap_or(p.runtime_lifo_slot),
+                trace_sample_ratio,
+            },
+            config,
         })
+    }
+
+    /// The defaults as options, for `--help` (the inverse of `build`
+    /// applied to nothing).
+    pub fn defaults() -> Self {
+        let (d, p) = (ServeConfig::default(), Process::default());
+        Self {
+            config: None,
+            grpc_addr: Some(p.grpc_addr),
+            admin_addr: Some(p.admin_addr),
+            limits: Some(d.limits),
+            store: Some(d.store.describe()),
+            redis_ca_cert: d.redis_ca_cert,
+            redis_prefix: Some(d.redis_prefix),
+            redis_coalesce: Some(d.redis_coalesce),
+            store_timeout: Some(d.store_timeout),
+            breaker_threshold: Some(d.breaker_threshold),
+            breaker_cooldown: Some(d.breaker_cooldown),
+            local_fraction: Some(d.local_fraction),
+            worker_threads: Some(p.worker_threads),
+            runtime_lifo_slot: Some(p.runtime_lifo_slot),
+            reload_interval: Some(d.reload_interval),
+            max_buckets: Some(d.max_buckets),
+            unmatched: Some(d.unmatched),
+            log_format: Some(p.log_format),
+            deny_cache: Some(d.deny_cache),
+            trace_sample_ratio: Some(p.trace_sample_ratio),
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+            admin_token: None,
+            admin_protect_reads: Some(d.admin_access.protect_reads),
+            grpc_max_message_bytes: Some(d.grpc_limits.max_message_bytes),
+            grpc_max_concurrent_streams: Some(d.grpc_limits.max_concurrent_streams),
+            grpc_connection_concurrency: Some(d.grpc_limits.connection_concurrency),
+            grpc_request_timeout: Some(d.grpc_limits.request_timeout),
+            envoy_config: d.envoy_config,
+            envoy_shadow_mode: Some(d.envoy_options.shadow_mode),
+            envoy_response_headers: Some(d.envoy_options.response_headers),
+        }
+    }
+}
+
+/// An optional duration as text (`100ms`, `1s`, `2m`), as the flags take it.
+mod text_duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            None => s.serialize_none(),
+            Some(d) if d.subsec_millis() == 0 && d.subsec_nanos() == 0 => {
+                s.serialize_str(&format!("{}s", d.as_secs()))
+            }
+            Some(d) => s.serialize_str(&format!("{}ms", d.as_millis())),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(text) => super::parse_duration(&text)
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_given_is_the_defaults_and_the_defaults_round_trip() {
+        let resolved = ServeArgs::default().resolve().unwrap();
+        assert_eq!(resolved.process, Process::default());
+        let d = ServeConfig::default();
+        assert_eq!(resolved.config.store_timeout, d.store_timeout);
+        assert_eq!(resolved.config.grpc_limits, d.grpc_limits);
+        // The defaults written as options resolve to the same settings.
+        let again = ServeArgs::defaults().resolve().unwrap();
+        assert_eq!(again.process, resolved.process);
+        assert_eq!(
+            format!("{:?}", again.config),
+            format!("{:?}", resolved.config)
+        );
+    }
+
+    #[test]
+    fn a_file_fills_only_what_flags_left_unset_and_is_checked_like_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(
+            &path,
+            "max_buckets = 5000\nreload_interval = \"250ms\"\nstore_timeout = \"2s\"\ndeny_cache = true\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(path.clone()),
+            store_timeout: Some(Duration::from_millis(50)),
+            ..ServeArgs::default()
+        };
+        let s = flags.resolve().unwrap();
+        assert_eq!(s.config.max_buckets, 5000);
+        assert_eq!(s.config.reload_interval, Duration::from_millis(250));
+        assert_eq!(
+            s.config.store_timeout,
+            Duration::from_millis(50),
+            "the flag wins"
+        );
+        assert!(s.config.deny_cache);
+
+        std::fs::write(&path, "local_fraction = 1.5\n").unwrap();
+        assert_eq!(
+            flags.resolve().unwrap_err(),
+            "local_fraction \"1.5\" must be a number greater than 0 and at most 1"
+        );
+        std::fs::write(&path, "worker_threads = 5000\n").unwrap();
+        assert_eq!(
+            flags.resolve().unwrap_err(),
+            "worker_threads 5000 is not in 0..=1024"
+        );
+        std::fs::write(&path, "reload_interval = \"soon\"\n").unwrap();
+        let err = flags.resolve().unwrap_err();
+        assert!(
+            err.contains("\"soon\" must look like 500ms, 1s, 2m or 1h"),
+            "{err}"
+        );
+        std::fs::write(&path, "tls_cert = \"a.pem\"\n").unwrap();
+        assert_eq!(
+            flags.resolve().unwrap_err(),
+            "--tls-cert and --tls-key go together; give both"
+        );
     }
 }

@@ -24,6 +24,10 @@ const SCHEMA_POSTGRES: &str = include_str!("schema_postgres.sql");
 /// The channel PostgreSQL notifies on every change of the table.
 pub const NOTIFY_CHANNEL: &str = "tollgate_limits";
 
+/// Where `serve` and `limits` find the table unless told: a SQLite file in
+/// the working directory.
+pub const DEFAULT_LOCATION: &str = "tollgate-limits.db";
+
 /// The row a new table starts with: every key of every tenant may make 600
 /// requests a minute, with bursts of up to 30.
 pub fn default_row() -> LimitRow {
