@@ -131,8 +131,8 @@ impl Default for ServeConfig {
             redis_prefix: redis.prefix,
             redis_coalesce: redis.coalesce,
             store_timeout: redis.timeout,
-            breaker_threshold: redis.breaker_threshold,
-            breaker_cooldown: redis.breaker_cooldown,
+            breaker_threshold: 5,
+            breaker_cooldown: Duration::from_secs(1),
             local_fraction: 1.0,
             redis_ca_cert: None,
             envoy_config: None,
@@ -267,8 +267,6 @@ pub async fn run(
             let redis_config = RedisConfig {
                 prefix: config.redis_prefix.clone(),
                 timeout: config.store_timeout,
-                breaker_threshold: config.breaker_threshold,
-                breaker_cooldown: config.breaker_cooldown,
                 ca_cert: config.redis_ca_cert.clone(),
                 coalesce: config.redis_coalesce,
                 ..RedisConfig::new(url.clone())
@@ -288,6 +286,9 @@ pub async fn run(
     let store = stack::build(
         backend,
         Layers {
+            breaker: fallback
+                .is_some()
+                .then_some((config.breaker_threshold, config.breaker_cooldown)),
             fallback,
             deny_cache: config.deny_cache.then_some(config.max_buckets),
         },

@@ -25,9 +25,9 @@
 //! Time comes from Redis's own clock (`TIME`, read inside the script), so
 //! instances with skewed clocks agree. Tests can pin it with a [`Clock`].
 //!
-//! Every call has a timeout, and a [`Breaker`] stops calling a Redis that
-//! keeps failing; the fallback layer (`super::fallback`) then applies each rule's store-unavailable
-//! policy.
+//! Every call has a timeout. The circuit breaker and the store-unavailable
+//! fallback are layers around this store (`super::breaker`,
+//! `super::fallback`), composed in `super::stack`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,7 +42,6 @@ use tokio::sync::OnceCell;
 
 mod coalesce;
 
-use super::breaker::{Breaker, BreakerState};
 use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
 use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
 use crate::clock::Clock;
@@ -62,10 +61,6 @@ pub struct RedisConfig {
     pub prefix: String,
     /// Longest wait for one store call.
     pub timeout: Duration,
-    /// Consecutive failures that open the circuit breaker.
-    pub breaker_threshold: u32,
-    /// How long the breaker stays open before probing.
-    pub breaker_cooldown: Duration,
     /// Added to each bucket's expiry, past the moment it is full again.
     pub expiry_margin: Duration,
     /// A PEM file of the CA that signed the Redis server's certificate, for
@@ -77,16 +72,14 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
-    /// Defaults for `url`: prefix `tollgate:`, 100 ms timeout, breaker
-    /// opening after 5 failures for 1 s, 1 s expiry margin, up to 64
+    /// Defaults for `url`: prefix `tollgate:`, 100 ms timeout, 1 s expiry
+    /// margin, up to 64
     /// concurrent decisions coalesced into one script call.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
             prefix: "tollgate:".into(),
             timeout: Duration::from_millis(100),
-            breaker_threshold: 5,
-            breaker_cooldown: Duration::from_secs(1),
             expiry_margin: Duration::from_secs(1),
             ca_cert: None,
             coalesce: 64,
@@ -171,7 +164,6 @@ struct Shared {
     script: redis::Script,
     config: RedisConfig,
     clock: Option<Arc<dyn Clock>>,
-    breaker: Breaker,
     /// Decisions waiting for a shared script call; `None` when coalescing
     /// is off.
     coalesce: Option<Mutex<coalesce::Waiting>>,
@@ -241,7 +233,6 @@ impl RedisStore {
         let shared = Shared {
             connection,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
-            breaker: Breaker::new(config.breaker_threshold, config.breaker_cooldown),
             coalesce: (config.coalesce > 1).then(Mutex::default),
             config,
             clock,
@@ -256,17 +247,12 @@ impl RedisStore {
         &self.shared.config
     }
 
-    /// The circuit breaker's state.
-    pub fn breaker_state(&self) -> BreakerState {
-        self.shared.breaker.state()
-    }
-
     /// The Redis key of a bucket (see the module docs).
     pub fn redis_key(&self, bucket: &BucketKey) -> String {
         self.shared.redis_key(bucket)
     }
 
-    /// Sends PING (through the breaker and timeout).
+    /// Sends PING (with the timeout).
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.shared.ping().await
     }
@@ -325,7 +311,7 @@ impl Shared {
         format!("{}{{{tag}}}:{rest}", self.config.prefix)
     }
 
-    /// Sends PING (through the breaker and timeout).
+    /// Sends PING (with the timeout).
     async fn ping(&self) -> Result<(), StoreError> {
         self.call("ping", |mut conn| async move {
             redis::cmd("PING")
@@ -336,16 +322,12 @@ impl Shared {
         .await
     }
 
-    /// Runs `op` on a connection with the breaker, the timeout and metrics.
+    /// Runs `op` on a connection with the timeout and metrics.
     async fn call<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, StoreError>
     where
         F: FnOnce(AnyConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        if self.breaker.admit().is_err() {
-            metrics::store_error("redis", "circuit_open");
-            return Err(StoreError::Unavailable("circuit breaker open".into()));
-        }
         let started = tokio::time::Instant::now();
         let result = tokio::time::timeout(self.config.timeout, async {
             let conn = self.connection().await?;
@@ -354,10 +336,7 @@ impl Shared {
         .await;
         metrics::store_call("redis", op, started.elapsed());
         let err = match result {
-            Ok(Ok(value)) => {
-                self.breaker.success();
-                return Ok(value);
-            }
+            Ok(Ok(value)) => return Ok(value),
             Ok(Err(e)) => {
                 metrics::store_error("redis", error_kind(&e));
                 StoreError::Unavailable(e.to_string())
@@ -367,7 +346,6 @@ impl Shared {
                 StoreError::Unavailable(format!("no answer within {:?}", self.config.timeout))
             }
         };
-        self.breaker.failure();
         Err(err)
     }
 
@@ -559,7 +537,7 @@ impl Store for RedisStore {
     fn status(&self) -> super::StoreStatus {
         super::StoreStatus {
             kind: "redis",
-            breaker: Some(self.breaker_state()),
+            breaker: None,
             local: None,
         }
     }

@@ -6,18 +6,19 @@
 //! the next, and [`build`] composes them in one place:
 //!
 //! ```text
-//! DenyCache  ->  Fallback  ->  backend (memory, or Redis with its breaker)
+//! DenyCache  ->  Fallback  ->  Breaker  ->  backend (memory, or Redis)
 //! ```
 //!
 //! The deny cache answers buckets it knows are exhausted without a store
-//! call; the fallback answers by each rule's policy when the backend fails
-//! with a transient error. The Redis backend keeps its own circuit breaker
-//! and timeout around each Redis call (coalesced calls share them).
+//! call; the fallback answers by each rule's policy when what is below it
+//! fails with a transient error; the breaker stops calling a backend that
+//! keeps failing. The Redis backend keeps its timeout on each Redis call.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use super::breaker::Breaker;
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
 use super::{BucketKey, MemoryStore, Outcome, PingFuture, Store, StoreError, StoreStatus};
@@ -89,6 +90,9 @@ impl Layer for Backend {
 
 /// The layers to put around a backend.
 pub struct Layers {
+    /// Open after this many consecutive failed decisions, for this long;
+    /// only for a shared backend.
+    pub breaker: Option<(u32, std::time::Duration)>,
     /// Decide by each rule's policy when the backend is unavailable; only
     /// for a shared backend (the in-process one cannot be unavailable).
     pub fallback: Option<Fallback>,
@@ -100,6 +104,9 @@ pub struct Layers {
 /// Composes the stack: the one place the layers are put together.
 pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> Arc<dyn Layer> {
     let mut stack: Box<dyn Layer> = Box::new(Backend(backend));
+    if let Some((threshold, cooldown)) = layers.breaker {
+        stack = Box::new(Breaker::new(threshold, cooldown).wrap(stack));
+    }
     if let Some(fallback) = layers.fallback {
         stack = Box::new(fallback.wrap(stack));
     }

@@ -112,13 +112,6 @@ pub(super) async fn decide(
     coalesce: &Mutex<Waiting>,
     request: Request,
 ) -> Result<Outcome, StoreError> {
-    // Fail fast without queueing while the breaker is open. Only a
-    // script call asks the breaker to admit it, so that a probe, once
-    // due, is a real call whose result closes or reopens the breaker.
-    if shared.breaker.refuses() {
-        metrics::store_error("redis", "circuit_open");
-        return Err(StoreError::Unavailable("circuit breaker open".into()));
-    }
     let (reply, answer) = oneshot::channel();
     let mine = Queued { request, reply };
     let batch = {
