@@ -211,7 +211,7 @@ async fn resource_rules_apply_on_top_and_tenant_rows_override_defaults() {
 #[tokio::test]
 async fn shadow_rule_never_rejects_but_says_it_would_have() {
     let mut shadow = row("trial", "", "", "key", 2, "1/hour");
-    shadow.mode = "shadow".into();
+    shadow.mode = tollgate::limits::Mode::Shadow;
     let server =
         TestServer::with_rows(&[row("per-key", "", "", "key", 100, "1/second"), shadow]).await;
     let mut client = server.client().await;

@@ -22,7 +22,7 @@ const DEADLINE: Duration = Duration::from_secs(3);
 
 fn rules() -> Vec<LimitRow> {
     let with = |mut r: LimitRow, policy: &str| {
-        r.on_store_unavailable = policy.into();
+        r.on_store_unavailable = policy.parse().unwrap();
         r
     };
     vec![

@@ -3,8 +3,8 @@
 use clap::{Args, Subcommand};
 
 use super::LimitsLocation;
-use crate::limits::LimitRow;
 use crate::limits::table::LimitsTable;
+use crate::limits::{LimitRow, StoredRow};
 
 /// `tollgate limits …`.
 #[derive(Debug, Subcommand)]
@@ -85,11 +85,11 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             let row = LimitRow::from_request(
                 args.tenant,
                 args.resource,
-                args.scope,
+                &args.scope,
                 args.burst,
                 &args.rate,
-                args.mode,
-                args.on_store_unavailable,
+                &args.mode,
+                &args.on_store_unavailable,
                 args.name,
             )
             .map_err(anyhow::Error::msg)?;
@@ -110,7 +110,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
 }
 
 /// Renders rows as an aligned table.
-pub fn render_rows(rows: &[LimitRow]) -> String {
+pub fn render_rows(rows: &[StoredRow]) -> String {
     let mut lines = vec![[
         "NAME".to_owned(),
         "TENANT".into(),

@@ -106,10 +106,12 @@ fn parse_enum<T: for<'de> Deserialize<'de>>(
         .map_err(|_| format!("{what} is {value:?}; it must be one of {allowed}"))
 }
 
-/// One row of the limits table, as stored.
+/// One row of the limits table as stored: text and numbers, exactly as a
+/// database client may have written them. [`StoredRow::validate`] turns it
+/// into a [`Rule`], or says what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct LimitRow {
+pub struct StoredRow {
     /// The row's unique name; reported as `limit_name` when it decides.
     pub name: String,
     /// The tenant the row applies to; '' for the default rows.
@@ -122,7 +124,7 @@ pub struct LimitRow {
     pub burst: i64,
     /// Sustained rate: tokens per `rate_unit`.
     pub rate: i64,
-    /// `second`, `minute`, `hour` or `day`.
+    /// `second`, `minute`, `hour`, `day`, `week`, `month` or `year`.
     pub rate_unit: String,
     /// `enforce` or `shadow`.
     pub mode: String,
@@ -133,23 +135,91 @@ pub struct LimitRow {
     pub updated_at: String,
 }
 
+/// One row of the limits table, typed: what `tollgate limits set` and
+/// `POST /v1/limits` write. [`LimitRow::validate`] checks what the types
+/// cannot (names, label characters, the limit's range).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitRow {
+    /// The row's unique name; reported as `limit_name` when it decides.
+    pub name: String,
+    /// The tenant the row applies to; '' for the default rows.
+    pub tenant: String,
+    /// The resource the row applies to; '' for any resource.
+    pub resource: String,
+    /// Who shares a bucket.
+    pub scope: Scope,
+    /// Capacity: the largest burst.
+    pub burst: u64,
+    /// Sustained rate.
+    pub rate: Rate,
+    /// Enforce or shadow.
+    pub mode: Mode,
+    /// Behaviour when the shared store is down.
+    pub on_store_unavailable: OnStoreUnavailable,
+}
+
+impl std::str::FromStr for Scope {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_enum("scope", s, "key, tenant")
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_enum("mode", s, "enforce, shadow")
+    }
+}
+
+impl std::str::FromStr for OnStoreUnavailable {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_enum("on_store_unavailable", s, "allow, deny, local")
+    }
+}
+
+impl Mode {
+    /// As written in the table.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Shadow => "shadow",
+        }
+    }
+}
+
+/// `allow`, `deny` or `local`, as written in the table.
+pub fn policy_str(policy: OnStoreUnavailable) -> &'static str {
+    match policy {
+        OnStoreUnavailable::Allow => "allow",
+        OnStoreUnavailable::Deny => "deny",
+        OnStoreUnavailable::Local => "local",
+    }
+}
+
 impl LimitRow {
-    /// A row as `tollgate limits set` and `POST /v1/limits` describe it: the
-    /// rate as `N/unit`, and a name that defaults to
+    /// A row as `tollgate limits set` and `POST /v1/limits` describe it:
+    /// the rate as `N/unit`, and a name that defaults to
     /// `TENANT-RESOURCE-SCOPE` (`default`/`any` for empty parts, `-shadow`
     /// added for shadow rows). Validate it before storing it.
     #[allow(clippy::too_many_arguments)]
     pub fn from_request(
         tenant: String,
         resource: String,
-        scope: String,
+        scope: &str,
         burst: i64,
         rate: &str,
-        mode: String,
-        on_store_unavailable: String,
+        mode: &str,
+        on_store_unavailable: &str,
         name: Option<String>,
     ) -> Result<Self, String> {
         let rate: Rate = rate.parse()?;
+        let scope: Scope = scope.parse()?;
+        let mode: Mode = mode.parse()?;
+        let on_store_unavailable = on_store_unavailable.parse()?;
+        let burst =
+            u64::try_from(burst).map_err(|_| format!("burst is {burst}; it must be at least 1"))?;
         let or = |s: &str, d: &str| {
             if s.is_empty() {
                 d.to_owned()
@@ -158,11 +228,12 @@ impl LimitRow {
             }
         };
         let name = name.unwrap_or_else(|| {
-            let shadow = if mode == "shadow" { "-shadow" } else { "" };
+            let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
             format!(
-                "{}-{}-{scope}{shadow}",
+                "{}-{}-{}{shadow}",
                 or(&tenant, "default"),
-                or(&resource, "any")
+                or(&resource, "any"),
+                scope.as_str()
             )
         });
         Ok(Self {
@@ -171,21 +242,95 @@ impl LimitRow {
             resource,
             scope,
             burst,
-            rate: i64::try_from(rate.count)
-                .map_err(|_| format!("rate {} is too large", rate.count))?,
-            rate_unit: rate.unit.as_str().into(),
+            rate,
             mode,
             on_store_unavailable,
-            updated_at: String::new(),
         })
+    }
+
+    /// The row as the table stores it.
+    pub fn stored(&self) -> StoredRow {
+        StoredRow {
+            name: self.name.clone(),
+            tenant: self.tenant.clone(),
+            resource: self.resource.clone(),
+            scope: self.scope.as_str().into(),
+            burst: i64::try_from(self.burst).unwrap_or(i64::MAX),
+            rate: i64::try_from(self.rate.count).unwrap_or(i64::MAX),
+            rate_unit: self.rate.unit.as_str().into(),
+            mode: self.mode.as_str().into(),
+            on_store_unavailable: policy_str(self.on_store_unavailable).into(),
+            updated_at: String::new(),
+        }
     }
 
     /// Validates the row into a [`Rule`]. The error names the row.
     pub fn validate(&self) -> Result<Rule, RowError> {
-        self.check().map_err(|reason| RowError {
-            row: self.describe(),
+        self.rule().map_err(|reason| RowError {
+            row: self.stored().describe(),
             reason,
         })
+    }
+
+    fn rule(&self) -> Result<Rule, String> {
+        if self.name.trim().is_empty() {
+            return Err("name is empty; every row needs a unique name".into());
+        }
+        check_label("tenant", &self.tenant)?;
+        check_label("resource", &self.resource)?;
+        let limit = Limit::new(self.burst, self.rate).map_err(|e| e.to_string())?;
+        Ok(Rule {
+            name: self.name.clone(),
+            tenant: self.tenant.clone(),
+            resource: self.resource.clone(),
+            scope: self.scope,
+            limit,
+            rate: self.rate,
+            rate_text: self.rate.to_string(),
+            mode: self.mode,
+            on_store_unavailable: self.on_store_unavailable,
+        })
+    }
+}
+
+impl TryFrom<&StoredRow> for LimitRow {
+    type Error = String;
+
+    /// Reads the stored text into types; says which column is wrong.
+    fn try_from(row: &StoredRow) -> Result<Self, String> {
+        let unit = RateUnit::parse(&row.rate_unit).ok_or_else(|| {
+            format!(
+                "rate_unit is {:?}; it must be second, minute, hour, day, week, month or year",
+                row.rate_unit
+            )
+        })?;
+        Ok(Self {
+            name: row.name.clone(),
+            tenant: row.tenant.clone(),
+            resource: row.resource.clone(),
+            scope: row.scope.parse()?,
+            burst: u64::try_from(row.burst)
+                .map_err(|_| format!("burst is {}; it must be at least 1", row.burst))?,
+            rate: Rate {
+                count: u64::try_from(row.rate)
+                    .map_err(|_| format!("rate is {}; it must be at least 1", row.rate))?,
+                unit,
+            },
+            mode: row.mode.parse()?,
+            on_store_unavailable: row.on_store_unavailable.parse()?,
+        })
+    }
+}
+
+impl StoredRow {
+    /// Validates the row into a [`Rule`]. The error names the row.
+    pub fn validate(&self) -> Result<Rule, RowError> {
+        LimitRow::try_from(self)
+            .and_then(|row| row.rule())
+            .map_err(|reason| RowError {
+                row: self.describe(),
+                reason,
+            })
     }
 
     /// How error messages name this row.
@@ -194,44 +339,6 @@ impl LimitRow {
             "row {:?} (tenant {:?}, resource {:?}, scope {:?})",
             self.name, self.tenant, self.resource, self.scope
         )
-    }
-
-    fn check(&self) -> Result<Rule, String> {
-        if self.name.trim().is_empty() {
-            return Err("name is empty; every row needs a unique name".into());
-        }
-        check_label("tenant", &self.tenant)?;
-        check_label("resource", &self.resource)?;
-        let scope = parse_enum("scope", &self.scope, "key, tenant")?;
-        let mode = parse_enum("mode", &self.mode, "enforce, shadow")?;
-        let on_store_unavailable = parse_enum(
-            "on_store_unavailable",
-            &self.on_store_unavailable,
-            "allow, deny, local",
-        )?;
-        let unit = RateUnit::parse(&self.rate_unit).ok_or_else(|| {
-            format!(
-                "rate_unit is {:?}; it must be second, minute, hour, day, week, month or year",
-                self.rate_unit
-            )
-        })?;
-        let burst = u64::try_from(self.burst)
-            .map_err(|_| format!("burst is {}; it must be at least 1", self.burst))?;
-        let count = u64::try_from(self.rate)
-            .map_err(|_| format!("rate is {}; it must be at least 1", self.rate))?;
-        let rate = Rate { count, unit };
-        let limit = Limit::new(burst, rate).map_err(|e| e.to_string())?;
-        Ok(Rule {
-            name: self.name.clone(),
-            tenant: self.tenant.clone(),
-            resource: self.resource.clone(),
-            scope,
-            limit,
-            rate,
-            rate_text: rate.to_string(),
-            mode,
-            on_store_unavailable,
-        })
     }
 }
 
@@ -292,9 +399,9 @@ pub struct RuleSet {
 impl RuleSet {
     /// Validates every row. Any invalid row rejects the whole set, so that a
     /// half-applied table never takes effect; the error names the row.
-    pub fn from_rows(rows: &[LimitRow]) -> Result<Self, RowError> {
+    pub fn from_rows(rows: &[StoredRow]) -> Result<Self, RowError> {
         let mut set = Self::default();
-        let mut names: HashMap<&str, &LimitRow> = HashMap::new();
+        let mut names: HashMap<&str, &StoredRow> = HashMap::new();
         for row in rows {
             let rule = Arc::new(row.validate()?);
             if let Some(first) = names.insert(&row.name, row) {

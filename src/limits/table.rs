@@ -3,7 +3,7 @@
 //!
 //! The table is created on first use (migrations run at start-up) and
 //! seeded with one default rule ([`DEFAULT_ROW`]). Rows are read as plain
-//! [`LimitRow`]s; validation happens in [`super::RuleSet::from_rows`], so
+//! [`StoredRow`]s; validation happens in [`super::RuleSet::from_rows`], so
 //! rows written with plain SQL are checked exactly like rows written by
 //! `tollgate limits set`. On PostgreSQL every change also sends a
 //! notification on the `tollgate_limits` channel ([`LimitsTable::listener`]).
@@ -15,7 +15,8 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{Executor, Row};
 
-use super::LimitRow;
+use super::{LimitRow, Mode, OnStoreUnavailable, Scope, StoredRow};
+use crate::algorithm::{Rate, RateUnit};
 use crate::store::redact;
 
 const SCHEMA: &str = include_str!("schema_sqlite.sql");
@@ -35,13 +36,14 @@ pub fn default_row() -> LimitRow {
         name: "default-per-key".into(),
         tenant: String::new(),
         resource: String::new(),
-        scope: "key".into(),
+        scope: Scope::Key,
         burst: 30,
-        rate: 600,
-        rate_unit: "minute".into(),
-        mode: "enforce".into(),
-        on_store_unavailable: "allow".into(),
-        updated_at: String::new(),
+        rate: Rate {
+            count: 600,
+            unit: RateUnit::Minute,
+        },
+        mode: Mode::Enforce,
+        on_store_unavailable: OnStoreUnavailable::Allow,
     }
 }
 
@@ -180,7 +182,7 @@ impl LimitsTable {
                     let row = default_row();
                     bind_pg(
                         sqlx::query(sqlx::AssertSqlSafe(numbered(INSERT))),
-                        &insert_binds(&row),
+                        &insert_binds(&row.stored()),
                     )
                     .execute(&mut *tx)
                     .await?;
@@ -208,11 +210,12 @@ impl LimitsTable {
     }
 
     async fn insert(&self, row: &LimitRow) -> Result<(), sqlx::Error> {
-        self.execute(INSERT, &insert_binds(row)).await.map(|_| ())
+        let row = row.stored();
+        self.execute(INSERT, &insert_binds(&row)).await.map(|_| ())
     }
 
     /// Every row, in id order.
-    pub async fn rows(&self) -> Result<Vec<LimitRow>, TableError> {
+    pub async fn rows(&self) -> Result<Vec<StoredRow>, TableError> {
         const COLUMNS: &str =
             "name, tenant, resource, scope, burst, rate, rate_unit, mode, on_store_unavailable";
         match &self.pool {
@@ -245,6 +248,7 @@ impl LimitsTable {
     /// Inserts the row, or updates the row with the same tenant, resource,
     /// scope and mode. Validate it first; the table only enforces uniqueness.
     pub async fn upsert(&self, row: &LimitRow) -> Result<(), TableError> {
+        let row = &row.stored();
         let clash = match &self.pool {
             Pool::Sqlite(pool) => bind_sqlite(sqlx::query(CLASH), &clash_binds(row))
                 .fetch_optional(pool)
@@ -325,7 +329,7 @@ const INSERT: &str = "INSERT INTO limits (name, tenant, resource, scope, burst, 
 const CLASH: &str = "SELECT tenant, resource, scope FROM limits WHERE name = ? \
                      AND NOT (tenant = ? AND resource = ? AND scope = ? AND mode = ?)";
 
-fn insert_binds(row: &LimitRow) -> Vec<Bind<'_>> {
+fn insert_binds(row: &StoredRow) -> Vec<Bind<'_>> {
     vec![
         Bind::Text(&row.name),
         Bind::Text(&row.tenant),
@@ -339,7 +343,7 @@ fn insert_binds(row: &LimitRow) -> Vec<Bind<'_>> {
     ]
 }
 
-fn clash_binds(row: &LimitRow) -> Vec<Bind<'_>> {
+fn clash_binds(row: &StoredRow) -> Vec<Bind<'_>> {
     vec![
         Bind::Text(&row.name),
         Bind::Text(&row.tenant),
@@ -372,13 +376,13 @@ fn bind_pg<'q>(mut q: PgQuery<'q>, binds: &[Bind<'q>]) -> PgQuery<'q> {
     q
 }
 
-fn to_row<R: Row>(r: &R) -> Result<LimitRow, sqlx::Error>
+fn to_row<R: Row>(r: &R) -> Result<StoredRow, sqlx::Error>
 where
     for<'c> &'c str: sqlx::ColumnIndex<R>,
     for<'d> String: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
     for<'d> i64: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
 {
-    Ok(LimitRow {
+    Ok(StoredRow {
         name: r.try_get("name")?,
         tenant: r.try_get("tenant")?,
         resource: r.try_get("resource")?,

@@ -9,9 +9,9 @@ pub(crate) fn row(
     scope: &str,
     burst: i64,
     rate: &str,
-) -> LimitRow {
+) -> StoredRow {
     let (count, unit) = rate.split_once('/').unwrap();
-    LimitRow {
+    StoredRow {
         name: name.into(),
         tenant: tenant.into(),
         resource: resource.into(),
@@ -144,7 +144,7 @@ fn duplicates_reject_the_whole_set() {
 }
 
 impl RuleSet {
-    fn from_rules_for_test(rows: &[LimitRow]) -> Self {
+    fn from_rules_for_test(rows: &[StoredRow]) -> Self {
         Self::from_rows(rows).unwrap()
     }
 }

@@ -17,7 +17,7 @@ use serde::Serialize;
 use sqlx::postgres::{PgListener, PgNotification};
 
 use super::table::{LimitsTable, TableError};
-use super::{LimitRow, RowError, RuleSet};
+use super::{RowError, RuleSet, StoredRow};
 use crate::telemetry::metrics;
 
 /// Why the rules could not be (re)loaded.
@@ -44,9 +44,9 @@ pub struct ReloadStatus {
 
 struct Seen {
     /// The rows behind the rules in force.
-    applied: Vec<LimitRow>,
+    applied: Vec<StoredRow>,
     /// The last rows that failed, so each bad edit is logged once.
-    rejected: Option<Vec<LimitRow>>,
+    rejected: Option<Vec<StoredRow>>,
 }
 
 /// The rules in force.
@@ -66,7 +66,7 @@ impl LiveLimits {
     }
 
     /// Rules from rows given directly (no table): for tests and embedding.
-    pub fn from_rows(rows: Vec<LimitRow>) -> Result<Self, RowError> {
+    pub fn from_rows(rows: Vec<StoredRow>) -> Result<Self, RowError> {
         let set = RuleSet::from_rows(&rows)?;
         Ok(Self {
             status: Mutex::new(ReloadStatus {
@@ -99,7 +99,7 @@ impl LiveLimits {
         self.apply_rows(rows)
     }
 
-    fn apply_rows(&self, rows: Vec<LimitRow>) -> Result<bool, LoadError> {
+    fn apply_rows(&self, rows: Vec<StoredRow>) -> Result<bool, LoadError> {
         let mut seen = self.seen.lock();
         if seen.applied == rows {
             // Unchanged (also after a bad edit was reverted).

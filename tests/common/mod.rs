@@ -47,19 +47,17 @@ pub fn row(
     burst: i64,
     rate: &str,
 ) -> LimitRow {
-    let (count, unit) = rate.split_once('/').unwrap();
-    LimitRow {
-        name: name.into(),
-        tenant: tenant.into(),
-        resource: resource.into(),
-        scope: scope.into(),
+    LimitRow::from_request(
+        tenant.into(),
+        resource.into(),
+        scope,
         burst,
-        rate: count.parse().unwrap(),
-        rate_unit: unit.into(),
-        mode: "enforce".into(),
-        on_store_unavailable: "allow".into(),
-        updated_at: String::new(),
-    }
+        rate,
+        "enforce",
+        "allow",
+        Some(name.into()),
+    )
+    .unwrap()
 }
 
 impl TestServer {

@@ -162,11 +162,11 @@ async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes
     let row = match crate::limits::LimitRow::from_request(
         req.tenant,
         req.resource,
-        req.scope,
+        &req.scope,
         req.burst,
         &req.rate,
-        req.mode,
-        req.on_store_unavailable,
+        &req.mode,
+        &req.on_store_unavailable,
         req.name,
     ) {
         Ok(row) => row,
