@@ -1,7 +1,9 @@
 //! Limits as data: the rules that say how much each tenant may spend.
 //!
-//! Rows come from the limits table ([`table`]) as plain [`LimitRow`]s and are
-//! validated into [`Rule`]s, which cannot hold a bad value. A [`RuleSet`] is
+//! Rows come from the limits table ([`table`]) as [`StoredRow`]s, the text
+//! a database client wrote, and are validated into [`Rule`]s, which cannot
+//! hold a bad value. Rows written by Tollgate itself are typed
+//! [`LimitRow`]s. A [`RuleSet`] is
 //! one validated snapshot of the whole table, indexed for the hot path;
 //! [`watch`] reloads it while the server runs.
 //!
