@@ -18,7 +18,7 @@ use std::sync::Arc;
 use dashmap::DashMap;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{BucketKey, Outcome, PingFuture, StoreStatus};
+use super::{BucketKey, PingFuture, StoreStatus, Verdicts};
 use crate::algorithm::{Charge, Micros, Verdict};
 use crate::clock::Clock;
 
@@ -51,7 +51,7 @@ impl DenyCache {
 
     /// A rejection decided from the cache, when an enforced charge's bucket
     /// is known to be unable to admit it yet.
-    pub fn check(&self, buckets: &[BucketKey], charges: &[Charge]) -> Option<Outcome> {
+    pub fn check(&self, buckets: &[BucketKey], charges: &[Charge]) -> Option<Verdicts> {
         if self.until.is_empty() {
             return None;
         }
@@ -74,14 +74,14 @@ impl DenyCache {
                 reset_after: 0,
             })
             .collect();
-        Some(Outcome {
+        Some(Verdicts {
             allowed: false,
             verdicts,
         })
     }
 
     /// Remembers the buckets the store just rejected.
-    pub fn remember(&self, buckets: &[BucketKey], charges: &[Charge], outcome: &Outcome) {
+    pub fn remember(&self, buckets: &[BucketKey], charges: &[Charge], outcome: &Verdicts) {
         if outcome.allowed {
             return;
         }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{MemoryStore, Outcome, PingFuture, StoreStatus};
+use super::{MemoryStore, PingFuture, StoreStatus, Verdicts};
 use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
 use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
@@ -36,7 +36,7 @@ impl Fallback {
     }
 
     /// Decides without the shared store, by each charge's policy.
-    pub fn decide(&self, r: Request<'_>) -> Outcome {
+    pub fn decide(&self, r: Request<'_>) -> Verdicts {
         let mut verdicts = Vec::with_capacity(r.charges.len());
         let mut local = Vec::new();
         let mut denied = false;
@@ -94,7 +94,7 @@ impl Fallback {
                 verdicts[i] = verdict;
             }
         }
-        Outcome { allowed, verdicts }
+        Verdicts { allowed, verdicts }
     }
 }
 

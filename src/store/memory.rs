@@ -26,7 +26,7 @@ use foldhash::fast::RandomState;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::{BucketKey, Outcome, PingFuture, Store, StoreFuture, StoreStatus};
+use super::{BucketKey, PingFuture, Store, StoreFuture, StoreStatus, Verdicts};
 use crate::algorithm::{Charge, Micros, Plan, State, plan};
 use crate::clock::Clock;
 
@@ -192,7 +192,7 @@ impl Store for MemoryStore {
         spend: bool,
     ) -> StoreFuture<'a> {
         let plan = self.apply_now(buckets, charges, spend);
-        Box::pin(std::future::ready(Ok(Outcome {
+        Box::pin(std::future::ready(Ok(Verdicts {
             allowed: plan.allowed,
             verdicts: plan.verdicts,
         })))

@@ -94,7 +94,7 @@ impl StoreError {
 
 /// What a store answers for one atomic decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
+pub struct Verdicts {
     /// Every enforced charge admitted its cost (and, unless a dry run, every
     /// admitting charge was spent).
     pub allowed: bool,
@@ -103,7 +103,7 @@ pub struct Outcome {
 }
 
 /// A boxed future, so that stores can be chosen at run time.
-pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Result<Outcome, StoreError>> + Send + 'a>>;
+pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Result<Verdicts, StoreError>> + Send + 'a>>;
 
 /// The future of [`Store::ping`].
 pub type PingFuture<'a> = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>>;

@@ -42,7 +42,7 @@ use tokio::sync::OnceCell;
 
 mod coalesce;
 
-use super::{BucketKey, Outcome, Store, StoreError, StoreFuture, redact};
+use super::{BucketKey, Store, StoreError, StoreFuture, Verdicts, redact};
 use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
 use crate::clock::Clock;
 use crate::telemetry::metrics;
@@ -262,7 +262,7 @@ impl RedisStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         spend: bool,
-    ) -> Result<Outcome, StoreError> {
+    ) -> Result<Verdicts, StoreError> {
         let shared = &self.shared;
         if matches!(shared.connection, Connection::Cluster(..)) {
             let tenant = buckets[0].tenant();
@@ -362,12 +362,12 @@ impl Shared {
     }
 
     /// Decides `requests` in one script call, in order.
-    async fn run(&self, requests: &[Request]) -> Result<Vec<Outcome>, StoreError> {
+    async fn run(&self, requests: &[Request]) -> Result<Vec<Verdicts>, StoreError> {
         let refs: SmallVec<[&Request; 1]> = requests.iter().collect();
         self.run_refs(&refs).await
     }
 
-    async fn run_refs(&self, requests: &[&Request]) -> Result<Vec<Outcome>, StoreError> {
+    async fn run_refs(&self, requests: &[&Request]) -> Result<Vec<Verdicts>, StoreError> {
         // The EVALSHA command is written straight into one buffer (redis-rs's
         // `ScriptInvocation` would allocate a vector per key and argument
         // first, then copy them: ~20 allocations per decision).
@@ -483,7 +483,7 @@ fn error_kind(e: &redis::RedisError) -> &'static str {
 fn parse_reply(
     reply: &[i64],
     sizes: impl ExactSizeIterator<Item = usize> + Clone,
-) -> Result<Vec<Outcome>, StoreError> {
+) -> Result<Vec<Verdicts>, StoreError> {
     let expected = 1 + sizes.clone().map(|n| 1 + 4 * n).sum::<usize>();
     if reply.len() != expected {
         return Err(StoreError::Protocol(format!(
@@ -508,7 +508,7 @@ fn parse_reply(
                 reset_after: as_micros(v[3]),
             })
             .collect();
-        outcomes.push(Outcome {
+        outcomes.push(Verdicts {
             allowed: this[0] == 1,
             verdicts,
         });

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use super::breaker::Breaker;
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
-use super::{BucketKey, MemoryStore, Outcome, PingFuture, Store, StoreError, StoreStatus};
+use super::{BucketKey, MemoryStore, PingFuture, Store, StoreError, StoreStatus, Verdicts};
 use crate::algorithm::Charge;
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
@@ -43,7 +43,7 @@ pub struct Request<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Applied {
     /// The verdicts.
-    pub outcome: Outcome,
+    pub outcome: Verdicts,
     /// True when the backend was unavailable and the verdicts follow each
     /// charge's store-unavailable policy.
     pub degraded: bool,

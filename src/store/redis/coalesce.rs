@@ -22,7 +22,7 @@ use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
 use super::{Connection, Request, Shared};
-use crate::store::{Outcome, StoreError};
+use crate::store::{StoreError, Verdicts};
 use crate::telemetry::metrics;
 
 /// The coalescing state: how many script calls are in flight, and the
@@ -96,7 +96,7 @@ impl Waiting {
 /// A decision waiting for a shared script call.
 struct Queued {
     request: Request,
-    reply: oneshot::Sender<Result<Outcome, StoreError>>,
+    reply: oneshot::Sender<Result<Verdicts, StoreError>>,
 }
 
 /// Script calls in flight at once when coalescing. A decision that finds a
@@ -111,7 +111,7 @@ pub(super) async fn decide(
     shared: &Arc<Shared>,
     coalesce: &Mutex<Waiting>,
     request: Request,
-) -> Result<Outcome, StoreError> {
+) -> Result<Verdicts, StoreError> {
     let (reply, answer) = oneshot::channel();
     let mine = Queued { request, reply };
     let batch = {
@@ -257,7 +257,7 @@ fn hash_tag(key: &str) -> &str {
 mod tests {
     use super::*;
 
-    fn queued(key: &str) -> (Queued, oneshot::Receiver<Result<Outcome, StoreError>>) {
+    fn queued(key: &str) -> (Queued, oneshot::Receiver<Result<Verdicts, StoreError>>) {
         let (reply, answer) = oneshot::channel();
         let request = Request {
             keys: smallvec::smallvec![key.to_owned()],
@@ -300,7 +300,7 @@ mod tests {
     }
 
     /// A request of `n` buckets named `name`.
-    fn sized(name: &str, n: usize) -> (Queued, oneshot::Receiver<Result<Outcome, StoreError>>) {
+    fn sized(name: &str, n: usize) -> (Queued, oneshot::Receiver<Result<Verdicts, StoreError>>) {
         let (mut q, answer) = queued(name);
         q.request.keys = (0..n).map(|i| format!("{name}-{i}")).collect();
         (q, answer)
