@@ -349,3 +349,54 @@ async fn one_redis_script_call_never_carries_more_than_the_bucket_cap() {
     );
     server.stop().await;
 }
+
+/// A domain with a line feed in it (configured by an operator, so its
+/// rejections reach the top-limited family) cannot forge samples:
+/// `promtool check metrics` accepts the page, and no line starts with the
+/// forged name.
+#[tokio::test]
+async fn a_line_feed_in_a_domain_cannot_forge_metric_lines() {
+    let dir = config_dir(
+        "domain: \"edge\\nfake_metric 1\"\ndescriptors:\n  - key: banned\n    rate_limit: {unit: second, requests_per_unit: 0}\n",
+    );
+    let server = start(dir.path(), false).await;
+    let mut client = client(server.channel().await);
+    let r = ask(
+        &mut client,
+        request_in("edge\nfake_metric 1", vec![descriptor(&[("banned", "b")])]),
+    )
+    .await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert!(
+        metrics.contains(
+            r#"tollgate_top_limited_rejections{tenant="~edge\nfake_metric 1",rank="1"} 1"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.lines().any(|l| l.starts_with("fake_metric")),
+        "{metrics}"
+    );
+    let mut lint = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool runs (scripts/test installs Debian's prometheus)");
+    use std::io::Write as _;
+    lint.stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let lint = lint.wait_with_output().unwrap();
+    assert!(
+        lint.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
+    server.stop().await;
+}

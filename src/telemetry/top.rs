@@ -8,6 +8,10 @@
 //! arrive. "Recent" is two windows: the current one and the one before,
 //! rotated every `window`, so the answer covers between one and two
 //! windows of history.
+//!
+//! Names are kept to at most [`MAX_NAME_BYTES`] bytes (cut at a character
+//! boundary), so the sketch, `/v1/top-limited` and the status page stay
+//! small whatever names callers send: at most 2 × (128 + 512) names.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -18,6 +22,21 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::clock::{Clock, Micros};
+
+/// Longest tenant or key name kept, in bytes; longer ones are cut.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// `name` cut to at most [`MAX_NAME_BYTES`], at a character boundary.
+fn bounded(name: &str) -> &str {
+    if name.len() <= MAX_NAME_BYTES {
+        return name;
+    }
+    let mut end = MAX_NAME_BYTES;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
 
 /// One counted item.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -198,6 +217,7 @@ impl TopLimited {
 
     /// Counts a rejection of `weight` tokens for `key` of `tenant`.
     pub fn record(&self, tenant: &str, key: &str, weight: u64) {
+        let (tenant, key) = (bounded(tenant), bounded(key));
         let mut w = self.windows.lock();
         self.rotate(&mut w);
         w.tenants[0].add(tenant, weight);
@@ -250,7 +270,13 @@ pub fn render_metric(top: &[TopTenant]) -> String {
          # TYPE tollgate_top_limited_rejections gauge\n",
     );
     for (rank, t) in top.iter().enumerate() {
-        let tenant = t.tenant.replace('\\', "\\\\").replace('"', "\\\"");
+        // The exposition format's label escaping: backslash, double quote
+        // and line feed (a raw newline would start a forged sample line).
+        let tenant = t
+            .tenant
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
         out.push_str(&format!(
             "tollgate_top_limited_rejections{{tenant=\"{tenant}\",rank=\"{}\"}} {}\n",
             rank + 1,
@@ -314,6 +340,33 @@ mod tests {
         assert_eq!(names, ["b"]);
         clock.advance(Duration::from_secs(120));
         assert!(t.top(10, 0).is_empty());
+    }
+
+    #[test]
+    fn names_are_bounded_and_label_values_escaped() {
+        let t = TopLimited::new(8, Duration::from_secs(60), Arc::new(ManualClock::new(0)));
+        t.record(&"é".repeat(1_000), &"k".repeat(1_000_000), 1);
+        let top = t.top(1, 1);
+        assert_eq!(
+            top[0].tenant,
+            "é".repeat(128),
+            "cut at a character boundary"
+        );
+        assert_eq!(top[0].keys[0].name.len(), MAX_NAME_BYTES);
+        let text = render_metric(&[TopTenant {
+            tenant: "~a\nfake_metric 1\\\"".into(),
+            rejections: 1,
+            error: 0,
+            keys: vec![],
+        }]);
+        assert!(
+            text.contains("tollgate_top_limited_rejections{tenant=\"~a\\nfake_metric 1\\\\\\\"\",rank=\"1\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            !text.lines().any(|l| l.starts_with("fake_metric")),
+            "{text}"
+        );
     }
 
     #[test]
