@@ -239,6 +239,9 @@ pub enum ServeError {
     /// The Envoy configuration could not be loaded.
     #[error("envoy config: {0}")]
     EnvoyConfig(#[from] ConfigError),
+    /// The admin port's access settings would open it by accident.
+    #[error("{0}")]
+    Admin(String),
 }
 
 /// Serves gRPC and admin HTTP until `shutdown` completes, then stops
@@ -249,6 +252,10 @@ pub async fn run(
     clock: Arc<dyn Clock>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    config
+        .admin_access
+        .validate(listeners.admin.local_addr()?)
+        .map_err(ServeError::Admin)?;
     crate::telemetry::metrics::handle(); // install the recorder before the first count
     crate::telemetry::metrics::runtime();
     let tls = config.tls.as_ref().map(TlsFiles::config).transpose()?;

@@ -140,6 +140,7 @@ async fn the_admin_port_changes_limits_only_with_the_token() {
     let access = AdminAccess {
         token: Some("s3cret".into()),
         protect_reads: false,
+        trust_network: false,
     };
     let server = TestServer::launch(None, move |c| c.admin_access = access).await;
     assert_eq!(http(&server, "POST", "/v1/limits", None, row).await.0, 401);
@@ -203,6 +204,7 @@ async fn the_admin_port_changes_limits_only_with_the_token() {
     let access = AdminAccess {
         token: Some("s3cret".into()),
         protect_reads: true,
+        trust_network: false,
     };
     let server = TestServer::launch(None, move |c| c.admin_access = access).await;
     assert_eq!(http(&server, "GET", "/v1/limits", None, "").await.0, 401);

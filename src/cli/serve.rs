@@ -137,6 +137,11 @@ pub struct ServeArgs {
     /// (/healthz and /readyz stay open for probes).
     #[arg(long, env = "TOLLGATE_ADMIN_PROTECT_READS", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
     pub admin_protect_reads: Option<bool>,
+    /// Serve the admin port without a token on a non-loopback address: only
+    /// trusted hosts can reach it (refused otherwise, so that a missing or
+    /// empty Secret never opens the limits table to a cluster network).
+    #[arg(long, env = "TOLLGATE_ADMIN_TRUST_NETWORK", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub admin_trust_network: Option<bool>,
     /// Largest gRPC request message, in bytes.
     #[arg(long, env = "TOLLGATE_GRPC_MAX_MESSAGE_BYTES")]
     pub grpc_max_message_bytes: Option<usize>,
@@ -333,6 +338,9 @@ impl ServeArgs {
             admin_access: AdminAccess {
                 token: self.admin_token.clone().or(d.admin_access.token),
                 protect_reads,
+                trust_network: self
+                    .admin_trust_network
+                    .unwrap_or(d.admin_access.trust_network),
             },
             tls,
             grpc_limits: GrpcLimits {
@@ -393,6 +401,7 @@ impl ServeArgs {
             tls_client_ca: None,
             admin_token: None,
             admin_protect_reads: Some(d.admin_access.protect_reads),
+            admin_trust_network: Some(d.admin_access.trust_network),
             grpc_max_message_bytes: Some(d.grpc_limits.max_message_bytes),
             grpc_max_concurrent_streams: Some(d.grpc_limits.max_concurrent_streams),
             grpc_connection_concurrency: Some(d.grpc_limits.connection_concurrency),

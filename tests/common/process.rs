@@ -27,13 +27,14 @@ impl ServeProcess {
         let mut child = Command::new(BIN)
             .current_dir(dir)
             .envs(env.iter().copied())
-            .args([
-                "serve",
-                "--grpc-addr",
-                "127.0.0.1:0",
-                "--admin-addr",
-                "127.0.0.1:0",
-            ])
+            .arg("serve")
+            // Loopback port 0 for both, unless the test names its own.
+            .args(
+                ["--grpc-addr", "--admin-addr"]
+                    .into_iter()
+                    .filter(|flag| !args.contains(flag))
+                    .flat_map(|flag| [flag, "127.0.0.1:0"]),
+            )
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())

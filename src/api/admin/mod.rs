@@ -26,6 +26,8 @@ use serde_json::json;
 
 pub mod grpc;
 
+use subtle::ConstantTimeEq;
+
 use crate::limits::table::LimitsTable;
 use crate::limits::watch::LiveLimits;
 use crate::store::breaker::BreakerState;
@@ -56,16 +58,42 @@ pub struct AdminState {
 /// Access to the admin port. Changing endpoints (`POST`/`DELETE
 /// /v1/limits`) need `Authorization: Bearer TOKEN` and are disabled when no
 /// token is configured; the read-only ones are open unless `protect_reads`
-/// (except `/healthz` and `/readyz`, for probes).
+/// (except `/healthz` and `/readyz`, for probes). [`AdminAccess::validate`]
+/// refuses settings that would open the port by accident.
 #[derive(Debug, Clone, Default)]
 pub struct AdminAccess {
-    /// The bearer token.
+    /// The bearer token; never empty (see [`AdminAccess::validate`]).
     pub token: Option<String>,
     /// Require the token for the read-only endpoints too.
     pub protect_reads: bool,
+    /// The network the admin port is bound on is trusted: serve it on a
+    /// non-loopback address without a token.
+    pub trust_network: bool,
 }
 
 impl AdminAccess {
+    /// Checks the settings against the address the admin port is bound to:
+    /// an empty token is refused (it would be a token anyone can send), and
+    /// so is a non-loopback address without a token, unless the network is
+    /// declared trusted.
+    pub fn validate(&self, bound: std::net::SocketAddr) -> Result<(), String> {
+        if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err("the admin token is empty; set a non-empty --admin-token \
+                 (TOLLGATE_ADMIN_TOKEN, admin_token), or leave it unset to turn the \
+                 changing endpoints off"
+                .into());
+        }
+        if self.token.is_none() && !bound.ip().is_loopback() && !self.trust_network {
+            return Err(format!(
+                "the admin port is bound to {bound}, which is reachable from other hosts, \
+                 and no admin token is set; set --admin-token (TOLLGATE_ADMIN_TOKEN), bind \
+                 --admin-addr to 127.0.0.1, or pass --admin-trust-network if only trusted \
+                 hosts can reach that address"
+            ));
+        }
+        Ok(())
+    }
+
     fn check(&self, headers: &axum::http::HeaderMap, mutating: bool) -> Result<(), Box<Response>> {
         if !mutating && !self.protect_reads {
             return Ok(());
@@ -84,13 +112,9 @@ impl AdminAccess {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        // Constant-time comparison: no timing hint about the token.
-        let same = given.len() == token.len()
-            && given
-                .bytes()
-                .zip(token.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0;
+        // Constant-time comparison: no timing hint about the token. (A
+        // token is never empty: `validate` refuses one at start-up.)
+        let same = !token.is_empty() && bool::from(given.as_bytes().ct_eq(token.as_bytes()));
         if same {
             Ok(())
         } else {
