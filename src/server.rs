@@ -268,7 +268,14 @@ pub async fn run(
     // The in-process store: the store itself, or the fallback for rules
     // that decide locally while Redis is down.
     let memory = Arc::new(MemoryStore::new(clock.clone(), config.max_buckets));
-    let (backend, fallback): (Arc<dyn Store>, Option<Fallback>) = match &config.store {
+    let fallback = Fallback {
+        local: memory.clone(),
+        local_fraction: config.local_fraction,
+        deny_retry_after: config.breaker_cooldown.as_micros() as u64,
+    };
+    let (backend, breaker): (Arc<dyn Store>, _) = match &config.store {
+        // At its cap the in-process store refuses new buckets, and the
+        // fallback answers by each rule's policy.
         StoreSpec::Memory => (memory.clone(), None),
         StoreSpec::Redis(url) => {
             let redis_config = RedisConfig {
@@ -279,24 +286,17 @@ pub async fn run(
                 ..RedisConfig::new(url.clone())
             };
             let pinned = config.redis_uses_clock.then(|| clock.clone());
-            let fallback = Fallback {
-                local: memory.clone(),
-                local_fraction: config.local_fraction,
-                deny_retry_after: config.breaker_cooldown.as_micros() as u64,
-            };
             (
                 Arc::new(RedisStore::new(redis_config, pinned)?),
-                Some(fallback),
+                Some((config.breaker_threshold, config.breaker_cooldown)),
             )
         }
     };
     let store = stack::build(
         backend,
         Layers {
-            breaker: fallback
-                .is_some()
-                .then_some((config.breaker_threshold, config.breaker_cooldown)),
-            fallback,
+            breaker,
+            fallback: Some(fallback),
             deny_cache: config.deny_cache.then_some(config.max_buckets),
         },
         clock.clone(),

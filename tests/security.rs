@@ -353,3 +353,61 @@ async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
     }
     server.stop().await;
 }
+
+/// A flood of fresh keys from one tenant at the in-memory cap never
+/// resets another tenant's exhausted key: buckets still refilling are never
+/// dropped, and the flood's new keys get their rule's store-unavailable
+/// answer instead (the default row fails open, flagged as degraded).
+#[tokio::test]
+async fn a_key_flood_at_the_cap_leaves_a_bystanders_exhausted_key_exhausted() {
+    use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest};
+    let rows = [
+        common::row("calm", "calm", "", "key", 10, "10/second"),
+        common::row("flood", "flood", "", "key", 10, "1/hour"),
+    ];
+    let server = TestServer::launch(Some(&rows), |c| c.max_buckets = 1_000).await;
+    let mut client = server.client().await;
+    for _ in 0..10 {
+        assert!(ask(&mut client, req("calm", "user")).await.allowed);
+    }
+    assert!(!ask(&mut client, req("calm", "user")).await.allowed);
+    // 12 batches of 100 fresh keys: 1 200 new buckets against a cap of 1 000.
+    let mut degraded = 0;
+    for round in 0..12 {
+        let items = (0..100)
+            .map(|i| BatchItem {
+                key: format!("k{round}-{i}"),
+                cost: 1,
+                tenant: "flood".into(),
+                resource: String::new(),
+            })
+            .collect();
+        let r = client
+            .should_allow_batch(ShouldAllowBatchRequest {
+                items,
+                dry_run: false,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.allowed);
+        degraded += r
+            .results
+            .iter()
+            .filter(|d| d.degraded() == Degraded::FailedOpen)
+            .count();
+    }
+    assert_eq!(
+        degraded, 300,
+        "the batches past the cap, answered by the policy"
+    );
+    let r = ask(&mut client, req("calm", "user")).await;
+    assert!(!r.allowed, "the bystander's key is still exhausted");
+    assert_eq!(r.degraded(), Degraded::None);
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert!(
+        metrics.contains("\ntollgate_bucket_capacity_refusals_total 3\n"),
+        "{metrics}"
+    );
+    server.stop().await;
+}

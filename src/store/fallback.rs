@@ -1,11 +1,13 @@
 //! The store-unavailable fallback, as a layer.
 //!
 //! When the backend fails with a transient error (Redis down, a timeout,
-//! the breaker open), each charge is decided by its rule's policy: `allow`
+//! the breaker open, the in-process store at its cap), each charge is
+//! decided by its rule's policy: `allow`
 //! admits (reporting the bucket as if full before this request), `deny`
 //! rejects enforced charges, `local` decides with in-process buckets scaled
-//! to the configured fraction. Still all or nothing: local buckets are
-//! spent only when no enforced charge is denied.
+//! to the configured fraction (refusing, as `deny`, if memory has no room
+//! either). Still all or nothing: local buckets are spent only when no
+//! enforced charge is denied.
 
 use std::sync::Arc;
 
@@ -88,10 +90,25 @@ impl Fallback {
                     }
                 })
                 .collect();
-            let plan = self.local.apply_now(&buckets, &charges, r.spend && !denied);
-            allowed &= plan.allowed;
-            for (&i, verdict) in local.iter().zip(plan.verdicts) {
-                verdicts[i] = verdict;
+            match self.local.apply_now(&buckets, &charges, r.spend && !denied) {
+                Ok(plan) => {
+                    allowed &= plan.allowed;
+                    for (&i, verdict) in local.iter().zip(plan.verdicts) {
+                        verdicts[i] = verdict;
+                    }
+                }
+                // No room in memory either: `local` rules refuse, as `deny`.
+                Err(_) => {
+                    for &i in &local {
+                        allowed &= !r.charges[i].enforce;
+                        verdicts[i] = Verdict {
+                            allowed: false,
+                            remaining: 0,
+                            retry_after: self.deny_retry_after,
+                            reset_after: 0,
+                        };
+                    }
+                }
             }
         }
         Verdicts { allowed, verdicts }

@@ -7,15 +7,16 @@
 //!
 //! Memory is bounded by *active* buckets. A full bucket is indistinguishable
 //! from a new one, so it is dropped: by [`MemoryStore::sweep_idle`], which
-//! the server runs periodically, and whenever the map reaches its cap.
+//! the server runs periodically, and when the map reaches its cap.
 //!
-//! Eviction policy at the cap (`max_buckets`): first every idle (full) bucket
-//! goes; if the map is still above 90% of the cap, the buckets that will be
-//! full again soonest go until it is at 90%. Those buckets hold the least
-//! debt, so evicting them hands out the fewest unearned tokens, and a key
-//! that is actively being limited (deep in debt) is the last to be dropped.
-//! Compacting to 90% keeps the cost amortised: one pass over the map buys
-//! room for a tenth of the cap in new keys.
+//! At the cap (`max_buckets`) only full buckets are ever dropped: dropping
+//! one that is still refilling would give its spent tokens back, so a flood
+//! of new keys could reset a bystander's exhausted key. When a decision
+//! needs new buckets and the map is full of buckets still refilling, the
+//! idle ones are swept (at most once per [`SWEEP_AT_CAP_EVERY`]), and if
+//! there is still no room the decision is refused with
+//! [`AtCapacity`]: nothing is written, and the layer above answers by the
+//! rule's store-unavailable policy. Keys already held keep working.
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -26,11 +27,27 @@ use foldhash::fast::RandomState;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::{BucketKey, PingFuture, Store, StoreFuture, StoreStatus, Verdicts};
+use super::{BucketKey, PingFuture, Store, StoreError, StoreFuture, StoreStatus, Verdicts};
 use crate::algorithm::{Charge, Micros, Plan, State, plan};
 use crate::clock::Clock;
 
 const STRIPES: usize = 4096;
+
+/// How often a full map may be swept for idle buckets when a decision needs
+/// room: a flood of new keys at the cap costs one pass over the map per
+/// period, not one per request.
+pub const SWEEP_AT_CAP_EVERY: Micros = 10_000;
+
+/// The map is at its cap and none of its buckets may be dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the in-memory bucket table is full ({max} buckets, all still refilling); \
+     new keys are refused until some refill (raise --max-buckets)"
+)]
+pub struct AtCapacity {
+    /// The cap.
+    pub max: usize,
+}
 
 /// Buckets per decision held inline before the per-decision scratch space
 /// spills to the heap (a request rarely touches more than a key and a
@@ -48,8 +65,9 @@ pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     max_buckets: usize,
     compacting: Mutex<()>,
+    last_sweep_at_cap: AtomicU64,
     evicted_idle: AtomicU64,
-    evicted_capacity: AtomicU64,
+    refused: AtomicU64,
 }
 
 impl MemoryStore {
@@ -62,8 +80,9 @@ impl MemoryStore {
             clock,
             max_buckets: max_buckets.max(16),
             compacting: Mutex::new(()),
+            last_sweep_at_cap: AtomicU64::new(0),
             evicted_idle: AtomicU64::new(0),
-            evicted_capacity: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
         }
     }
 
@@ -82,11 +101,12 @@ impl MemoryStore {
         self.max_buckets
     }
 
-    /// Buckets dropped so far: (idle, at capacity).
+    /// So far: (buckets dropped because they were full, decisions refused
+    /// at the cap).
     pub fn evictions(&self) -> (u64, u64) {
         (
             self.evicted_idle.load(Ordering::Relaxed),
-            self.evicted_capacity.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
         )
     }
 
@@ -111,8 +131,14 @@ impl MemoryStore {
         removed
     }
 
-    /// Synchronous form of [`Store::apply`].
-    pub fn apply_now(&self, buckets: &[BucketKey], charges: &[Charge], spend: bool) -> Plan {
+    /// Synchronous form of [`Store::apply`]. Refused, writing nothing, when
+    /// it needs new buckets and the map is full of buckets still refilling.
+    pub fn apply_now(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        spend: bool,
+    ) -> Result<Plan, AtCapacity> {
         debug_assert_eq!(buckets.len(), charges.len());
         let now = self.clock.now();
         let mut stripes: SmallVec<[usize; INLINE]> =
@@ -125,62 +151,56 @@ impl MemoryStore {
         let states: SmallVec<[Option<State>; INLINE]> =
             buckets.iter().map(|b| self.state(b)).collect();
         let plan = plan(&states, charges, now, spend);
-        let mut added = false;
+        let writes = plan.writes.iter().filter(|w| w.is_some()).count();
+        // Far from the cap (the usual case) this is one length check.
+        if writes > 0 && self.buckets.len() + writes > self.max_buckets {
+            let new = |store: &Self| {
+                buckets
+                    .iter()
+                    .zip(&plan.writes)
+                    .filter(|(b, w)| w.is_some() && !store.buckets.contains_key(*b))
+                    .count()
+            };
+            if new(self) > 0 && self.buckets.len() + new(self) > self.max_buckets {
+                self.sweep_at_cap(now);
+                if self.buckets.len() + new(self) > self.max_buckets {
+                    self.refused.fetch_add(1, Ordering::Relaxed);
+                    return Err(AtCapacity {
+                        max: self.max_buckets,
+                    });
+                }
+            }
+        }
         for (bucket, write) in buckets.iter().zip(&plan.writes) {
             let Some(state) = write else { continue };
             match self.buckets.get_mut(bucket) {
                 Some(mut entry) => *entry = *state,
                 None => {
                     self.buckets.insert(bucket.clone(), *state);
-                    added = true;
                 }
             }
         }
         drop(guards);
-
-        if added && self.buckets.len() > self.max_buckets {
-            self.make_room(now);
-        }
-        plan
+        Ok(plan)
     }
 
     fn stripe_of(&self, bucket: &BucketKey) -> usize {
         (self.stripe_hasher.hash_one(bucket) as usize) % STRIPES
     }
 
-    /// Brings the map back under its cap (see the module docs for the
-    /// policy). One caller compacts at a time; others carry on, so the map
-    /// may briefly exceed the cap by the number of concurrent inserts.
-    fn make_room(&self, now: Micros) {
-        let Some(_compacting) = self.compacting.try_lock() else {
+    /// Drops the idle buckets of a full map, at most once per
+    /// [`SWEEP_AT_CAP_EVERY`]; one caller sweeps while the others go on.
+    /// (Safe under the caller's stripe locks: see [`Self::sweep_idle`].)
+    fn sweep_at_cap(&self, now: Micros) {
+        let last = self.last_sweep_at_cap.load(Ordering::Relaxed);
+        if now < last.saturating_add(SWEEP_AT_CAP_EVERY) {
+            return;
+        }
+        let Some(_sweeping) = self.compacting.try_lock() else {
             return;
         };
-        if self.buckets.len() <= self.max_buckets {
-            return;
-        }
-        let before = self.buckets.len();
-        self.buckets.retain(|_, state| !state.is_idle(now));
-        let after_idle = self.buckets.len();
-        self.evicted_idle
-            .fetch_add(before.saturating_sub(after_idle) as u64, Ordering::Relaxed);
-
-        let target = self.max_buckets - self.max_buckets / 10;
-        if after_idle <= target {
-            return;
-        }
-        // Find the full_at below which `after_idle - target` buckets lie.
-        let mut full_at: Vec<Micros> = self.buckets.iter().map(|e| e.idle_at()).collect();
-        let excess = full_at.len().saturating_sub(target);
-        if excess == 0 {
-            return;
-        }
-        let (_, cutoff, _) = full_at.select_nth_unstable(excess - 1);
-        let cutoff = *cutoff;
-        self.buckets.retain(|_, state| state.idle_at() > cutoff);
-        self.evicted_capacity.fetch_add(
-            after_idle.saturating_sub(self.buckets.len()) as u64,
-            Ordering::Relaxed,
-        );
+        self.last_sweep_at_cap.store(now, Ordering::Relaxed);
+        self.sweep_idle();
     }
 }
 
@@ -191,11 +211,14 @@ impl Store for MemoryStore {
         charges: &'a [Charge],
         spend: bool,
     ) -> StoreFuture<'a> {
-        let plan = self.apply_now(buckets, charges, spend);
-        Box::pin(std::future::ready(Ok(Verdicts {
-            allowed: plan.allowed,
-            verdicts: plan.verdicts,
-        })))
+        let result = self
+            .apply_now(buckets, charges, spend)
+            .map(|plan| Verdicts {
+                allowed: plan.allowed,
+                verdicts: plan.verdicts,
+            })
+            .map_err(|full| StoreError::AtCapacity(full.to_string()));
+        Box::pin(std::future::ready(result))
     }
 
     fn ping(&self) -> PingFuture<'_> {
@@ -249,7 +272,7 @@ mod tests {
                 let (c, b) = (c, b.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    store.apply_now(&b, &c, true).allowed
+                    store.apply_now(&b, &c, true).unwrap().allowed
                 })
             })
             .collect();
@@ -280,7 +303,7 @@ mod tests {
                             b.reverse();
                             c.reverse();
                         }
-                        admitted += usize::from(store.apply_now(&b, &c, true).allowed);
+                        admitted += usize::from(store.apply_now(&b, &c, true).unwrap().allowed);
                     }
                     admitted
                 })
@@ -303,8 +326,12 @@ mod tests {
     fn idle_buckets_are_swept_once_full_again() {
         let clock = Arc::new(ManualClock::new(T0));
         let store = MemoryStore::new(clock.clone(), 1000);
-        store.apply_now(&[key("a")], &[charge(10, "10/second", 5)], true); // full in 500 ms
-        store.apply_now(&[key("b")], &[charge(10, "10/second", 1)], true); // full in 100 ms
+        store
+            .apply_now(&[key("a")], &[charge(10, "10/second", 5)], true)
+            .unwrap(); // full in 500 ms
+        store
+            .apply_now(&[key("b")], &[charge(10, "10/second", 1)], true)
+            .unwrap(); // full in 100 ms
         assert_eq!(store.len(), 2);
         clock.advance(Duration::from_millis(100));
         assert_eq!(store.sweep_idle(), 1);
@@ -325,20 +352,70 @@ mod tests {
         // A key that is being limited: burst spent, the next request rejected.
         let victim = [key("victim")];
         for _ in 0..5 {
-            assert!(store.apply_now(&victim, &c, true).allowed);
+            assert!(store.apply_now(&victim, &c, true).unwrap().allowed);
         }
-        let mut peak = 0;
+        let (mut peak, mut refused) = (0, 0);
         for i in 0..1_000_000u32 {
             clock.advance(Duration::from_micros(1));
-            store.apply_now(&[key(&i.to_string())], &c, true);
+            match store.apply_now(&[key(&i.to_string())], &c, true) {
+                Ok(plan) => assert!(plan.allowed),
+                Err(full) => {
+                    assert_eq!(full, AtCapacity { max: 10_000 });
+                    refused += 1;
+                }
+            }
             peak = peak.max(store.len());
         }
-        assert!(peak <= 10_000 + 1, "peak {peak}");
-        let (idle, capacity) = store.evictions();
-        assert_eq!(idle, 0, "no bucket was full again");
-        assert_eq!(capacity as usize + store.len(), 1_000_001);
-        // The limited key owes the most time and was never dropped.
-        assert!(!store.apply_now(&victim, &c, true).allowed);
+        assert_eq!(peak, 10_000);
+        assert_eq!(refused, 1_000_000 - 9_999, "every key past the cap");
+        assert_eq!(
+            store.evictions(),
+            (0, refused as u64),
+            "nothing was full again"
+        );
+        // The limited key was never dropped.
+        assert!(!store.apply_now(&victim, &c, true).unwrap().allowed);
+    }
+
+    /// The flood of the issue that found this: a bystander's exhausted key
+    /// refills fast, the flood's keys slowly, so the old policy (drop those
+    /// closest to full) dropped the bystander and gave its tokens back.
+    #[test]
+    fn a_flood_of_new_keys_never_refills_a_bystanders_exhausted_key() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock.clone(), 1_000);
+        let bystander = [BucketKey::new("calm", "k", "", "user")];
+        let fast = [charge(10, "10/second", 1)];
+        for _ in 0..10 {
+            assert!(store.apply_now(&bystander, &fast, true).unwrap().allowed);
+        }
+        let slow = [charge(10, "1/hour", 1)];
+        for i in 0..1_200u32 {
+            let _ = store.apply_now(
+                &[BucketKey::new("flood", "k", "", &i.to_string())],
+                &slow,
+                true,
+            );
+        }
+        for _ in 0..10 {
+            assert!(
+                !store.apply_now(&bystander, &fast, true).unwrap().allowed,
+                "the bystander's key stays exhausted"
+            );
+        }
+        // Once its bucket is full again it may go, and new keys get room.
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(
+            store.apply_now(&bystander, &fast, true).unwrap().verdicts[0].remaining,
+            9
+        );
+        clock.advance(Duration::from_secs(2));
+        assert!(
+            store
+                .apply_now(&[BucketKey::new("new", "k", "", "x")], &slow, true)
+                .is_ok()
+        );
+        assert!(store.state(&bystander[0]).is_none(), "swept once full");
     }
 }
 
@@ -370,11 +447,13 @@ fn bytes_per_bucket() {
     }];
     let before = rss();
     for i in 0..1_000_000u32 {
-        store.apply_now(
-            &[BucketKey::new("acme", "k", "", &format!("user-{i:07}"))],
-            &charge,
-            true,
-        );
+        store
+            .apply_now(
+                &[BucketKey::new("acme", "k", "", &format!("user-{i:07}"))],
+                &charge,
+                true,
+            )
+            .unwrap();
     }
     let after = rss();
     println!(

@@ -80,6 +80,10 @@ pub enum StoreError {
     /// may succeed.
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// The store holds as many buckets as it may and none can be dropped
+    /// (the in-memory store's cap); a retry may succeed once some refill.
+    #[error("{0}")]
+    AtCapacity(String),
     /// The store answered something this version does not understand.
     #[error("store protocol error: {0}")]
     Protocol(String),
@@ -88,7 +92,7 @@ pub enum StoreError {
 impl StoreError {
     /// True when retrying later may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Unavailable(_))
+        matches!(self, Self::Unavailable(_) | Self::AtCapacity(_))
     }
 }
 
@@ -176,6 +180,6 @@ pub struct MemoryFigures {
     pub max_buckets: usize,
     /// Buckets dropped because they were full.
     pub evicted_idle: u64,
-    /// Buckets dropped at the cap.
-    pub evicted_capacity: u64,
+    /// Decisions refused at the cap (never a bucket dropped while refilling).
+    pub refused_at_capacity: u64,
 }

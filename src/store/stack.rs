@@ -93,8 +93,8 @@ pub struct Layers {
     /// Open after this many consecutive failed decisions, for this long;
     /// only for a shared backend.
     pub breaker: Option<(u32, std::time::Duration)>,
-    /// Decide by each rule's policy when the backend is unavailable; only
-    /// for a shared backend (the in-process one cannot be unavailable).
+    /// Decide by each rule's policy when the backend is unavailable (Redis
+    /// down, or the in-process store at its cap).
     pub fallback: Option<Fallback>,
     /// Answer recently rejected buckets locally (`--deny-cache`), holding
     /// at most about this many buckets.
@@ -118,11 +118,11 @@ pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> 
 
 /// The in-process figures a status reports.
 pub(crate) fn memory_status(memory: &MemoryStore) -> super::MemoryFigures {
-    let (idle, capacity) = memory.evictions();
+    let (idle, refused) = memory.evictions();
     super::MemoryFigures {
         buckets: memory.len(),
         max_buckets: memory.max_buckets(),
         evicted_idle: idle,
-        evicted_capacity: capacity,
+        refused_at_capacity: refused,
     }
 }

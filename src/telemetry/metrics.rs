@@ -28,8 +28,11 @@ pub const WORKER_THREADS: &str = "tollgate_worker_threads";
 /// build without `--cfg tokio_unstable`; see `tollgate::runtime`), 0 when
 /// it is off.
 pub const RUNTIME_LIFO_SLOT: &str = "tollgate_runtime_lifo_slot";
-/// Buckets dropped from memory, by `reason` (`idle`, `capacity`).
+/// Buckets dropped from memory, by `reason` (`idle`: only full buckets are
+/// ever dropped).
 pub const EVICTIONS: &str = "tollgate_bucket_evictions_total";
+/// Decisions refused because the in-memory store was at its cap.
+pub const REFUSED_AT_CAPACITY: &str = "tollgate_bucket_capacity_refusals_total";
 
 /// How a decision ended, as the `outcome` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +131,10 @@ pub fn handle() -> &'static PrometheusHandle {
             "1 if the runtime keeps its LIFO slot (--runtime-lifo-slot, or built without --cfg tokio_unstable), 0 if it is off."
         );
         describe_counter!(EVICTIONS, "Buckets dropped from memory, by reason.");
+        describe_counter!(
+            REFUSED_AT_CAPACITY,
+            "Decisions that needed new in-memory buckets while the store was at its cap; answered by each rule's store-unavailable policy."
+        );
         metrics::describe_histogram!(
             STORE_DURATION,
             metrics::Unit::Seconds,
@@ -228,11 +235,11 @@ pub fn limits_reload(ok: bool, rules: usize) {
 }
 
 /// Publishes the in-memory store's figures (called when metrics are scraped).
-pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, evicted_capacity: u64) {
+pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, refused: u64) {
     gauge!(BUCKETS).set(buckets as f64);
     gauge!(BUCKETS_MAX).set(max as f64);
     counter!(EVICTIONS, "reason" => "idle").absolute(evicted_idle);
-    counter!(EVICTIONS, "reason" => "capacity").absolute(evicted_capacity);
+    counter!(REFUSED_AT_CAPACITY).absolute(refused);
 }
 
 /// Publishes how many threads run the service and whether the runtime

@@ -315,7 +315,12 @@ async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
 async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     let store = state.store.status();
     if let Some(m) = store.local {
-        metrics::memory_store(m.buckets, m.max_buckets, m.evicted_idle, m.evicted_capacity);
+        metrics::memory_store(
+            m.buckets,
+            m.max_buckets,
+            m.evicted_idle,
+            m.refused_at_capacity,
+        );
     }
     if let Some(breaker) = store.breaker {
         metrics::breaker_state(store.kind, breaker as u8);
