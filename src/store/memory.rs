@@ -20,7 +20,7 @@
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use dashmap::DashMap;
 use foldhash::fast::RandomState;
@@ -65,6 +65,9 @@ pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     max_buckets: usize,
     compacting: Mutex<()>,
+    /// Buckets held, kept beside the map so that the cap check on every
+    /// decision is one atomic load, not a pass over the map's shards.
+    held: AtomicUsize,
     last_sweep_at_cap: AtomicU64,
     evicted_idle: AtomicU64,
     refused: AtomicU64,
@@ -80,6 +83,7 @@ impl MemoryStore {
             clock,
             max_buckets: max_buckets.max(16),
             compacting: Mutex::new(()),
+            held: AtomicUsize::new(0),
             last_sweep_at_cap: AtomicU64::new(0),
             evicted_idle: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -123,9 +127,13 @@ impl MemoryStore {
     /// correct state after it.
     pub fn sweep_idle(&self) -> usize {
         let now = self.clock.now();
-        let before = self.buckets.len();
-        self.buckets.retain(|_, state| !state.is_idle(now));
-        let removed = before.saturating_sub(self.buckets.len());
+        let mut removed = 0;
+        self.buckets.retain(|_, state| {
+            let idle = state.is_idle(now);
+            removed += usize::from(idle);
+            !idle
+        });
+        self.held.fetch_sub(removed, Ordering::Relaxed);
         self.evicted_idle
             .fetch_add(removed as u64, Ordering::Relaxed);
         removed
@@ -153,7 +161,8 @@ impl MemoryStore {
         let plan = plan(&states, charges, now, spend);
         let writes = plan.writes.iter().filter(|w| w.is_some()).count();
         // Far from the cap (the usual case) this is one length check.
-        if writes > 0 && self.buckets.len() + writes > self.max_buckets {
+        let held = |store: &Self| store.held.load(Ordering::Relaxed);
+        if writes > 0 && held(self) + writes > self.max_buckets {
             let new = |store: &Self| {
                 buckets
                     .iter()
@@ -161,9 +170,9 @@ impl MemoryStore {
                     .filter(|(b, w)| w.is_some() && !store.buckets.contains_key(*b))
                     .count()
             };
-            if new(self) > 0 && self.buckets.len() + new(self) > self.max_buckets {
+            if new(self) > 0 && held(self) + new(self) > self.max_buckets {
                 self.sweep_at_cap(now);
-                if self.buckets.len() + new(self) > self.max_buckets {
+                if held(self) + new(self) > self.max_buckets {
                     self.refused.fetch_add(1, Ordering::Relaxed);
                     return Err(AtCapacity {
                         max: self.max_buckets,
@@ -176,7 +185,9 @@ impl MemoryStore {
             match self.buckets.get_mut(bucket) {
                 Some(mut entry) => *entry = *state,
                 None => {
-                    self.buckets.insert(bucket.clone(), *state);
+                    if self.buckets.insert(bucket.clone(), *state).is_none() {
+                        self.held.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
         }
