@@ -113,6 +113,9 @@ pub struct ServeConfig {
     /// Use the given clock for Redis decisions instead of Redis's own `TIME`
     /// (for tests that control time).
     pub redis_uses_clock: bool,
+    /// How long a shutdown waits for open connections and calls in flight
+    /// before closing what remains.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for ServeConfig {
@@ -142,6 +145,7 @@ impl Default for ServeConfig {
             admin_access: AdminAccess::default(),
             tls: None,
             grpc_limits: GrpcLimits::default(),
+            shutdown_grace: Duration::from_secs(10),
         }
     }
 }
@@ -440,15 +444,43 @@ pub async fn run(
         .add_service(native)
         .add_service(envoy)
         .add_service(admin_grpc)
-        .serve_with_incoming_shutdown(accepted(listeners.grpc), stopped())
-        .await;
+        .serve_with_incoming_shutdown(accepted(listeners.grpc), stopped());
+    // At shutdown the server stops accepting, sends GOAWAY and lets calls
+    // in flight finish; what is still open after the grace period (an idle
+    // connection that never sent a request, a request half sent) is closed
+    // by dropping it, so the process always exits.
+    let grace = config.shutdown_grace;
+    let past_grace = {
+        let stop = stopped();
+        async move {
+            stop.await;
+            tokio::time::sleep(grace).await;
+        }
+    };
+    tokio::pin!(served, past_grace);
+    let served = tokio::select! {
+        served = &mut served => served,
+        () = &mut past_grace => {
+            tracing::warn!(?grace, "gRPC connections still open after the shutdown grace period; closing them");
+            Ok(())
+        }
+    };
     admin_state.ready.store(false, Ordering::Release);
     let _ = stop_tx.send(true);
     health
         .set_not_serving::<RateLimiterServer<RateLimiterService>>()
         .await;
 
-    let _ = admin_task.await;
+    // The admin port's connections get the same grace, counted from the
+    // moment the gRPC server is done.
+    let admin_abort = admin_task.abort_handle();
+    if tokio::time::timeout(grace, admin_task).await.is_err() {
+        tracing::warn!(
+            ?grace,
+            "admin connections still open after the shutdown grace period; closing them"
+        );
+        admin_abort.abort();
+    }
     let _ = watcher.await;
     let _ = envoy_watcher.await;
     let _ = sweeper.await;

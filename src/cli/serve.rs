@@ -155,6 +155,12 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_GRPC_REQUEST_TIMEOUT", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub grpc_request_timeout: Option<Duration>,
+    /// At shutdown, how long open connections and calls in flight may take
+    /// before what remains is closed (an idle connection never delays the
+    /// exit longer than this).
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", value_parser = parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub shutdown_grace: Option<Duration>,
     /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
     /// for Envoy's rate limit service API; re-read every reload interval.
     #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
@@ -357,6 +363,7 @@ impl ServeArgs {
             },
             deny_cache: self.deny_cache.unwrap_or(d.deny_cache),
             redis_uses_clock: d.redis_uses_clock,
+            shutdown_grace: or(self.shutdown_grace, d.shutdown_grace),
         };
         Ok(Serve {
             process: Process {
@@ -406,6 +413,7 @@ impl ServeArgs {
             grpc_max_concurrent_streams: Some(d.grpc_limits.max_concurrent_streams),
             grpc_connection_concurrency: Some(d.grpc_limits.connection_concurrency),
             grpc_request_timeout: Some(d.grpc_limits.request_timeout),
+            shutdown_grace: Some(d.shutdown_grace),
             envoy_config: d.envoy_config,
             envoy_shadow_mode: Some(d.envoy_options.shadow_mode),
             envoy_response_headers: Some(d.envoy_options.response_headers),

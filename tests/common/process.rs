@@ -112,7 +112,11 @@ impl ServeProcess {
             .status()
             .unwrap();
         let status = self.child.wait().unwrap();
-        (status, self.logs.try_iter().collect())
+        // Every line up to the end of the child's stderr: the reader thread
+        // ends (and drops its sender) at end of file, so this cannot miss
+        // the last lines the way a non-blocking drain right after `wait`
+        // could.
+        (status, self.logs.iter().collect())
     }
 }
 
