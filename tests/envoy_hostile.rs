@@ -370,7 +370,7 @@ async fn a_line_feed_in_a_domain_cannot_forge_metric_lines() {
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
     assert!(
         metrics.contains(
-            r#"tollgate_top_limited_rejections{tenant="~edge\nfake_metric 1",rank="1"} 1"#
+            r#"tollgate_top_limited_rejections{tenant="~edge%0Afake_metric%201",rank="1"} 1"#
         ),
         "{metrics}"
     );

@@ -129,7 +129,7 @@ impl RateLimiterService {
             })?;
         let answer = self
             .engine
-            .decide(&demand, span)
+            .decide(demand, span)
             .await
             .map_err(status::from_decide_error)?;
         let deciders = answer

@@ -203,10 +203,11 @@ impl Engine {
     /// are filled here (a disabled span costs nothing).
     pub async fn decide(
         &self,
-        demand: &Demand<'_>,
+        mut demand: Demand<'_>,
         span: &tracing::Span,
     ) -> Result<Answer, DecideError> {
-        let result = self.decide_inner(demand).await;
+        let result = self.decide_inner(&mut demand).await;
+        let demand = &demand;
         match &result {
             Ok(answer) => self.record(demand, answer, span),
             Err(_) => refused(demand.api, demand.items.len().max(1), span),
@@ -214,21 +215,23 @@ impl Engine {
         result
     }
 
-    async fn decide_inner(&self, demand: &Demand<'_>) -> Result<Answer, DecideError> {
+    async fn decide_inner(&self, demand: &mut Demand<'_>) -> Result<Answer, DecideError> {
         caps::check_demand(demand)?;
         let merged = merge(demand)?;
         let (outcome, degraded) = if merged.charges.is_empty() {
             (None, false)
         } else {
-            let applied = self
-                .store
-                .apply(Request {
-                    buckets: &merged.buckets,
-                    charges: &merged.charges,
-                    policies: &merged.policies,
-                    spend: demand.spend,
-                })
-                .await?;
+            let request = Request {
+                buckets: &merged.buckets,
+                charges: &merged.charges,
+                policies: &merged.policies,
+                spend: demand.spend,
+            };
+            // An in-process store answers at once, without boxed futures.
+            let applied = match self.store.apply_now(request) {
+                Some(applied) => applied?,
+                None => self.store.apply(request).await?,
+            };
             (Some(applied.outcome), applied.degraded)
         };
         let now = if demand
@@ -331,7 +334,8 @@ struct Merged {
 /// Merges lines that share a bucket into one charge, adding their costs
 /// (saturating, and clamped to [`caps::MAX_COST`], above every capacity),
 /// and checks the bucket cap and each enforced cost against its capacity.
-fn merge(demand: &Demand<'_>) -> Result<Merged, DecideError> {
+/// The lines' buckets move into the charges (a line's own is left empty).
+fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
     let mut merged = Merged {
         buckets: SmallVec::new(),
         charges: SmallVec::new(),
@@ -339,7 +343,8 @@ fn merge(demand: &Demand<'_>) -> Result<Merged, DecideError> {
         line_charge: SmallVec::new(),
     };
     let mut index = summary::BucketIndex::default();
-    for line in &demand.lines {
+    for n in 0..demand.lines.len() {
+        let line = &demand.lines[n];
         let (limit, cost) = match line.allowance {
             Allowance::Limited(limit) => (limit, demand.items[line.item].cost.min(caps::MAX_COST)),
             // A limit of zero is a charge no bucket can hold: the store
@@ -367,27 +372,33 @@ fn merge(demand: &Demand<'_>) -> Result<Merged, DecideError> {
                     });
                 }
                 index.add(&merged.buckets, &line.bucket);
-                merged.buckets.push(line.bucket.clone());
+                let (enforce, policy) = (line.enforce, line.on_store_unavailable);
+                merged
+                    .buckets
+                    .push(std::mem::take(&mut demand.lines[n].bucket));
                 merged.charges.push(Charge {
                     limit,
                     cost,
-                    enforce: line.enforce,
+                    enforce,
                 });
-                merged.policies.push(line.on_store_unavailable);
+                merged.policies.push(policy);
                 merged.charges.len() - 1
             }
         };
+        let line = &demand.lines[n];
         let charge = &merged.charges[at];
         if demand.over_capacity == OverCapacity::Invalid
             && matches!(line.allowance, Allowance::Limited(_))
             && charge.enforce
             && charge.cost > limit.burst()
         {
-            let shared = demand
-                .lines
+            let earlier = demand.lines[..n]
                 .iter()
-                .filter(|l| l.bucket == line.bucket)
-                .map(|l| l.item)
+                .zip(&merged.line_charge)
+                .filter(|(_, c)| **c == Some(at))
+                .map(|(l, _)| l.item);
+            let shared = earlier
+                .chain([line.item])
                 .collect::<std::collections::BTreeSet<_>>();
             return Err(DecideError::CostExceedsCapacity {
                 what: if demand.items.len() == 1 {
@@ -395,7 +406,7 @@ fn merge(demand: &Demand<'_>) -> Result<Merged, DecideError> {
                 } else if shared.len() == 1 {
                     format!("items[{}]", line.item)
                 } else {
-                    format!("the items sharing bucket {:?}", line.bucket.as_str())
+                    format!("the items sharing bucket {:?}", merged.buckets[at].as_str())
                 },
                 rule: line.label.to_owned(),
                 burst: limit.burst(),

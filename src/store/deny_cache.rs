@@ -18,7 +18,7 @@ use std::sync::Arc;
 use dashmap::DashMap;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{BucketKey, PingFuture, StoreStatus, Verdicts};
+use super::{BucketKey, PingFuture, StoreError, StoreStatus, Verdicts};
 use crate::algorithm::{Charge, Micros, Verdict};
 use crate::clock::Clock;
 
@@ -127,6 +127,23 @@ impl Layer for DenyCacheLayer {
             }
             Ok(applied)
         })
+    }
+
+    fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
+        if let Some(outcome) = self.cache.check(r.buckets, r.charges) {
+            crate::telemetry::metrics::deny_cache_hit();
+            return Some(Ok(Applied {
+                outcome,
+                degraded: false,
+            }));
+        }
+        let result = self.inner.apply_now(r)?;
+        if let Ok(applied) = &result
+            && !applied.degraded
+        {
+            self.cache.remember(r.buckets, r.charges, &applied.outcome);
+        }
+        Some(result)
     }
 
     fn ping(&self) -> PingFuture<'_> {

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{MemoryStore, PingFuture, StoreStatus, Verdicts};
+use super::{MemoryStore, PingFuture, StoreError, StoreStatus, Verdicts};
 use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
 use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
@@ -121,21 +121,34 @@ pub struct FallbackLayer {
     fallback: Fallback,
 }
 
+impl FallbackLayer {
+    /// The inner layer's answer, or the policies' when it was unavailable.
+    fn settle(
+        &self,
+        r: Request<'_>,
+        result: Result<Applied, StoreError>,
+    ) -> Result<Applied, StoreError> {
+        match result {
+            Err(err) if err.is_transient() => {
+                tracing::debug!(error = %err, "store unavailable; deciding by each rule's policy");
+                Ok(Applied {
+                    outcome: self.fallback.decide(r),
+                    degraded: true,
+                })
+            }
+            other => other,
+        }
+    }
+}
+
 impl Layer for FallbackLayer {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
         let inner = self.inner.apply(r);
-        Box::pin(async move {
-            match inner.await {
-                Err(err) if err.is_transient() => {
-                    tracing::debug!(error = %err, "store unavailable; deciding by each rule's policy");
-                    Ok(Applied {
-                        outcome: self.fallback.decide(r),
-                        degraded: true,
-                    })
-                }
-                other => other,
-            }
-        })
+        Box::pin(async move { self.settle(r, inner.await) })
+    }
+
+    fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
+        Some(self.settle(r, self.inner.apply_now(r)?))
     }
 
     fn ping(&self) -> PingFuture<'_> {

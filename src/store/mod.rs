@@ -31,7 +31,7 @@ pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
 /// The name of one bucket: tenant, scope, resource and key, rendered as
 /// `tenant:scope:resource:key`. Tenants and resources cannot contain `:`,
 /// and the key comes last, so the rendering is unambiguous.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
 pub struct BucketKey(String);
 
 impl BucketKey {
@@ -136,6 +136,17 @@ pub trait Store: Send + Sync + 'static {
         charges: &'a [Charge],
         spend: bool,
     ) -> StoreFuture<'a>;
+
+    /// [`Store::apply`] done at once, for a store that never waits (the
+    /// in-process one); `None` for one that does.
+    fn apply_now(
+        &self,
+        _buckets: &[BucketKey],
+        _charges: &[Charge],
+        _spend: bool,
+    ) -> Option<Result<Verdicts, StoreError>> {
+        None
+    }
 
     /// Checks that the store answers.
     fn ping(&self) -> PingFuture<'_>;

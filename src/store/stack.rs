@@ -57,6 +57,13 @@ pub trait Layer: Send + Sync + 'static {
     /// Applies `request` as one atomic decision.
     fn apply<'a>(&'a self, request: Request<'a>) -> LayerFuture<'a>;
 
+    /// Applies `request` at once, when the stack can without waiting (an
+    /// in-process backend): the same answer as [`Layer::apply`] without
+    /// its boxed futures. `None`: use `apply`.
+    fn apply_now(&self, _request: Request<'_>) -> Option<Result<Applied, StoreError>> {
+        None
+    }
+
     /// Checks that the backend answers.
     fn ping(&self) -> PingFuture<'_>;
 
@@ -77,6 +84,14 @@ impl Layer for Backend {
                 degraded: false,
             })
         })
+    }
+
+    fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
+        let verdicts = self.0.apply_now(r.buckets, r.charges, r.spend)?;
+        Some(verdicts.map(|outcome| Applied {
+            outcome,
+            degraded: false,
+        }))
     }
 
     fn ping(&self) -> PingFuture<'_> {

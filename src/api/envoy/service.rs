@@ -63,7 +63,8 @@ pub struct EnvoyRateLimitService {
 
 impl EnvoyRateLimitService {
     /// The service; rejections are counted in the top-limited views under
-    /// the tenant `~DOMAIN`.
+    /// the tenant `~DOMAIN` (characters outside `[A-Za-z0-9._-]`
+    /// percent-encoded).
     pub fn new(engine: Arc<Engine>, config: Arc<LiveEnvoyConfig>, options: EnvoyOptions) -> Self {
         Self {
             engine,
@@ -97,8 +98,9 @@ impl RateLimitService for EnvoyRateLimitService {
         };
         check(req).map_err(refuse)?;
         let matched = self.matched(req, request_hits).map_err(refuse)?;
-        let tenant = format!("~{}", req.domain);
-        let bucket_tenant = encode_domain(&req.domain);
+        // The tenant part of bucket names, and the tenant the top-limited
+        // views count rejections under: `~DOMAIN`, percent-encoded.
+        let tenant = encode_domain(&req.domain);
         let mut demand = Demand::new(Api::Envoy, true, OverCapacity::Reject);
         for (i, found) in matched.iter().enumerate() {
             let cost = found.as_ref().map_or(request_hits, |(_, hits)| *hits);
@@ -122,7 +124,7 @@ impl RateLimitService for EnvoyRateLimitService {
             };
             demand.lines.push(Line {
                 item: i,
-                bucket: BucketKey::new(&bucket_tenant, "e", algorithm.as_str(), &m.counter),
+                bucket: BucketKey::new(&tenant, "e", algorithm.as_str(), &m.counter),
                 allowance,
                 enforce: !m.rule.shadow,
                 on_store_unavailable: m.rule.on_store_unavailable,
@@ -136,7 +138,7 @@ impl RateLimitService for EnvoyRateLimitService {
         }
         let answer = self
             .engine
-            .decide(&demand, &span)
+            .decide(demand, &span)
             .instrument(span.clone())
             .await
             .map_err(status::from_decide_error)?;
