@@ -210,10 +210,14 @@ impl RateLimiterService {
         metadata: &tonic::metadata::MetadataMap,
     ) -> Result<ShouldAllowResponse, Status> {
         let span = traces::decision_span("ShouldAllow", metadata, &req.tenant, req.cost.max(1));
-        let (answer, rules) = self
-            .decide(&[Asked::from(req)], false, req.dry_run, &span)
-            .instrument(span.clone())
-            .await?;
+        let asked = [Asked::from(req)];
+        let decided = self.decide(&asked, false, req.dry_run, &span);
+        // Log events inside belong to the decision's span when it is traced.
+        let (answer, rules) = if span.is_disabled() {
+            decided.await?
+        } else {
+            decided.instrument(span.clone()).await?
+        };
         Ok(to_response(&answer.items[0], rules[0].as_deref()))
     }
 }
@@ -301,10 +305,12 @@ impl RateLimiter for RateLimiterService {
             req.items.len() as u64,
         );
         let items: Vec<Asked<'_>> = req.items.iter().map(Asked::from).collect();
-        let (answer, rules) = self
-            .decide(&items, true, req.dry_run, &span)
-            .instrument(span.clone())
-            .await?;
+        let decided = self.decide(&items, true, req.dry_run, &span);
+        let (answer, rules) = if span.is_disabled() {
+            decided.await?
+        } else {
+            decided.instrument(span.clone()).await?
+        };
         Ok(Response::new(ShouldAllowBatchResponse {
             allowed: answer.allowed,
             results: answer

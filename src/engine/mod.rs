@@ -30,7 +30,7 @@ use crate::algorithm::{Charge, Limit, Micros, Verdict};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
-use crate::store::stack::{Layer, Request};
+use crate::store::stack::{Applied, Layer, Request};
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
 
@@ -206,33 +206,48 @@ impl Engine {
         mut demand: Demand<'_>,
         span: &tracing::Span,
     ) -> Result<Answer, DecideError> {
-        let result = self.decide_inner(&mut demand).await;
-        let demand = &demand;
+        // Everything but a wait for a remote store happens synchronously:
+        // the future holds the demand and, only when it must wait, a boxed
+        // store call, so that the futures of the wings above stay small.
+        let result = match self.prepare(&mut demand) {
+            Err(err) => Err(err),
+            Ok(merged) if merged.charges.is_empty() => Ok(self.answer(&demand, &merged, None)),
+            Ok(merged) => match self.store.apply_now(merged.request(demand.spend)) {
+                Some(applied) => applied
+                    .map(|a| self.answer(&demand, &merged, Some(a)))
+                    .map_err(Into::into),
+                None => {
+                    let store = &self.store;
+                    let spend = demand.spend;
+                    let (merged, applied) = Box::pin(async move {
+                        let applied = store.apply(merged.request(spend)).await;
+                        (merged, applied)
+                    })
+                    .await;
+                    applied
+                        .map(|a| self.answer(&demand, &merged, Some(a)))
+                        .map_err(Into::into)
+                }
+            },
+        };
         match &result {
-            Ok(answer) => self.record(demand, answer, span),
+            Ok(answer) => self.record(&demand, answer, span),
             Err(_) => refused(demand.api, demand.items.len().max(1), span),
         }
         result
     }
 
-    async fn decide_inner(&self, demand: &mut Demand<'_>) -> Result<Answer, DecideError> {
+    /// Validates the demand and merges its lines into charges.
+    fn prepare(&self, demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         caps::check_demand(demand)?;
-        let merged = merge(demand)?;
-        let (outcome, degraded) = if merged.charges.is_empty() {
-            (None, false)
-        } else {
-            let request = Request {
-                buckets: &merged.buckets,
-                charges: &merged.charges,
-                policies: &merged.policies,
-                spend: demand.spend,
-            };
-            // An in-process store answers at once, without boxed futures.
-            let applied = match self.store.apply_now(request) {
-                Some(applied) => applied?,
-                None => self.store.apply(request).await?,
-            };
-            (Some(applied.outcome), applied.degraded)
+        merge(demand)
+    }
+
+    /// The answer from the store's verdicts (`None`: nothing was charged).
+    fn answer(&self, demand: &Demand<'_>, merged: &Merged, applied: Option<Applied>) -> Answer {
+        let (outcome, degraded) = match applied {
+            Some(a) => (Some(a.outcome), a.degraded),
+            None => (None, false),
         };
         let now = if demand
             .lines
@@ -268,7 +283,7 @@ impl Engine {
                 }
             })
             .collect();
-        Ok(summary::summarise(demand, lines, degraded))
+        summary::summarise(demand, lines, degraded)
     }
 
     /// Counts the answer's items by outcome and deciding rule (one counter
@@ -329,6 +344,17 @@ struct Merged {
     policies: SmallVec<[OnStoreUnavailable; INLINE]>,
     /// For each line, the charge it adds to (limited lines only).
     line_charge: SmallVec<[Option<usize>; INLINE]>,
+}
+
+impl Merged {
+    fn request(&self, spend: bool) -> Request<'_> {
+        Request {
+            buckets: &self.buckets,
+            charges: &self.charges,
+            policies: &self.policies,
+            spend,
+        }
+    }
 }
 
 /// Merges lines that share a bucket into one charge, adding their costs

@@ -136,12 +136,14 @@ impl RateLimitService for EnvoyRateLimitService {
                 },
             });
         }
-        let answer = self
-            .engine
-            .decide(demand, &span)
-            .instrument(span.clone())
-            .await
-            .map_err(status::from_decide_error)?;
+        let decided = self.engine.decide(demand, &span);
+        // Log events inside belong to the decision's span when it is traced.
+        let answer = if span.is_disabled() {
+            decided.await
+        } else {
+            decided.instrument(span.clone()).await
+        }
+        .map_err(status::from_decide_error)?;
 
         let statuses = answer
             .items
