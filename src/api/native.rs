@@ -121,7 +121,7 @@ impl RateLimiterService {
     ) -> Result<(engine::Answer, Deciders), Status> {
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
-        let demand = self
+        let mut demand = self
             .demand(&rules, items, batch, dry_run, &mut line_rules)
             .map_err(|err| {
                 engine::refused(Api::Native, items.len(), span);
@@ -129,7 +129,7 @@ impl RateLimiterService {
             })?;
         let answer = self
             .engine
-            .decide(demand, span)
+            .decide(&mut demand, span)
             .await
             .map_err(status::from_decide_error)?;
         let deciders = answer

@@ -197,24 +197,25 @@ impl Engine {
     }
 
     /// Decides a demand: validates it, applies it to the store as one
-    /// atomic step, and records what happened. Every error is counted once,
+    /// atomic step, and records what happened. The demand's bucket names
+    /// move into the store call (its lines are left without them). Every error is counted once,
     /// as the `error` outcome of the demand's API.
     /// `span` is the API's decision span; its `outcome` and `rule` fields
     /// are filled here (a disabled span costs nothing).
     pub async fn decide(
         &self,
-        mut demand: Demand<'_>,
+        demand: &mut Demand<'_>,
         span: &tracing::Span,
     ) -> Result<Answer, DecideError> {
         // Everything but a wait for a remote store happens synchronously:
         // the future holds the demand and, only when it must wait, a boxed
         // store call, so that the futures of the wings above stay small.
-        let result = match self.prepare(&mut demand) {
+        let result = match self.prepare(demand) {
             Err(err) => Err(err),
-            Ok(merged) if merged.charges.is_empty() => Ok(self.answer(&demand, &merged, None)),
+            Ok(merged) if merged.charges.is_empty() => Ok(self.answer(demand, &merged, None)),
             Ok(merged) => match self.store.apply_now(merged.request(demand.spend)) {
                 Some(applied) => applied
-                    .map(|a| self.answer(&demand, &merged, Some(a)))
+                    .map(|a| self.answer(demand, &merged, Some(a)))
                     .map_err(Into::into),
                 None => {
                     let store = &self.store;
@@ -225,13 +226,13 @@ impl Engine {
                     })
                     .await;
                     applied
-                        .map(|a| self.answer(&demand, &merged, Some(a)))
+                        .map(|a| self.answer(demand, &merged, Some(a)))
                         .map_err(Into::into)
                 }
             },
         };
         match &result {
-            Ok(answer) => self.record(&demand, answer, span),
+            Ok(answer) => self.record(demand, answer, span),
             Err(_) => refused(demand.api, demand.items.len().max(1), span),
         }
         result

@@ -136,7 +136,7 @@ impl RateLimitService for EnvoyRateLimitService {
                 },
             });
         }
-        let decided = self.engine.decide(demand, &span);
+        let decided = self.engine.decide(&mut demand, &span);
         // Log events inside belong to the decision's span when it is traced.
         let answer = if span.is_disabled() {
             decided.await
