@@ -129,6 +129,17 @@ pub fn parse_fraction(s: &str) -> Result<f64, String> {
 
 /// Parses `1s`, `250ms`, `2m`, `1h`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    parse_duration_or_zero(s).and_then(|d| {
+        if d.is_zero() {
+            Err(format!("{s:?} must be more than zero"))
+        } else {
+            Ok(d)
+        }
+    })
+}
+
+/// As [`parse_duration`], where zero means "never" (`0s`).
+pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
@@ -141,13 +152,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => Duration::from_secs(n * 60),
         "h" => Duration::from_secs(n * 3600),
         _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
-    })
-    .and_then(|d| {
-        if d.is_zero() {
-            Err(format!("{s:?} must be more than zero"))
-        } else {
-            Ok(d)
-        }
     })
 }
 

@@ -20,6 +20,7 @@ pub mod algorithm;
 pub mod api;
 pub mod cli;
 pub mod clock;
+pub mod connections;
 pub mod engine;
 pub mod limits;
 pub mod proto;

@@ -18,6 +18,9 @@ use crate::api::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitS
 use crate::api::envoy::{ConfigError, LiveEnvoyConfig};
 use crate::api::native::{RateLimiterServer, RateLimiterService, Unmatched};
 use crate::clock::Clock;
+use crate::connections::{
+    Acceptor, ConnectionHandle, ConnectionLimits, InFlightCap, InFlightLayer,
+};
 use crate::engine::Engine;
 use crate::limits::table::{LimitsTable, TableError};
 use crate::limits::watch::{LiveLimits, LoadError, watch as watch_limits};
@@ -77,8 +80,11 @@ pub struct ServeConfig {
     pub reload_interval: Duration,
     /// How often idle in-memory buckets are dropped.
     pub sweep_interval: Duration,
-    /// The cap on in-memory buckets (also for the local fallback).
+    /// The cap on in-memory buckets (also for the local fallback and the
+    /// deny cache).
     pub max_buckets: usize,
+    /// The cap on their bytes, each counted as 160 bytes plus its key.
+    pub max_bucket_bytes: usize,
     /// What to do with requests no rule applies to.
     pub unmatched: Unmatched,
     /// Prefix of every Redis key.
@@ -130,6 +136,7 @@ impl Default for ServeConfig {
             reload_interval: Duration::from_secs(1),
             sweep_interval: Duration::from_secs(10),
             max_buckets: 1_000_000,
+            max_bucket_bytes: 256 << 20,
             unmatched: Unmatched::Allow,
             redis_prefix: redis.prefix,
             redis_coalesce: redis.coalesce,
@@ -162,7 +169,8 @@ pub struct TlsFiles {
     pub client_ca: Option<std::path::PathBuf>,
 }
 
-/// Protection of the gRPC server against one caller starving the others.
+/// Protection of the gRPC server against one caller starving the others, and
+/// the bounds that make its memory finite (see [`GrpcLimits::worst_case_bytes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GrpcLimits {
     /// Largest request message.
@@ -174,18 +182,93 @@ pub struct GrpcLimits {
     pub connection_concurrency: usize,
     /// Longest time a request may take before it is cancelled.
     pub request_timeout: Duration,
+    /// Open connections at most.
+    pub max_connections: usize,
+    /// Requests in service at once across all connections; past it a request
+    /// is refused with RESOURCE_EXHAUSTED at once.
+    pub max_requests_in_flight: usize,
+    /// Largest header block of one request (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`).
+    pub max_header_bytes: u32,
+    /// Request body bytes a connection may have received and not yet read
+    /// (its HTTP/2 flow-control window; each stream gets a quarter).
+    pub connection_window_bytes: u32,
+    /// How often an HTTP/2 PING checks that a quiet peer is still there.
+    pub keepalive_interval: Duration,
+    /// How long the PING's answer may take before the connection is closed.
+    pub keepalive_timeout: Duration,
+    /// A connection with no request in flight for this long is closed
+    /// (zero: never; also applies to the admin port).
+    pub idle_timeout: Duration,
 }
 
 impl Default for GrpcLimits {
     fn default() -> Self {
         Self {
             max_message_bytes: MAX_MESSAGE_BYTES,
-            max_concurrent_streams: 1024,
-            connection_concurrency: 256,
+            max_concurrent_streams: 128,
+            connection_concurrency: 128,
             request_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+            max_requests_in_flight: 1024,
+            max_header_bytes: 16 * 1024,
+            connection_window_bytes: 256 * 1024,
+            keepalive_interval: Duration::from_secs(60),
+            keepalive_timeout: Duration::from_secs(20),
+            idle_timeout: Duration::from_secs(300),
         }
     }
 }
+
+/// Bytes an open connection holds besides its streams (buffers of the
+/// socket, TLS-less HTTP/2 state), measured: see the README's "Memory".
+pub const CONNECTION_OVERHEAD_BYTES: usize = 64 * 1024;
+/// Bytes one open stream holds besides its headers (HTTP/2 stream state,
+/// the request, its future and decode buffer), measured likewise.
+pub const STREAM_OVERHEAD_BYTES: usize = 16 * 1024;
+
+impl GrpcLimits {
+    /// Refuses settings that would turn every caller away.
+    pub fn validate(&self) -> Result<(), String> {
+        let zero = |name: &str| Err(format!("{name} must be at least 1"));
+        if self.max_connections == 0 {
+            return zero("--grpc-max-connections");
+        }
+        if self.max_requests_in_flight == 0 {
+            return zero("--grpc-max-requests-in-flight");
+        }
+        if self.max_concurrent_streams == 0 {
+            return zero("--grpc-max-concurrent-streams");
+        }
+        if self.connection_concurrency == 0 {
+            return zero("--grpc-connection-concurrency");
+        }
+        if self.max_header_bytes < 1024 {
+            return Err("--grpc-max-header-bytes must be at least 1024".into());
+        }
+        if self.connection_window_bytes < 65_535 {
+            return Err(
+                "--grpc-connection-window-bytes must be at least 65535 (HTTP/2's minimum)".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The most memory gRPC connections and requests can hold at once,
+    /// whatever callers send: every connection open, every stream open with
+    /// a full header block, every connection's window full of unread body,
+    /// and every request in service holding a largest message.
+    pub fn worst_case_bytes(&self) -> usize {
+        let per_stream = STREAM_OVERHEAD_BYTES + self.max_header_bytes as usize;
+        let per_connection = CONNECTION_OVERHEAD_BYTES
+            + self.connection_window_bytes as usize
+            + self.max_concurrent_streams as usize * per_stream;
+        self.max_connections * per_connection + self.max_requests_in_flight * self.max_message_bytes
+    }
+}
+
+/// Open connections on the admin port at most (each serves one request at a
+/// time).
+pub const ADMIN_MAX_CONNECTIONS: usize = 64;
 
 impl TlsFiles {
     fn config(&self) -> Result<tonic::transport::ServerTlsConfig, ServeError> {
@@ -271,7 +354,9 @@ pub async fn run(
     });
     // The in-process store: the store itself, or the fallback for rules
     // that decide locally while Redis is down.
-    let memory = Arc::new(MemoryStore::new(clock.clone(), config.max_buckets));
+    let memory = Arc::new(
+        MemoryStore::new(clock.clone(), config.max_buckets).with_max_bytes(config.max_bucket_bytes),
+    );
     let fallback = Fallback {
         local: memory.clone(),
         local_fraction: config.local_fraction,
@@ -301,7 +386,9 @@ pub async fn run(
         Layers {
             breaker,
             fallback: Some(fallback),
-            deny_cache: config.deny_cache.then_some(config.max_buckets),
+            deny_cache: config
+                .deny_cache
+                .then_some((config.max_buckets, config.max_bucket_bytes)),
         },
         clock.clone(),
     );
@@ -378,8 +465,23 @@ pub async fn run(
             }
         })
     };
-    let admin_server = axum::serve(listeners.admin, admin::router(admin_state.clone()))
-        .with_graceful_shutdown(stopped());
+    let limits_of_ports = config.grpc_limits;
+    ensure_file_descriptors(limits_of_ports.max_connections + ADMIN_MAX_CONNECTIONS);
+    let admin_acceptor = Acceptor::new(
+        listeners.admin,
+        "admin",
+        ConnectionLimits {
+            max_connections: ADMIN_MAX_CONNECTIONS,
+            idle_timeout: limits_of_ports.idle_timeout,
+        },
+    );
+    let admin_server = axum::serve(
+        admin_acceptor,
+        admin::router(admin_state.clone())
+            .layer(InFlightLayer::uncapped())
+            .into_make_service_with_connect_info::<ConnectionHandle>(),
+    )
+    .with_graceful_shutdown(stopped());
     let admin_task = tokio::spawn(async move { admin_server.await });
 
     // Not ready (health NOT_SERVING, /readyz 503) until the store answers;
@@ -433,18 +535,43 @@ pub async fn run(
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
+    let limits = config.grpc_limits;
+    tracing::info!(
+        max_connections = limits.max_connections,
+        max_requests_in_flight = limits.max_requests_in_flight,
+        worst_case_mib = limits.worst_case_bytes() >> 20,
+        "gRPC connections and requests bounded"
+    );
+    let acceptor = Acceptor::new(
+        listeners.grpc,
+        "grpc",
+        ConnectionLimits {
+            max_connections: limits.max_connections,
+            idle_timeout: limits.idle_timeout,
+        },
+    );
     let served = builder
         .tcp_nodelay(true)
-        .max_concurrent_streams(config.grpc_limits.max_concurrent_streams)
-        .concurrency_limit_per_connection(config.grpc_limits.connection_concurrency)
-        .timeout(config.grpc_limits.request_timeout)
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .concurrency_limit_per_connection(limits.connection_concurrency)
+        .timeout(limits.request_timeout)
+        .http2_max_header_list_size(limits.max_header_bytes)
+        .initial_connection_window_size(limits.connection_window_bytes)
+        .initial_stream_window_size((limits.connection_window_bytes / 4).max(65_535))
+        .http2_keepalive_interval(
+            (!limits.keepalive_interval.is_zero()).then_some(limits.keepalive_interval),
+        )
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout))
+        .layer(InFlightLayer::capped(InFlightCap::new(
+            limits.max_requests_in_flight,
+        )))
         .layer(crate::api::observe::ObserveLayer)
         .add_service(health_service)
         .add_service(reflection)
         .add_service(native)
         .add_service(envoy)
         .add_service(admin_grpc)
-        .serve_with_incoming_shutdown(accepted(listeners.grpc), stopped());
+        .serve_with_incoming_shutdown(acceptor.into_stream(), stopped());
     // At shutdown the server stops accepting, sends GOAWAY and lets calls
     // in flight finish; what is still open after the grace period (an idle
     // connection that never sent a request, a request half sent) is closed
@@ -526,10 +653,28 @@ async fn become_ready(
     tracing::info!(store = store.status().kind, "store answered; ready");
 }
 
-/// Connections accepted on `listener`, with TCP_NODELAY set on each (the
-/// server builder's `tcp_nodelay` only reaches sockets it binds itself).
-/// Without it a response written behind an unacknowledged one waits for the
-/// client's delayed ACK: 40 ms stalls at the tail.
+/// Raises the soft limit on open files towards the hard limit when `needed`
+/// connections (plus room for the store, the table and logs) would not fit,
+/// and warns when even the hard limit is too low: at the limit `accept`
+/// fails, and new callers are turned away.
+fn ensure_file_descriptors(needed: usize) {
+    let wanted = needed as u64 + 256;
+    match rlimit::increase_nofile_limit(wanted) {
+        Ok(got) if got < wanted => tracing::warn!(
+            open_files = got,
+            wanted,
+            "the open-file limit is below the connection caps; raise it (ulimit -n) or \
+             lower --grpc-max-connections"
+        ),
+        Ok(_) => {}
+        Err(err) => tracing::warn!(error = %err, "could not read or raise the open-file limit"),
+    }
+}
+
+/// Connections accepted on `listener` with TCP_NODELAY set on each and no
+/// other bounds: for the load tool's empty server, which measures tonic
+/// alone. Without TCP_NODELAY a response written behind an unacknowledged
+/// one waits for the client's delayed ACK: 40 ms stalls at the tail.
 pub fn accepted(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }

@@ -16,7 +16,7 @@ use clap::Args;
 use clap::builder::BoolishValueParser;
 use serde::{Deserialize, Serialize};
 
-use super::{parse_duration, parse_fraction, parse_ratio};
+use super::{parse_duration, parse_duration_or_zero, parse_fraction, parse_ratio};
 use crate::api::admin::AdminAccess;
 use crate::api::envoy::service::EnvoyOptions;
 use crate::api::native::Unmatched;
@@ -99,10 +99,15 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub reload_interval: Option<Duration>,
-    /// Most buckets held in memory; beyond it idle buckets, then the ones
-    /// closest to full, are dropped.
+    /// Most buckets held in memory. At the cap full buckets are dropped;
+    /// if none is full, decisions needing new buckets get their rule's
+    /// store-unavailable answer (a bucket still refilling is never dropped).
     #[arg(long, env = "TOLLGATE_MAX_BUCKETS")]
     pub max_buckets: Option<usize>,
+    /// Most bytes of buckets held in memory, each counted as 160 bytes plus
+    /// its key; at the cap, as at --max-buckets.
+    #[arg(long, env = "TOLLGATE_MAX_BUCKET_BYTES")]
+    pub max_bucket_bytes: Option<usize>,
     /// What to do with requests no rule applies to.
     #[arg(long, env = "TOLLGATE_UNMATCHED", value_enum)]
     pub unmatched: Option<Unmatched>,
@@ -155,6 +160,35 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_GRPC_REQUEST_TIMEOUT", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub grpc_request_timeout: Option<Duration>,
+    /// Open gRPC connections at most; one more is closed as soon as it is
+    /// accepted (and counted in tollgate_connections_refused_total).
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_CONNECTIONS")]
+    pub grpc_max_connections: Option<usize>,
+    /// gRPC requests in service at once across all connections; past it a
+    /// request gets RESOURCE_EXHAUSTED at once. Bounds the memory requests
+    /// can hold (with --grpc-max-message-bytes).
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_REQUESTS_IN_FLIGHT")]
+    pub grpc_max_requests_in_flight: Option<usize>,
+    /// Largest header block of one gRPC request, in bytes.
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_HEADER_BYTES")]
+    pub grpc_max_header_bytes: Option<u32>,
+    /// Request bytes one gRPC connection may have sent and the server not
+    /// yet read (its HTTP/2 flow-control window).
+    #[arg(long, env = "TOLLGATE_GRPC_CONNECTION_WINDOW_BYTES")]
+    pub grpc_connection_window_bytes: Option<u32>,
+    /// How often an HTTP/2 PING checks a quiet gRPC peer (0s: never).
+    #[arg(long, env = "TOLLGATE_GRPC_KEEPALIVE_INTERVAL", value_parser = parse_duration_or_zero)]
+    #[serde(default, with = "text_duration_or_zero")]
+    pub grpc_keepalive_interval: Option<Duration>,
+    /// How long the PING's answer may take before the connection is closed.
+    #[arg(long, env = "TOLLGATE_GRPC_KEEPALIVE_TIMEOUT", value_parser = parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub grpc_keepalive_timeout: Option<Duration>,
+    /// Close a connection (either port) with no request in flight for this
+    /// long (0s: never).
+    #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", value_parser = parse_duration_or_zero)]
+    #[serde(default, with = "text_duration_or_zero")]
+    pub idle_timeout: Option<Duration>,
     /// At shutdown, how long open connections and calls in flight may take
     /// before what remains is closed (an idle connection never delays the
     /// exit longer than this).
@@ -324,6 +358,7 @@ impl ServeArgs {
             reload_interval: or(self.reload_interval, d.reload_interval),
             sweep_interval: d.sweep_interval,
             max_buckets: self.max_buckets.unwrap_or(d.max_buckets),
+            max_bucket_bytes: self.max_bucket_bytes.unwrap_or(d.max_bucket_bytes),
             unmatched: self.unmatched.unwrap_or(d.unmatched),
             redis_prefix: self.redis_prefix.clone().unwrap_or(d.redis_prefix),
             redis_coalesce: self.redis_coalesce.unwrap_or(d.redis_coalesce),
@@ -360,11 +395,30 @@ impl ServeArgs {
                     .grpc_connection_concurrency
                     .unwrap_or(d.grpc_limits.connection_concurrency),
                 request_timeout: or(self.grpc_request_timeout, d.grpc_limits.request_timeout),
+                max_connections: self
+                    .grpc_max_connections
+                    .unwrap_or(d.grpc_limits.max_connections),
+                max_requests_in_flight: self
+                    .grpc_max_requests_in_flight
+                    .unwrap_or(d.grpc_limits.max_requests_in_flight),
+                max_header_bytes: self
+                    .grpc_max_header_bytes
+                    .unwrap_or(d.grpc_limits.max_header_bytes),
+                connection_window_bytes: self
+                    .grpc_connection_window_bytes
+                    .unwrap_or(d.grpc_limits.connection_window_bytes),
+                keepalive_interval: or(
+                    self.grpc_keepalive_interval,
+                    d.grpc_limits.keepalive_interval,
+                ),
+                keepalive_timeout: or(self.grpc_keepalive_timeout, d.grpc_limits.keepalive_timeout),
+                idle_timeout: or(self.idle_timeout, d.grpc_limits.idle_timeout),
             },
             deny_cache: self.deny_cache.unwrap_or(d.deny_cache),
             redis_uses_clock: d.redis_uses_clock,
             shutdown_grace: or(self.shutdown_grace, d.shutdown_grace),
         };
+        config.grpc_limits.validate()?;
         Ok(Serve {
             process: Process {
                 grpc_addr: self.grpc_addr.unwrap_or(p.grpc_addr),
@@ -399,6 +453,7 @@ impl ServeArgs {
             runtime_lifo_slot: Some(p.runtime_lifo_slot),
             reload_interval: Some(d.reload_interval),
             max_buckets: Some(d.max_buckets),
+            max_bucket_bytes: Some(d.max_bucket_bytes),
             unmatched: Some(d.unmatched),
             log_format: Some(p.log_format),
             deny_cache: Some(d.deny_cache),
@@ -413,6 +468,13 @@ impl ServeArgs {
             grpc_max_concurrent_streams: Some(d.grpc_limits.max_concurrent_streams),
             grpc_connection_concurrency: Some(d.grpc_limits.connection_concurrency),
             grpc_request_timeout: Some(d.grpc_limits.request_timeout),
+            grpc_max_connections: Some(d.grpc_limits.max_connections),
+            grpc_max_requests_in_flight: Some(d.grpc_limits.max_requests_in_flight),
+            grpc_max_header_bytes: Some(d.grpc_limits.max_header_bytes),
+            grpc_connection_window_bytes: Some(d.grpc_limits.connection_window_bytes),
+            grpc_keepalive_interval: Some(d.grpc_limits.keepalive_interval),
+            grpc_keepalive_timeout: Some(d.grpc_limits.keepalive_timeout),
+            idle_timeout: Some(d.grpc_limits.idle_timeout),
             shutdown_grace: Some(d.shutdown_grace),
             envoy_config: d.envoy_config,
             envoy_shadow_mode: Some(d.envoy_options.shadow_mode),
@@ -441,6 +503,24 @@ mod text_duration {
         match Option::<String>::deserialize(d)? {
             None => Ok(None),
             Some(text) => super::parse_duration(&text)
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// As [`text_duration`], where `0s` means "never".
+mod text_duration_or_zero {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    pub use super::text_duration::serialize;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(text) => super::parse_duration_or_zero(&text)
                 .map(Some)
                 .map_err(serde::de::Error::custom),
         }

@@ -14,6 +14,7 @@
 //! (remaining 0 and the remaining wait).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dashmap::DashMap;
 
@@ -22,21 +23,45 @@ use super::{BucketKey, PingFuture, StoreError, StoreStatus, Verdicts};
 use crate::algorithm::{Charge, Micros, Verdict};
 use crate::clock::Clock;
 
+/// What one cached bucket is counted as besides its key.
+const ENTRY_OVERHEAD_BYTES: usize = 96;
+
+fn entry_bytes(bucket: &BucketKey) -> usize {
+    ENTRY_OVERHEAD_BYTES + bucket.as_str().len()
+}
+
 /// Rejected buckets and until when.
 pub struct DenyCache {
     until: DashMap<BucketKey, Micros>,
     clock: Arc<dyn Clock>,
     capacity: usize,
+    max_bytes: usize,
+    /// Bytes held, counted by [`entry_bytes`].
+    bytes: AtomicUsize,
 }
 
 impl DenyCache {
-    /// A cache holding at most about `capacity` buckets.
-    pub fn new(clock: Arc<dyn Clock>, capacity: usize) -> Self {
+    /// A cache holding at most `capacity` buckets and `max_bytes` bytes;
+    /// when full of rejections still running, new ones are not cached
+    /// (the store answers them, as without the cache).
+    pub fn new(clock: Arc<dyn Clock>, capacity: usize, max_bytes: usize) -> Self {
         Self {
             until: DashMap::new(),
             clock,
             capacity: capacity.max(16),
+            max_bytes: max_bytes.max(16 * ENTRY_OVERHEAD_BYTES),
+            bytes: AtomicUsize::new(0),
         }
+    }
+
+    /// Bytes held, as counted against the cap.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    fn full(&self, adding: usize) -> bool {
+        self.until.len() >= self.capacity
+            || self.bytes.load(Ordering::Relaxed) + adding > self.max_bytes
     }
 
     /// Buckets cached now.
@@ -87,13 +112,38 @@ impl DenyCache {
         }
         let now = self.clock.now();
         for ((bucket, charge), verdict) in buckets.iter().zip(charges).zip(&outcome.verdicts) {
-            if charge.enforce && !verdict.allowed && verdict.retry_after != Micros::MAX {
-                self.until.insert(bucket.clone(), now + verdict.retry_after);
+            if !charge.enforce || verdict.allowed || verdict.retry_after == Micros::MAX {
+                continue;
+            }
+            let until = now + verdict.retry_after;
+            if let Some(mut entry) = self.until.get_mut(bucket) {
+                *entry = until;
+                continue;
+            }
+            let adding = entry_bytes(bucket);
+            if self.full(adding) {
+                self.drop_expired(now);
+                if self.full(adding) {
+                    continue;
+                }
+            }
+            if self.until.insert(bucket.clone(), until).is_none() {
+                self.bytes.fetch_add(adding, Ordering::Relaxed);
             }
         }
-        if self.until.len() > self.capacity {
-            self.until.retain(|_, until| *until > now);
-        }
+    }
+
+    /// Drops the rejections whose wait is over.
+    fn drop_expired(&self, now: Micros) {
+        let mut freed = 0;
+        self.until.retain(|bucket, until| {
+            let keep = *until > now;
+            if !keep {
+                freed += entry_bytes(bucket);
+            }
+            keep
+        });
+        self.bytes.fetch_sub(freed, Ordering::Relaxed);
     }
 }
 
@@ -152,5 +202,58 @@ impl Layer for DenyCacheLayer {
 
     fn status(&self) -> StoreStatus {
         self.inner.status()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::{Limit, Rate};
+    use crate::clock::ManualClock;
+    use std::time::Duration;
+
+    fn rejected(retry_after: Micros) -> Verdicts {
+        Verdicts {
+            allowed: false,
+            verdicts: vec![Verdict {
+                allowed: false,
+                remaining: 0,
+                retry_after,
+                reset_after: retry_after,
+            }],
+        }
+    }
+
+    /// Full of rejections still running, the cache stops caching (the store
+    /// answers instead) rather than growing; expired ones make room again.
+    #[test]
+    fn holds_no_more_than_its_caps_in_entries_and_bytes() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000_000));
+        let charge = [Charge {
+            limit: Limit::new(1, "1/minute".parse::<Rate>().unwrap()).unwrap(),
+            cost: 1,
+            enforce: true,
+        }];
+        let key = |i: u32| BucketKey::new("t", "k", "", &format!("{i:04}{}", "x".repeat(196)));
+        let per_entry = entry_bytes(&key(0));
+        let cache = DenyCache::new(clock.clone(), 1_000_000, 50 * per_entry);
+        for i in 0..500 {
+            cache.remember(&[key(i)], &charge, &rejected(60_000_000));
+            assert!(cache.bytes() <= 50 * per_entry);
+        }
+        assert_eq!(cache.len(), 50);
+        assert!(cache.check(&[key(49)], &charge).is_some());
+        assert!(cache.check(&[key(50)], &charge).is_none());
+
+        let by_count = DenyCache::new(clock.clone(), 20, usize::MAX);
+        for i in 0..100 {
+            by_count.remember(&[key(i)], &charge, &rejected(60_000_000));
+        }
+        assert_eq!(by_count.len(), 20);
+
+        clock.advance(Duration::from_secs(61));
+        cache.remember(&[key(900)], &charge, &rejected(60_000_000));
+        assert_eq!(cache.len(), 1);
+        assert_eq!(cache.bytes(), per_entry);
     }
 }

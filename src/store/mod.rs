@@ -189,6 +189,10 @@ pub struct MemoryFigures {
     pub buckets: usize,
     /// The cap.
     pub max_buckets: usize,
+    /// Bytes held, as counted against the byte cap.
+    pub bytes: usize,
+    /// The byte cap.
+    pub max_bytes: usize,
     /// Buckets dropped because they were full.
     pub evicted_idle: u64,
     /// Decisions refused at the cap (never a bucket dropped while refilling).

@@ -112,8 +112,8 @@ pub struct Layers {
     /// down, or the in-process store at its cap).
     pub fallback: Option<Fallback>,
     /// Answer recently rejected buckets locally (`--deny-cache`), holding
-    /// at most about this many buckets.
-    pub deny_cache: Option<usize>,
+    /// at most this many buckets and bytes.
+    pub deny_cache: Option<(usize, usize)>,
 }
 
 /// Composes the stack: the one place the layers are put together.
@@ -125,8 +125,8 @@ pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> 
     if let Some(fallback) = layers.fallback {
         stack = Box::new(fallback.wrap(stack));
     }
-    if let Some(capacity) = layers.deny_cache {
-        stack = Box::new(DenyCache::new(clock, capacity).wrap(stack));
+    if let Some((capacity, max_bytes)) = layers.deny_cache {
+        stack = Box::new(DenyCache::new(clock, capacity, max_bytes).wrap(stack));
     }
     Arc::from(stack)
 }
@@ -137,6 +137,8 @@ pub(crate) fn memory_status(memory: &MemoryStore) -> super::MemoryFigures {
     super::MemoryFigures {
         buckets: memory.len(),
         max_buckets: memory.max_buckets(),
+        bytes: memory.bytes(),
+        max_bytes: memory.max_bytes(),
         evicted_idle: idle,
         refused_at_capacity: refused,
     }

@@ -22,6 +22,10 @@ pub const RULES: &str = "tollgate_rules_loaded";
 pub const BUCKETS: &str = "tollgate_buckets";
 /// The in-memory bucket cap.
 pub const BUCKETS_MAX: &str = "tollgate_buckets_max";
+/// Bytes of in-memory buckets, as counted against their cap.
+pub const BUCKET_BYTES: &str = "tollgate_bucket_bytes";
+/// The cap on bytes of in-memory buckets.
+pub const BUCKET_BYTES_MAX: &str = "tollgate_bucket_bytes_max";
 /// Threads running the service (`--worker-threads`).
 pub const WORKER_THREADS: &str = "tollgate_worker_threads";
 /// 1 when the runtime keeps tokio's LIFO slot (`--runtime-lifo-slot`, or a
@@ -125,6 +129,11 @@ pub fn handle() -> &'static PrometheusHandle {
         describe_gauge!(RULES, "Rules in force.");
         describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
         describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
+        describe_gauge!(
+            BUCKET_BYTES,
+            "Bytes of buckets held in memory, each counted as 160 bytes plus its key."
+        );
+        describe_gauge!(BUCKET_BYTES_MAX, "The cap on bytes of buckets held in memory.");
         describe_gauge!(WORKER_THREADS, "Threads running the service.");
         describe_gauge!(
             RUNTIME_LIFO_SLOT,
@@ -158,6 +167,7 @@ pub fn handle() -> &'static PrometheusHandle {
             metrics::Unit::Seconds,
             "gRPC request latency, by method."
         );
+        describe_connections();
         start_upkeep(UPKEEP_PERIOD);
         handle
     })
@@ -235,9 +245,12 @@ pub fn limits_reload(ok: bool, rules: usize) {
 }
 
 /// Publishes the in-memory store's figures (called when metrics are scraped).
-pub fn memory_store(buckets: usize, max: usize, evicted_idle: u64, refused: u64) {
-    gauge!(BUCKETS).set(buckets as f64);
-    gauge!(BUCKETS_MAX).set(max as f64);
+pub fn memory_store(figures: &crate::store::MemoryFigures) {
+    gauge!(BUCKETS).set(figures.buckets as f64);
+    gauge!(BUCKETS_MAX).set(figures.max_buckets as f64);
+    gauge!(BUCKET_BYTES).set(figures.bytes as f64);
+    gauge!(BUCKET_BYTES_MAX).set(figures.max_bytes as f64);
+    let (evicted_idle, refused) = (figures.evicted_idle, figures.refused_at_capacity);
     counter!(EVICTIONS, "reason" => "idle").absolute(evicted_idle);
     counter!(REFUSED_AT_CAPACITY).absolute(refused);
 }
@@ -315,4 +328,71 @@ pub fn deny_cache_hit() {
     HANDLE
         .get_or_init(|| counter!(DENY_CACHE_HITS))
         .increment(1);
+}
+
+/// Open connections, by `port` (`grpc`, `admin`).
+pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
+/// Connections closed at once because the port was at its cap, by `port`.
+pub const CONNECTIONS_REFUSED: &str = "tollgate_connections_refused_total";
+/// Connections closed after their idle timeout, by `port`.
+pub const CONNECTIONS_IDLE_CLOSED: &str = "tollgate_connections_idle_closed_total";
+/// Failed `accept` calls (each followed by a backoff), by `port`.
+pub const ACCEPT_ERRORS: &str = "tollgate_accept_errors_total";
+/// gRPC requests refused with RESOURCE_EXHAUSTED because the instance had
+/// `--grpc-max-requests-in-flight` requests in flight.
+pub const GRPC_OVERLOADED: &str = "tollgate_grpc_overload_refusals_total";
+
+fn describe_connections() {
+    describe_gauge!(CONNECTIONS_OPEN, "Open connections, by port.");
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections closed as soon as accepted because the port was at its connection cap, by port."
+    );
+    describe_counter!(
+        CONNECTIONS_IDLE_CLOSED,
+        "Connections closed after their idle timeout with no request in flight, by port."
+    );
+    describe_counter!(
+        ACCEPT_ERRORS,
+        "Failed accept calls (out of file descriptors, ...), each followed by a backoff, by port."
+    );
+    describe_counter!(
+        GRPC_OVERLOADED,
+        "gRPC requests refused with RESOURCE_EXHAUSTED at the in-flight cap (--grpc-max-requests-in-flight)."
+    );
+}
+
+/// Sets the open-connection gauge of `port` (at start-up).
+pub fn connections_open(port: &'static str, open: usize) {
+    gauge!(CONNECTIONS_OPEN, "port" => port).set(open as f64);
+}
+
+/// Counts a connection opened on `port`.
+pub fn connection_opened(port: &'static str) {
+    gauge!(CONNECTIONS_OPEN, "port" => port).increment(1.0);
+}
+
+/// Counts a connection closed on `port`.
+pub fn connection_closed(port: &'static str) {
+    gauge!(CONNECTIONS_OPEN, "port" => port).decrement(1.0);
+}
+
+/// Counts a connection refused at `port`'s cap.
+pub fn connection_refused(port: &'static str) {
+    counter!(CONNECTIONS_REFUSED, "port" => port).increment(1);
+}
+
+/// Counts a connection closed for idleness on `port`.
+pub fn connection_idle_closed(port: &'static str) {
+    counter!(CONNECTIONS_IDLE_CLOSED, "port" => port).increment(1);
+}
+
+/// Counts a failed accept on `port`.
+pub fn accept_error(port: &'static str) {
+    counter!(ACCEPT_ERRORS, "port" => port).increment(1);
+}
+
+/// Counts a gRPC request refused at the in-flight cap.
+pub fn grpc_overloaded() {
+    counter!(GRPC_OVERLOADED).increment(1);
 }

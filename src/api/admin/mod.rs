@@ -315,12 +315,7 @@ async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
 async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     let store = state.store.status();
     if let Some(m) = store.local {
-        metrics::memory_store(
-            m.buckets,
-            m.max_buckets,
-            m.evicted_idle,
-            m.refused_at_capacity,
-        );
+        metrics::memory_store(&m);
     }
     if let Some(breaker) = store.breaker {
         metrics::breaker_state(store.kind, breaker as u8);

@@ -1,0 +1,372 @@
+//! Bounded connections against the real binary: the connection cap, the idle
+//! timeout (which counts requests, not bytes), the process-wide cap on
+//! requests in flight, and a stream flood held under the memory bound that
+//! `GrpcLimits::worst_case_bytes` states for the flags in use.
+
+mod common;
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::envoy::sample;
+use common::process::ServeProcess;
+use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::{ShouldAllowRequest, StreamDecision};
+use tollgate::server::GrpcLimits;
+use tonic::Code;
+
+fn request(key: &str) -> ShouldAllowRequest {
+    ShouldAllowRequest {
+        key: key.into(),
+        cost: 1,
+        tenant: "t".into(),
+        resource: String::new(),
+        dry_run: false,
+    }
+}
+
+async fn client(server: &ServeProcess) -> RateLimiterClient<tonic::transport::Channel> {
+    RateLimiterClient::connect(format!("http://{}", server.grpc))
+        .await
+        .unwrap()
+}
+
+/// The value of one series on `/metrics` (0 when absent).
+fn metric(server: &ServeProcess, series: &str) -> u64 {
+    let text = server.admin_get("/metrics").unwrap();
+    sample(&text, series).unwrap_or(0)
+}
+
+/// Polls until `series` reads `want` (bounded: a hang becomes a failure
+/// naming what never happened).
+fn wait_metric(server: &ServeProcess, series: &str, want: u64) {
+    for _ in 0..3000 {
+        if metric(server, series) == want {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!(
+        "{series} never reached {want}; it is {}",
+        metric(server, series)
+    );
+}
+
+/// Reads until the server closes the connection; panics if it does not
+/// within a minute (a hang guard, not a timing bound).
+fn wait_closed(mut stream: TcpStream) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut sink = Vec::new();
+    match stream.read_to_end(&mut sink) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the server never closed the connection: {e}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_past_the_cap_is_closed_and_counted_and_the_slot_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(dir.path(), &["--grpc-max-connections", "3"]);
+    server.wait_ready();
+    let held: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(&server.grpc).unwrap())
+        .collect();
+    wait_metric(&server, "tollgate_connections_open{port=\"grpc\"}", 3);
+
+    wait_closed(TcpStream::connect(&server.grpc).unwrap());
+    assert_eq!(
+        metric(&server, "tollgate_connections_refused_total{port=\"grpc\"}"),
+        1
+    );
+    assert_eq!(
+        metric(&server, "tollgate_connections_open{port=\"grpc\"}"),
+        3
+    );
+
+    drop(held);
+    wait_metric(&server, "tollgate_connections_open{port=\"grpc\"}", 0);
+    let answer = client(&server)
+        .await
+        .should_allow(request("k"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.allowed);
+    assert_eq!(
+        metric(&server, "tollgate_connections_refused_total{port=\"grpc\"}"),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_close_but_a_connection_holding_a_stream_stays_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(dir.path(), &["--idle-timeout", "1s"]);
+    server.wait_ready();
+
+    // A stream opened at once and used again after three idle timeouts:
+    // the connection carries a request in flight, so it is not idle.
+    let mut streaming = client(&server).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut answers = streaming
+        .should_allow_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(request("a")).await.unwrap();
+    let first: StreamDecision = answers.message().await.unwrap().unwrap();
+    assert!(first.decision.unwrap().allowed);
+
+    // Silent connections on both ports close after the timeout.
+    wait_closed(TcpStream::connect(&server.grpc).unwrap());
+    wait_closed(TcpStream::connect(&server.admin).unwrap());
+    assert_eq!(
+        metric(
+            &server,
+            "tollgate_connections_idle_closed_total{port=\"grpc\"}"
+        ),
+        1
+    );
+    assert_eq!(
+        metric(
+            &server,
+            "tollgate_connections_idle_closed_total{port=\"admin\"}"
+        ),
+        1
+    );
+
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tx.send(request("a")).await.unwrap();
+    let second = answers.message().await.unwrap().unwrap();
+    assert_eq!(second.error_code, 0, "{second:?}");
+    assert!(second.decision.unwrap().allowed);
+    assert_eq!(
+        metric(
+            &server,
+            "tollgate_connections_idle_closed_total{port=\"grpc\"}"
+        ),
+        1,
+        "the busy connection was closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_in_flight_cap_a_request_is_refused_at_once_with_resource_exhausted() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(dir.path(), &["--grpc-max-requests-in-flight", "2"]);
+    server.wait_ready();
+    let mut c = client(&server).await;
+
+    // Two open streams hold both slots until they end.
+    let mut senders = Vec::new();
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut answers = c
+            .should_allow_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        tx.send(request("s")).await.unwrap();
+        assert_eq!(answers.message().await.unwrap().unwrap().error_code, 0);
+        senders.push(tx);
+        streams.push(answers);
+    }
+    for _ in 0..3 {
+        let status = c.should_allow(request("u")).await.unwrap_err();
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status.message().contains("--grpc-max-requests-in-flight"),
+            "{status:?}"
+        );
+    }
+    assert_eq!(metric(&server, "tollgate_grpc_overload_refusals_total"), 3);
+
+    // Ending one stream frees its slot.
+    senders.pop();
+    let mut ended = streams.pop().unwrap();
+    assert!(ended.message().await.unwrap().is_none());
+    let mut answered = None;
+    for _ in 0..3000 {
+        match c.should_allow(request("u")).await {
+            Ok(r) => {
+                answered = Some(r.into_inner());
+                break;
+            }
+            Err(status) => {
+                assert_eq!(status.code(), Code::ResourceExhausted);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    assert!(answered.expect("a slot came back").allowed);
+}
+
+/// The resident set of `pid`, in bytes.
+fn rss(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS");
+    kb * 1024
+}
+
+/// One flooding connection: its streams, held open, and the task driving
+/// it (aborted on drop, which closes the socket).
+struct Flood {
+    streams: Vec<(h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>)>,
+    driver: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        self.driver.abort();
+    }
+}
+
+/// Opens one HTTP/2 connection and as many streams as the server allows,
+/// each a ShouldAllow request whose headers are sent and whose body never
+/// comes (half of them announce a full-size message first). `None` when
+/// the server closed the connection at once.
+async fn flood_connection(addr: String, streams: usize, announce: u32) -> Option<Flood> {
+    let tcp = tokio::net::TcpStream::connect(&addr).await.ok()?;
+    let (mut h2, connection) = h2::client::handshake(tcp).await.ok()?;
+    let mut flood = Flood {
+        streams: Vec::new(),
+        driver: tokio::spawn(async move {
+            let _ = connection.await;
+        }),
+    };
+    for i in 0..streams {
+        let ready = tokio::time::timeout(Duration::from_millis(500), h2.clone().ready()).await;
+        let Ok(Ok(mut sender)) = ready else {
+            break; // the server's stream cap, or a closed connection
+        };
+        let request =
+            http::Request::post(format!("http://{addr}/tollgate.v1.RateLimiter/ShouldAllow"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap();
+        let Ok((response, mut body)) = sender.send_request(request, false) else {
+            break;
+        };
+        if i % 2 == 0 {
+            // A message header announcing `announce` bytes that never come.
+            let mut prefix = vec![0u8];
+            prefix.extend_from_slice(&announce.to_be_bytes());
+            let _ = body.send_data(prefix.into(), false);
+        }
+        flood.streams.push((response, body));
+        h2 = sender;
+    }
+    (!flood.streams.is_empty()).then_some(flood)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_flood_stays_under_the_stated_memory_bound_and_memory_comes_back() {
+    let limits = GrpcLimits {
+        max_connections: 20,
+        max_concurrent_streams: 64,
+        connection_concurrency: 64,
+        max_requests_in_flight: 256,
+        max_message_bytes: 1024 * 1024,
+        ..GrpcLimits::default()
+    };
+    let bound = limits.worst_case_bytes();
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(
+        dir.path(),
+        &[
+            "--grpc-max-connections",
+            &limits.max_connections.to_string(),
+            "--grpc-max-concurrent-streams",
+            &limits.max_concurrent_streams.to_string(),
+            "--grpc-connection-concurrency",
+            &limits.connection_concurrency.to_string(),
+            "--grpc-max-requests-in-flight",
+            &limits.max_requests_in_flight.to_string(),
+            "--grpc-max-message-bytes",
+            &limits.max_message_bytes.to_string(),
+            "--grpc-request-timeout",
+            "60s",
+        ],
+    );
+    server.wait_ready();
+    let pid = server.child.id();
+    let before = rss(pid);
+
+    // Ten times the connection cap, each asking for sixteen times the
+    // stream cap: without the caps this holds over a gigabyte.
+    let floods: Vec<_> = (0..200)
+        .map(|_| {
+            let announce = limits.max_message_bytes as u32;
+            tokio::spawn(flood_connection(server.grpc.clone(), 1024, announce))
+        })
+        .collect();
+    let mut held = Vec::new();
+    for flood in floods {
+        if let Some(streams) = flood.await.unwrap() {
+            held.push(streams);
+        }
+    }
+    let streams_sent: usize = held.iter().map(|f: &Flood| f.streams.len()).sum();
+    // Both caps were hit: connections past the twentieth were closed, and
+    // requests past the 256th in flight refused.
+    assert_eq!(
+        metric(&server, "tollgate_connections_open{port=\"grpc\"}"),
+        20
+    );
+    assert!(metric(&server, "tollgate_connections_refused_total{port=\"grpc\"}") >= 180);
+    assert!(metric(&server, "tollgate_grpc_overload_refusals_total") > 0);
+    let mut peak = 0;
+    for _ in 0..20 {
+        peak = peak.max(rss(pid));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "RSS before {} KiB, peak during the flood {} KiB (bound {} KiB), {streams_sent} requests opened by the client",
+        before / 1024,
+        peak / 1024,
+        bound / 1024
+    );
+    assert!(
+        peak.saturating_sub(before) <= bound,
+        "the flood took {} KiB, over the stated bound of {} KiB",
+        peak.saturating_sub(before) / 1024,
+        bound / 1024
+    );
+
+    // The flood ends: every connection closes, and the server still answers.
+    drop(held);
+    wait_metric(&server, "tollgate_connections_open{port=\"grpc\"}", 0);
+    let answer = client(&server)
+        .await
+        .should_allow(request("after"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.allowed);
+    // Freed memory goes back to the system as the allocator's threads run
+    // again: light traffic for two seconds.
+    let mut c = client(&server).await;
+    for i in 0..200 {
+        c.should_allow(request(&format!("k{i}"))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let after = rss(pid);
+    eprintln!("RSS after the flood ended: {} KiB", after / 1024);
+    assert!(
+        after.saturating_sub(before) <= peak.saturating_sub(before) / 2,
+        "of the {} KiB the flood took, {} KiB were still held after it ended",
+        peak.saturating_sub(before) / 1024,
+        after.saturating_sub(before) / 1024
+    );
+}
