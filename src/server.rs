@@ -6,7 +6,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -447,7 +446,7 @@ pub async fn run(
             let envoy = envoy_config.clone();
             Box::new(move || serde_json::json!(envoy.status()))
         },
-        ready: false.into(),
+        ready: Default::default(),
         rates: Default::default(),
         table: table.clone(),
         access: config.admin_access.clone(),
@@ -592,7 +591,7 @@ pub async fn run(
             Ok(())
         }
     };
-    admin_state.ready.store(false, Ordering::Release);
+    admin_state.ready.set_stopping();
     let _ = stop_tx.send(true);
     health
         .set_not_serving::<RateLimiterServer<RateLimiterService>>()
@@ -618,8 +617,9 @@ pub async fn run(
     served.map_err(Into::into)
 }
 
-/// Pings the store until it answers (backing off from 100 ms to 2 s), then
-/// reports the service ready.
+/// Pings the store until it answers (backing off from 100 ms to 2 s) or a
+/// decision reaches it, then reports the service ready (the admin port's
+/// `/readyz` turns ready with the first answer by itself).
 async fn become_ready(
     store: Arc<dyn Layer>,
     health: HealthReporter,
@@ -630,6 +630,10 @@ async fn become_ready(
     let mut backoff = Duration::from_millis(100);
     let mut attempts = 0u32;
     loop {
+        // A decision that reached the store counts as its answer.
+        if store.status().answered {
+            break;
+        }
         match store.ping().await {
             Ok(()) => break,
             Err(err) => {
@@ -649,7 +653,7 @@ async fn become_ready(
     health
         .set_serving::<RateLimiterServer<RateLimiterService>>()
         .await;
-    admin.ready.store(true, Ordering::Release);
+    admin.ready.set_ready();
     tracing::info!(store = store.status().kind, "store answered; ready");
 }
 

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{TestServer, ask, req, row};
+use tokio_stream::StreamExt;
 use tollgate::api::native::Unmatched;
 use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 use tonic::Code;
@@ -143,6 +144,69 @@ async fn a_malformed_message_is_invalid_argument_not_internal() {
             .message()
             .ends_with("encode it from proto/tollgate/v1/tollgate.proto")
     );
+    server.stop().await;
+}
+
+/// The proto promises that a bad message on `ShouldAllowStream` gets an
+/// answer with `error_code` set and the stream goes on: one that does not
+/// parse at all included, between good ones, in order.
+#[tokio::test]
+async fn an_undecodable_message_on_a_stream_is_answered_and_the_stream_goes_on() {
+    use prost::Message;
+    use tollgate::proto::v1::StreamDecision;
+    let server = TestServer::with_rows(&[row("acme", "acme", "", "key", 5, "1/hour")]).await;
+    let mut grpc = tonic::client::Grpc::new(server.channel().await);
+    grpc.ready().await.unwrap();
+    let good = req("acme", "k").encode_to_vec();
+    // Field 1 (key) declared as a 100-byte string, but only 3 bytes follow.
+    let garbage = vec![0x0a, 100, b'a', b'b', b'c'];
+    let messages = vec![good.clone(), garbage.clone(), good.clone(), garbage, good];
+    let answers: Vec<StreamDecision> = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::iter(messages)),
+            "/tollgate.v1.RateLimiter/ShouldAllowStream"
+                .parse()
+                .unwrap(),
+            raw::RawCodec,
+        )
+        .await
+        .unwrap()
+        .into_inner()
+        .map(|bytes| StreamDecision::decode(bytes.unwrap().as_slice()).unwrap())
+        .collect()
+        .await;
+    assert_eq!(answers.len(), 5, "{answers:#?}");
+    for (i, answer) in answers.iter().enumerate() {
+        if i % 2 == 0 {
+            assert_eq!(answer.error_code, 0, "{answer:?}");
+            let decision = answer.decision.as_ref().unwrap();
+            assert!(decision.allowed);
+            assert_eq!(decision.remaining, 4 - i as u64 / 2);
+        } else {
+            assert_eq!(answer.error_code, Code::InvalidArgument as u32);
+            assert!(answer.decision.is_none());
+            assert!(
+                answer
+                    .error_message
+                    .starts_with("the request is not a valid ShouldAllowRequest message"),
+                "{}",
+                answer.error_message
+            );
+        }
+    }
+    // Unary calls on other connections still fail a malformed message whole
+    // (the lenient decoding is the stream's alone).
+    let mut unary = tonic::client::Grpc::new(server.channel().await);
+    unary.ready().await.unwrap();
+    let status = unary
+        .unary(
+            tonic::Request::new(vec![0x0a, 100, b'a']),
+            "/tollgate.v1.RateLimiter/ShouldAllow".parse().unwrap(),
+            raw::RawCodec,
+        )
+        .await
+        .expect_err("malformed");
+    assert_eq!(status.code(), Code::InvalidArgument);
     server.stop().await;
 }
 

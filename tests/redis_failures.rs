@@ -167,6 +167,38 @@ async fn redis_frozen_then_thawed() {
     server.stop().await;
 }
 
+/// Readiness follows the store's first answer, not the next readiness
+/// ping: once a decision has reached Redis, /readyz says ready at once
+/// (the ping's backoff has grown to seconds by the time Redis starts here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_as_soon_as_a_decision_reaches_redis() {
+    let port = free_port(false);
+    let server = TestServer::launch_unready(Some(&rules()), |c| {
+        c.store = StoreSpec::Redis(format!("redis://127.0.0.1:{port}"));
+        c.store_timeout = Duration::from_millis(500);
+        c.breaker_cooldown = Duration::from_millis(50);
+    })
+    .await;
+    let mut client = server.client().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(server.http_get("/readyz").await.unwrap().0, 503);
+
+    let _redis = RedisServer::start_on(port);
+    let mut reached = false;
+    for _ in 0..1000 {
+        if decide(&mut client, "open", "k").await.degraded() == Degraded::None {
+            reached = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(reached, "no decision reached Redis");
+    assert_eq!(server.http_get("/readyz").await.unwrap().0, 200);
+    let (_, status) = server.http_get("/v1/status").await.unwrap();
+    assert!(status.contains("\"ready\":true"), "{status}");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starts_before_redis_is_reachable_and_becomes_ready_when_it_is() {
     use tonic_health::pb::HealthCheckRequest;

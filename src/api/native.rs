@@ -249,19 +249,22 @@ impl RateLimiter for RateLimiterService {
             // One at a time, in order: each answer is sent before the next
             // message is read. At shutdown the stream ends between messages.
             loop {
+                // A message that does not parse gets its error answer and
+                // the stream goes on, as the proto promises.
                 let next = tokio::select! {
                     _ = &mut stopping => return,
-                    next = inbound.message() => next,
+                    next = crate::api::codec::lenient(inbound.message()) => next,
                 };
-                let message = match next {
-                    Ok(Some(message)) => message,
+                let decided = match next {
+                    Ok(Some(Ok(message))) => service.decide_one(&message, &metadata).await,
+                    Ok(Some(Err(status))) => Err(status),
                     Ok(None) => return,
                     Err(status) => {
                         let _ = tx.send(Err(status)).await;
                         return;
                     }
                 };
-                let answer = match service.decide_one(&message, &metadata).await {
+                let answer = match decided {
                     Ok(decision) => StreamDecision {
                         decision: Some(decision),
                         error_code: 0,

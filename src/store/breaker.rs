@@ -275,6 +275,7 @@ mod tests {
                 kind: "scripted",
                 breaker: None,
                 local: None,
+                answered: false,
             }
         }
     }

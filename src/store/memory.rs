@@ -310,6 +310,7 @@ impl Store for MemoryStore {
             kind: "memory",
             breaker: None,
             local: Some(super::stack::memory_status(self)),
+            answered: true,
         }
     }
 }

@@ -180,6 +180,9 @@ pub struct StoreStatus {
     /// The in-process buckets: the memory backend's, or the local
     /// fallback's.
     pub local: Option<MemoryFigures>,
+    /// The backend has answered a decision or a ping since start (set by
+    /// the stack's bottom layer; a backend alone reports false).
+    pub answered: bool,
 }
 
 /// Figures of in-process buckets.

@@ -539,6 +539,7 @@ impl Store for RedisStore {
             kind: "redis",
             breaker: None,
             local: None,
+            answered: false,
         }
     }
 }

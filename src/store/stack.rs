@@ -17,6 +17,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::breaker::Breaker;
 use super::deny_cache::DenyCache;
@@ -72,22 +73,36 @@ pub trait Layer: Send + Sync + 'static {
     fn status(&self) -> StoreStatus;
 }
 
-/// The bottom of the stack: a backend store.
-struct Backend(Arc<dyn Store>);
+/// The bottom of the stack: a backend store, and whether it has answered
+/// yet (readiness turns on with the first answer, not the next ping).
+struct Backend {
+    store: Arc<dyn Store>,
+    answered: AtomicBool,
+}
+
+impl Backend {
+    fn answered<T>(&self, result: &Result<T, StoreError>) {
+        if result.is_ok() && !self.answered.load(Ordering::Relaxed) {
+            self.answered.store(true, Ordering::Relaxed);
+        }
+    }
+}
 
 impl Layer for Backend {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
-        let inner = self.0.apply(r.buckets, r.charges, r.spend);
+        let inner = self.store.apply(r.buckets, r.charges, r.spend);
         Box::pin(async move {
+            let verdicts = inner.await;
+            self.answered(&verdicts);
             Ok(Applied {
-                outcome: inner.await?,
+                outcome: verdicts?,
                 degraded: false,
             })
         })
     }
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
-        let verdicts = self.0.apply_now(r.buckets, r.charges, r.spend)?;
+        let verdicts = self.store.apply_now(r.buckets, r.charges, r.spend)?;
         Some(verdicts.map(|outcome| Applied {
             outcome,
             degraded: false,
@@ -95,11 +110,20 @@ impl Layer for Backend {
     }
 
     fn ping(&self) -> PingFuture<'_> {
-        self.0.ping()
+        let ping = self.store.ping();
+        Box::pin(async move {
+            let answer = ping.await;
+            self.answered(&answer);
+            answer
+        })
     }
 
     fn status(&self) -> StoreStatus {
-        self.0.status()
+        let inner = self.store.status();
+        StoreStatus {
+            answered: self.answered.load(Ordering::Relaxed) || inner.answered,
+            ..inner
+        }
     }
 }
 
@@ -118,7 +142,10 @@ pub struct Layers {
 
 /// Composes the stack: the one place the layers are put together.
 pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> Arc<dyn Layer> {
-    let mut stack: Box<dyn Layer> = Box::new(Backend(backend));
+    let mut stack: Box<dyn Layer> = Box::new(Backend {
+        store: backend,
+        answered: AtomicBool::new(false),
+    });
     if let Some((threshold, cooldown)) = layers.breaker {
         stack = Box::new(Breaker::new(threshold, cooldown).wrap(stack));
     }

@@ -15,7 +15,7 @@
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -45,14 +45,53 @@ pub struct AdminState {
     pub top: Arc<TopLimited>,
     /// The Envoy configuration's reload status, as JSON.
     pub envoy_status: Box<dyn Fn() -> serde_json::Value + Send + Sync>,
-    /// Set once the gRPC server accepts requests.
-    pub ready: AtomicBool,
+    /// Starting, ready or stopping.
+    pub ready: Readiness,
     /// Decision rates for the status page.
     pub rates: Rates,
     /// The limits table, for the mutating endpoints.
     pub table: LimitsTable,
     /// Who may call what.
     pub access: AdminAccess,
+}
+
+/// Whether the service is ready: from the moment the store first answers
+/// (a decision or a ping, whichever comes first) until shutdown begins.
+#[derive(Debug, Default)]
+pub struct Readiness(AtomicU8);
+
+impl Readiness {
+    const STARTING: u8 = 0;
+    const READY: u8 = 1;
+    const STOPPING: u8 = 2;
+
+    /// True when ready; while starting, turns ready as soon as `store`
+    /// reports an answer, without waiting for the next readiness ping.
+    pub fn check(&self, store: &dyn Layer) -> bool {
+        match self.0.load(Ordering::Acquire) {
+            Self::READY => true,
+            Self::STARTING if store.status().answered => {
+                self.set_ready();
+                self.0.load(Ordering::Acquire) == Self::READY
+            }
+            _ => false,
+        }
+    }
+
+    /// The store answered.
+    pub fn set_ready(&self) {
+        let _ = self.0.compare_exchange(
+            Self::STARTING,
+            Self::READY,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// Shutdown began: never ready again.
+    pub fn set_stopping(&self) {
+        self.0.store(Self::STOPPING, Ordering::Release);
+    }
 }
 
 /// Access to the admin port. Changing endpoints (`POST`/`DELETE
@@ -263,7 +302,7 @@ async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
         BreakerState::HalfOpen => "half-open",
     });
     Json(json!({
-        "ready": state.ready.load(Ordering::Acquire),
+        "ready": state.ready.check(state.store.as_ref()),
         "store": {
             "kind": store.kind,
             "breaker": breaker,
@@ -305,7 +344,7 @@ impl Rates {
 }
 
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
-    if state.ready.load(Ordering::Acquire) {
+    if state.ready.check(state.store.as_ref()) {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response()
