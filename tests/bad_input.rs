@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{TestServer, ask, req, row};
+use common::{TestServer, ask, raw, req, row};
 use tokio_stream::StreamExt;
 use tollgate::api::native::Unmatched;
 use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
@@ -228,50 +228,4 @@ async fn unmatched_deny_refuses_requests_no_rule_covers() {
     let mut client = server.client().await;
     assert!(ask(&mut client, req("acme", "k")).await.allowed);
     server.stop().await;
-}
-
-/// Sends raw bytes as a request body, for malformed-message tests.
-mod raw {
-    use tonic::Status;
-    use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-
-    pub struct RawCodec;
-
-    impl Codec for RawCodec {
-        type Encode = Vec<u8>;
-        type Decode = Vec<u8>;
-        type Encoder = RawCodec;
-        type Decoder = RawCodec;
-        fn encoder(&mut self) -> Self::Encoder {
-            RawCodec
-        }
-        fn decoder(&mut self) -> Self::Decoder {
-            RawCodec
-        }
-    }
-
-    impl Encoder for RawCodec {
-        type Item = Vec<u8>;
-        type Error = Status;
-        fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-            use bytes::BufMut;
-            dst.put_slice(&item);
-            Ok(())
-        }
-        fn buffer_settings(&self) -> BufferSettings {
-            BufferSettings::default()
-        }
-    }
-
-    impl Decoder for RawCodec {
-        type Item = Vec<u8>;
-        type Error = Status;
-        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, Status> {
-            use bytes::Buf;
-            Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
-        }
-        fn buffer_settings(&self) -> BufferSettings {
-            BufferSettings::default()
-        }
-    }
 }

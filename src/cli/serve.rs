@@ -268,15 +268,27 @@ impl ServeArgs {
     pub fn from_file(path: &std::path::Path) -> Result<Self, String> {
         let at = |e: &dyn std::fmt::Display| format!("config file {}: {e}", path.display());
         let text = std::fs::read_to_string(path).map_err(|e| at(&e))?;
-        let table: toml::Table = text.parse().map_err(|e| at(&e))?;
+        Self::from_toml(&text).map_err(|e| at(&e))
+    }
+
+    /// The options a TOML text sets (see [`ServeArgs::from_file`]), checked
+    /// like flags by [`ServeArgs::check`].
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| e.to_string())?;
         let known = Self::names();
         if let Some(key) = table.keys().find(|k| !known.contains(k)) {
-            return Err(at(&format!(
+            return Err(format!(
                 "unknown option {key:?}; known options: {}",
                 known.join(", ")
-            )));
+            ));
         }
-        table.try_into().map_err(|e| at(&e))
+        table.try_into().map_err(|e: toml::de::Error| e.to_string())
+    }
+
+    /// The settings these options resolve to, without reading a file they
+    /// name: the checks a config file's values go through.
+    pub fn check(&self) -> Result<Serve, String> {
+        self.build()
     }
 
     /// The option names a config file may use, sorted.

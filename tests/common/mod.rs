@@ -6,6 +6,7 @@
 pub mod envoy;
 pub mod postgres;
 pub mod process;
+pub mod raw;
 pub mod redis;
 pub mod tls;
 
