@@ -14,7 +14,9 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::envoy::descriptor;
 use common::process::{ServeProcess, tollgate};
@@ -127,7 +129,7 @@ async fn worker(worker: usize, instance: Arc<Instance>, tally: Arc<Tally>, deadl
         let started = Instant::now();
         match i % 4 {
             0 | 1 => {
-                let exact = i % 8 == 0;
+                let exact = i.is_multiple_of(8);
                 let request = ShouldAllowRequest {
                     key: if exact {
                         "hot".into()
@@ -289,7 +291,7 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
 
     // The faults, at fixed shares of the run.
     let at = |share: f64| started + Duration::from_secs_f64(secs as f64 * share);
-    let pause = |until: Instant| tokio::time::sleep_until(until.into());
+    let pause = tokio::time::sleep_until;
     pause(at(0.15)).await;
     eprintln!("soak: freezing Redis");
     redis.freeze();
