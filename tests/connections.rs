@@ -206,6 +206,72 @@ async fn past_the_in_flight_cap_a_request_is_refused_at_once_with_resource_exhau
     assert!(answered.expect("a slot came back").allowed);
 }
 
+/// User and system CPU time of `pid` so far, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// Out of file descriptors, `accept` fails: the port backs off instead of
+/// spinning, logs once for the whole burst, counts every failure, and takes
+/// connections again once descriptors are free.
+#[test]
+fn out_of_file_descriptors_the_accept_loop_backs_off_logs_once_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start_under(&["prlimit", "--nofile=64:64"], dir.path(), &[], &[]);
+    server.wait_ready();
+    let pid = server.child.id();
+    // Hold connections until the process has no descriptor left.
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        held.push(TcpStream::connect(&server.grpc).unwrap());
+    }
+    let mut seen = Vec::new();
+    loop {
+        let line = server
+            .logs
+            .recv_timeout(Duration::from_secs(60))
+            .expect("accept never failed");
+        let failed = line.contains("accepting a connection failed");
+        seen.push(line);
+        if failed {
+            break;
+        }
+    }
+    // While the descriptors stay taken, the loop retries at most once a
+    // second: a spinning loop would burn a CPU second per second here.
+    let ticks_per_second = 100;
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(3));
+    let spent = cpu_ticks(pid) - before;
+    assert!(
+        spent < ticks_per_second,
+        "the process used {spent} ticks of CPU in 3 s while out of descriptors"
+    );
+    drop(held);
+    // Free again: a real call is answered.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let answer = runtime.block_on(async {
+        let mut c = client(&server).await;
+        c.should_allow(request("k")).await.unwrap().into_inner()
+    });
+    assert!(answer.allowed);
+    let failures = metric(&server, "tollgate_accept_errors_total{port=\"grpc\"}");
+    assert!(failures >= 1);
+    let (_, rest) = server.terminate();
+    seen.extend(rest);
+    let said = |text: &str| seen.iter().filter(|l| l.contains(text)).count();
+    assert_eq!(said("accepting a connection failed"), 1, "{seen:#?}");
+    assert_eq!(said("accepting connections again"), 1, "{seen:#?}");
+    assert!(
+        seen.iter()
+            .any(|l| l.contains(&format!("failures={failures}"))),
+        "the recovery line counts the {failures} failures: {seen:#?}"
+    );
+}
+
 /// The resident set of `pid`, in bytes.
 fn rss(pid: u32) -> usize {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

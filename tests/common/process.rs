@@ -24,7 +24,21 @@ impl ServeProcess {
 
     /// As `start`, with extra environment variables.
     pub fn start_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(BIN)
+        Self::start_under(&[], dir, args, env)
+    }
+
+    /// As `start_with_env`, run by `wrapper` (a command and its arguments,
+    /// such as `prlimit --nofile=64`) when it is not empty.
+    pub fn start_under(wrapper: &[&str], dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut command = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let mut child = command
             .current_dir(dir)
             .envs(env.iter().copied())
             .arg("serve")
