@@ -504,16 +504,18 @@ async fn admin_port_reports_health_limits_and_metrics() {
     assert_eq!(v["status"]["rules"], 1);
     let (status, metrics) = server.http_get("/metrics").await.unwrap();
     assert_eq!(status, 200);
-    // Metrics are process-wide and other tests run in this process too, so
-    // check presence and labels rather than exact counts.
-    assert!(
-        metrics.contains(
-            r#"tollgate_decisions_total{api="native",outcome="rejected",rule="default-per-key"}"#
-        ),
-        "{metrics}"
-    );
-    assert!(metrics.contains("tollgate_buckets "), "{metrics}");
-    assert!(metrics.contains("tollgate_rules_loaded "), "{metrics}");
+    // Exact counts: the suite runs each test in a process of its own
+    // (nextest), so no other test's decisions are in this recorder.
+    let series = |name: &str| common::envoy::sample(&metrics, name);
+    let decided = |outcome: &str| {
+        series(&format!(
+            r#"tollgate_decisions_total{{api="native",outcome="{outcome}",rule="default-per-key"}}"#
+        ))
+    };
+    assert_eq!(decided("allowed"), Some(30), "{metrics}");
+    assert_eq!(decided("rejected"), Some(1), "{metrics}");
+    assert_eq!(series("tollgate_buckets"), Some(1), "{metrics}");
+    assert_eq!(series("tollgate_rules_loaded"), Some(1), "{metrics}");
     server.stop().await;
 }
 
@@ -554,7 +556,11 @@ async fn a_stream_of_decisions_answers_each_message_in_order() {
     // The stream is still open: a graceful shutdown ends it rather than
     // waiting for the client to hang up.
     server.stop().await;
-    assert!(answers.message().await.map_or(true, |m| m.is_none()));
+    // Ended by the server, cleanly: no more messages and an OK status.
+    assert!(
+        matches!(answers.message().await, Ok(None)),
+        "the stream did not end cleanly"
+    );
 }
 
 /// A batch's decisions are counted per item, by rule and outcome, with the

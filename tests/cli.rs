@@ -184,7 +184,11 @@ fn configuration_precedence_is_flag_then_environment_then_file_then_default() {
     assert!(!path.join("from-file.db").exists());
     // ...the file beat the default for the bucket cap...
     let metrics = server.admin_get("/metrics").unwrap();
-    assert!(metrics.contains("tollgate_buckets_max 5000"), "{metrics}");
+    assert_eq!(
+        common::envoy::sample(&metrics, "tollgate_buckets_max"),
+        Some(5000),
+        "{metrics}"
+    );
     let (status, logs) = server.terminate();
     assert!(status.success());
     // ...and set JSON logs.

@@ -198,3 +198,43 @@ pub(super) fn summarise(
         headers,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::token_bucket::decide;
+    use crate::algorithm::{Limit, Rate};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A client that waits the whole seconds of `Retry-After` is
+        /// admitted, and the header is never more than a second later than
+        /// the exact wait: rounding up, never down, never further.
+        #[test]
+        fn retry_after_header_is_never_early_and_at_most_a_second_late(
+            burst in 1u64..2000,
+            per in 1u64..100_000,
+            unit in prop::sample::select(vec!["second", "minute", "hour", "day"]),
+            spend in prop::collection::vec((0u64..5_000_000, 1u64..50), 1..60),
+        ) {
+            let limit = Limit::new(burst, format!("{per}/{unit}").parse::<Rate>().unwrap()).unwrap();
+            let (mut state, mut now) = (None, 1_700_000_000_000_000u64);
+            for (dt, cost) in spend {
+                now += dt;
+                let cost = cost.min(burst);
+                let (v, next) = decide(state, &limit, cost, now).unwrap();
+                if v.allowed {
+                    state = Some(next);
+                    continue;
+                }
+                let header = whole_seconds(v.retry_after);
+                prop_assert!(header * 1_000_000 < v.retry_after + 1_000_000);
+                prop_assert!(decide(state, &limit, cost, now + header * 1_000_000).unwrap().0.allowed);
+                if header > 1 {
+                    // One second less would be early.
+                    prop_assert!(!decide(state, &limit, cost, now + (header - 1) * 1_000_000).unwrap().0.allowed);
+                }
+            }
+        }
+    }
+}
