@@ -91,11 +91,14 @@ async fn password_protected_redis() {
     assert!(r.allowed);
     assert_eq!(r.degraded, 0, "decided by Redis");
     assert_eq!(r.remaining, 29);
-    let logs = logs_of(server);
+    // The store is logged, with the password masked.
+    let listening = server.listening.clone();
     assert!(
-        logs.contains(&format!("redis://:***@127.0.0.1:{port}")) || !logs.contains("redis://"),
-        "{logs}"
+        listening.contains(&format!("store=redis://:***@127.0.0.1:{port} ")),
+        "{listening}"
     );
+    let logs = logs_of(server);
+    assert!(!logs.contains(PASSWORD), "{logs}");
 
     // A wrong password: the service runs degraded and says so, without
     // printing either password.
@@ -104,6 +107,12 @@ async fn password_protected_redis() {
     let r = decide(&server.grpc).await;
     assert_eq!(r.degraded, 1, "fails open by the default rule's policy");
     std::thread::sleep(Duration::from_millis(300));
+    let listening = server.listening.clone();
+    assert!(
+        listening.contains(&format!("store=redis://:***@127.0.0.1:{port} ")),
+        "{listening}"
+    );
+    assert!(!listening.contains(PASSWORD), "{listening}");
     let logs = logs_of(server);
     assert!(logs.contains("store not reachable yet"), "{logs}");
     assert!(

@@ -12,6 +12,8 @@ pub struct ServeProcess {
     pub child: Child,
     pub grpc: String,
     pub admin: String,
+    /// The log line that says where it listens (and which store it uses).
+    pub listening: String,
     /// Log lines after the listening line.
     pub logs: mpsc::Receiver<String>,
 }
@@ -85,6 +87,7 @@ impl ServeProcess {
         Self {
             grpc: field("grpc"),
             admin: field("admin"),
+            listening: line.clone(),
             child,
             logs: rx,
         }
