@@ -78,8 +78,28 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
     assert!(store.contains("ready yes"), "{store}");
     let rates = section("rates");
     assert!(rates.contains("outcome per second total"), "{rates}");
-    assert!(rates.contains("allowed"), "{rates}");
-    assert!(rates.contains("rejected"), "{rates}");
+    // Each outcome's row: its name, the rate of the last seconds (which
+    // depends on when the page sampled) and the exact total since start.
+    let words: Vec<&str> = rates.split(' ').collect();
+    let total = |outcome: &str| -> u64 {
+        let at = words
+            .iter()
+            .position(|w| *w == outcome)
+            .unwrap_or_else(|| panic!("no {outcome} row in {rates}"));
+        assert!(words[at + 1].parse::<f64>().is_ok(), "{rates}");
+        words[at + 2].parse().unwrap()
+    };
+    assert_eq!(total("allowed"), 3, "{rates}");
+    assert_eq!(total("rejected"), 5, "{rates}");
+    for outcome in [
+        "error",
+        "failed_closed",
+        "failed_open",
+        "local_fallback",
+        "shadow_rejected",
+    ] {
+        assert_eq!(total(outcome), 0, "{rates}");
+    }
     let top = section("top");
     assert!(top.contains("scraper 5 bot-1 (5)"), "{top}");
     assert!(!top.contains("calm"), "{top}");
