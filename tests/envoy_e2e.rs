@@ -157,7 +157,10 @@ async fn envoy_asks_tollgate_and_answers_429_with_headers() {
     // rest of the fixed one-minute window T0 falls in (40 s).
     let expected = 60 - (common::T0 / 1_000_000) % 60;
     assert_eq!(retry, expected);
-    assert_eq!(r.header("ratelimit-reset"), Some(expected.to_string().as_str()));
+    assert_eq!(
+        r.header("ratelimit-reset"),
+        Some(expected.to_string().as_str())
+    );
     assert!(!r.body.contains("hello from upstream"));
     // Another key is untouched.
     assert_eq!(get(open_port, "key-2").await.status, 200);
