@@ -145,3 +145,35 @@ fn tollgate_top_prints_a_table() {
         ["1", "scraper", "3", "bot", "(3)"]
     );
 }
+
+/// The sketch keeps nothing a hostile caller sends in bulk: keys of 100 KB
+/// are refused before they reach it, and a tenant limited under names of
+/// the largest allowed size shows them at most 256 bytes long, so
+/// `/v1/top-limited` stays small.
+#[tokio::test]
+async fn top_limited_stays_small_whatever_names_callers_send() {
+    let server = TestServer::with_rows(&[row("tight", "", "", "key", 1, "1/hour")]).await;
+    let mut client = server.client().await;
+    let huge = "x".repeat(100_000);
+    for _ in 0..20 {
+        let refused = client.should_allow(req("t", &huge)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    }
+    // Tenants may be 128 bytes, keys 256.
+    let (tenant, key) = ("y".repeat(128), "y".repeat(250));
+    for i in 0..40 {
+        ask(&mut client, req(&tenant, &format!("{key}{i:06}"))).await;
+    }
+    let (status, body) = server
+        .http_get("/v1/top-limited?tenants=100&keys=100")
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        !body.contains(&"x".repeat(257)),
+        "a refused key reached the sketch"
+    );
+    assert!(!body.contains(&"y".repeat(257)));
+    assert!(body.len() < 64 * 1024, "{} bytes", body.len());
+    server.stop().await;
+}
