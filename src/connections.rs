@@ -375,6 +375,11 @@ impl InFlightCap {
             max,
         }
     }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.max - self.slots.available_permits()
+    }
 }
 
 /// The tower layer that tracks requests on their connection; see the module

@@ -438,6 +438,7 @@ pub async fn run(
 
     let grpc_addr = listeners.grpc.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
+    let in_flight = InFlightCap::new(config.grpc_limits.max_requests_in_flight);
     let admin_state = Arc::new(AdminState {
         limits: limits.clone(),
         store: store.clone(),
@@ -450,6 +451,7 @@ pub async fn run(
         rates: Default::default(),
         table: table.clone(),
         access: config.admin_access.clone(),
+        grpc_in_flight: in_flight.clone(),
     });
     let sampler = {
         let (state, stop) = (admin_state.clone(), stopped());
@@ -561,9 +563,7 @@ pub async fn run(
             (!limits.keepalive_interval.is_zero()).then_some(limits.keepalive_interval),
         )
         .http2_keepalive_timeout(Some(limits.keepalive_timeout))
-        .layer(InFlightLayer::capped(InFlightCap::new(
-            limits.max_requests_in_flight,
-        )))
+        .layer(InFlightLayer::capped(in_flight))
         .layer(crate::api::observe::ObserveLayer)
         .add_service(health_service)
         .add_service(reflection)

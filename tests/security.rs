@@ -304,6 +304,27 @@ async fn a_request_stuck_on_a_hung_store_is_cut_off_by_the_request_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
+    // With the per-connection limit, exactly 4 of the flood are in service
+    // at any moment, and the quiet connection is answered while most of the
+    // flood still waits. The control run without it has all 100 in service
+    // at once: the limit is what holds the other 96 back.
+    let (pending, most_in_service) = quiet_request_against_a_flood(4).await;
+    assert_eq!(most_in_service, 4);
+    assert!(
+        pending >= 50,
+        "the quiet connection was answered only after {} of the 100 flooding requests",
+        100 - pending
+    );
+    let (_, most_in_service) = quiet_request_against_a_flood(1000).await;
+    assert_eq!(most_in_service, 100, "control: without the limit");
+}
+
+/// Floods one connection with 100 requests against a frozen Redis, waits
+/// until the server has as many in service as the connection may have, then
+/// asks once on another connection. Returns how many flooding requests were
+/// still unanswered when that answer came, and how many requests the server
+/// had in service once the flood arrived.
+async fn quiet_request_against_a_flood(connection_concurrency: usize) -> (usize, u64) {
     let redis = RedisServer::start();
     // Every decision on the frozen Redis below waits the whole store
     // timeout (the breaker never opens), so the flood's requests stay in
@@ -311,7 +332,7 @@ async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
     let server = on_redis(&redis, |c| {
         c.store_timeout = Duration::from_millis(300);
         c.breaker_threshold = 1_000_000;
-        c.grpc_limits.connection_concurrency = 4;
+        c.grpc_limits.connection_concurrency = connection_concurrency;
     })
     .await;
     let flood = server.client().await;
@@ -331,19 +352,30 @@ async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
             r.map(|r| r.into_inner().degraded())
         }));
     }
-    // Let the flood reach the server: 4 of its requests are being served,
-    // the other 96 wait their turn on that connection.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The flood has reached the server when as many of its requests are in
+    // service as the connection allows (the rest wait their turn).
+    let in_service = connection_concurrency.min(100) as u64;
+    let in_flight = || async {
+        let (_, metrics) = server.http_get("/metrics").await.unwrap();
+        common::envoy::sample(&metrics, "tollgate_grpc_requests_in_flight").unwrap()
+    };
+    // The first reading at or above that number is checked to be exactly
+    // it: past the limit, it would jump straight to 100.
+    let mut most = 0;
+    for _ in 0..2000 {
+        most = most.max(in_flight().await);
+        if most >= in_service {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        most, in_service,
+        "the flood never had {in_service} requests in service"
+    );
     let r = ask(&mut quiet, req("t", "quiet")).await;
     let pending = 100 - answered.load(Ordering::SeqCst);
     assert_eq!(r.degraded(), Degraded::FailedOpen, "decided by its policy");
-    // The flood drains 4 requests per store timeout (25 rounds); the other
-    // connection's request did not queue behind it.
-    assert!(
-        pending >= 50,
-        "the quiet connection was answered only after {} of the 100 flooding requests",
-        100 - pending
-    );
     redis.thaw();
     for t in tasks {
         assert!(
@@ -352,6 +384,7 @@ async fn a_flooding_connection_waits_its_turn_while_another_is_served() {
         );
     }
     server.stop().await;
+    (pending, most)
 }
 
 /// A flood of fresh keys from one tenant at the in-memory cap never

@@ -356,10 +356,22 @@ fn describe_connections() {
         ACCEPT_ERRORS,
         "Failed accept calls (out of file descriptors, ...), each followed by a backoff, by port."
     );
+    describe_gauge!(
+        GRPC_IN_FLIGHT,
+        "gRPC requests in service now, of at most --grpc-max-requests-in-flight (a stream counts until it ends)."
+    );
     describe_counter!(
         GRPC_OVERLOADED,
         "gRPC requests refused with RESOURCE_EXHAUSTED at the in-flight cap (--grpc-max-requests-in-flight)."
     );
+}
+
+/// gRPC requests in service now (read when metrics are scraped).
+pub const GRPC_IN_FLIGHT: &str = "tollgate_grpc_requests_in_flight";
+
+/// Publishes the gRPC requests in flight.
+pub fn grpc_in_flight(n: usize) {
+    gauge!(GRPC_IN_FLIGHT).set(n as f64);
 }
 
 /// Sets the open-connection gauge of `port` (at start-up).

@@ -53,6 +53,8 @@ pub struct AdminState {
     pub table: LimitsTable,
     /// Who may call what.
     pub access: AdminAccess,
+    /// The gRPC port's requests in flight, for `/metrics`.
+    pub grpc_in_flight: crate::connections::InFlightCap,
 }
 
 /// Whether the service is ready: from the moment the store first answers
@@ -359,6 +361,7 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     if let Some(breaker) = store.breaker {
         metrics::breaker_state(store.kind, breaker as u8);
     }
+    metrics::grpc_in_flight(state.grpc_in_flight.in_flight());
     let mut text = metrics::handle().render();
     text.push_str(&crate::telemetry::top::render_metric(&state.top.top(10, 0)));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
