@@ -17,20 +17,22 @@ use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 use tollgate::server::{ServeConfig, StoreSpec, TlsFiles};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+/// A TLS channel trusting the CA in `d`, presenting the client certificate
+/// found in `identity` (made by `common::tls::certificates`), if any.
 async fn tls_channel(
     server: &TestServer,
     d: &Path,
-    client_identity: bool,
+    identity: Option<&Path>,
 ) -> Result<Channel, tonic::transport::Error> {
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(
             std::fs::read(d.join("ca.pem")).unwrap(),
         ))
         .domain_name("localhost");
-    if client_identity {
+    if let Some(id) = identity {
         tls = tls.identity(Identity::from_pem(
-            std::fs::read(d.join("client.pem")).unwrap(),
-            std::fs::read(d.join("client.key")).unwrap(),
+            std::fs::read(id.join("client.pem")).unwrap(),
+            std::fs::read(id.join("client.key")).unwrap(),
         ));
     }
     Channel::from_shared(format!("https://{}", server.grpc))
@@ -38,6 +40,18 @@ async fn tls_channel(
         .tls_config(tls)?
         .connect()
         .await
+}
+
+/// True when a call over TLS with `identity` fails, at the handshake or at
+/// the call.
+async fn refused(server: &TestServer, d: &Path, identity: Option<&Path>) -> bool {
+    match tls_channel(server, d, identity).await {
+        Err(_) => true,
+        Ok(channel) => RateLimiterClient::new(channel)
+            .should_allow(req("t", "k"))
+            .await
+            .is_err(),
+    }
 }
 
 async fn start_tls(d: &Path, mutual: bool) -> TestServer {
@@ -55,7 +69,7 @@ async fn tls_and_mutual_tls_on_the_grpc_port() {
     common::tls::certificates(dir.path());
 
     let server = start_tls(dir.path(), false).await;
-    let mut client = RateLimiterClient::new(tls_channel(&server, dir.path(), false).await.unwrap());
+    let mut client = RateLimiterClient::new(tls_channel(&server, dir.path(), None).await.unwrap());
     assert!(
         client
             .should_allow(req("t", "k"))
@@ -66,15 +80,19 @@ async fn tls_and_mutual_tls_on_the_grpc_port() {
     );
     // Plaintext is refused.
     let plain = RateLimiterClient::connect(server.url()).await;
-    let refused = match plain {
+    let plaintext_refused = match plain {
         Err(_) => true,
         Ok(mut c) => c.should_allow(req("t", "k")).await.is_err(),
     };
-    assert!(refused, "plaintext must not work on a TLS port");
+    assert!(plaintext_refused, "plaintext must not work on a TLS port");
     server.stop().await;
 
     let server = start_tls(dir.path(), true).await;
-    let mut client = RateLimiterClient::new(tls_channel(&server, dir.path(), true).await.unwrap());
+    let mut client = RateLimiterClient::new(
+        tls_channel(&server, dir.path(), Some(dir.path()))
+            .await
+            .unwrap(),
+    );
     assert!(
         client
             .should_allow(req("t", "k"))
@@ -83,17 +101,19 @@ async fn tls_and_mutual_tls_on_the_grpc_port() {
             .into_inner()
             .allowed
     );
-    let anonymous = match tls_channel(&server, dir.path(), false).await {
-        Err(_) => true,
-        Ok(channel) => RateLimiterClient::new(channel)
-            .should_allow(req("t", "k"))
-            .await
-            .is_err(),
-    };
     assert!(
-        anonymous,
+        refused(&server, dir.path(), None).await,
         "a client without a certificate must be refused under mutual TLS"
     );
+    // A certificate signed by another CA is refused too.
+    let other = tempfile::tempdir().unwrap();
+    common::tls::certificates(other.path());
+    assert!(
+        refused(&server, dir.path(), Some(other.path())).await,
+        "a client certificate from another CA must be refused"
+    );
+    // The right one still gets in on a new connection.
+    assert!(!refused(&server, dir.path(), Some(dir.path())).await);
     server.stop().await;
 }
 
