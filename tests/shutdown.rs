@@ -47,3 +47,83 @@ fn sigterm_exits_after_the_grace_period_whatever_connections_stay_open() {
     );
     drop((half_sent, admin_half));
 }
+
+/// SIGTERM lets a call in flight finish with its real answer, and refuses
+/// calls that come after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_calls_in_flight_and_refuses_new_ones() {
+    use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+    use tollgate::proto::v1::{Degraded, ShouldAllowRequest};
+    let request = |key: &str| ShouldAllowRequest {
+        key: key.into(),
+        cost: 1,
+        tenant: "t".into(),
+        resource: String::new(),
+        dry_run: false,
+    };
+    let redis = common::redis::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(
+        dir.path(),
+        &[
+            "--store",
+            &redis.url(),
+            "--store-timeout",
+            "30s",
+            "--shutdown-grace",
+            "30s",
+        ],
+    );
+    server.wait_ready();
+    let url = format!("http://{}", server.grpc);
+    let mut client = RateLimiterClient::connect(url.clone()).await.unwrap();
+    assert!(
+        client
+            .should_allow(request("warm"))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
+
+    // A call stuck in the store (Redis frozen) while SIGTERM arrives.
+    redis.freeze();
+    let in_flight = tokio::spawn({
+        let mut client = client.clone();
+        async move { client.should_allow(request("in-flight")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!in_flight.is_finished());
+    let pid = server.child.id();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    // New connections are refused once the listener is closed.
+    let mut refused = false;
+    for _ in 0..500 {
+        if RateLimiterClient::connect(url.clone()).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused, "new connections were still accepted after SIGTERM");
+    // Redis answers again: the call in flight gets Redis's answer.
+    redis.thaw();
+    let answer = in_flight
+        .await
+        .unwrap()
+        .expect("the call in flight is answered")
+        .into_inner();
+    assert!(answer.allowed);
+    assert_eq!(answer.degraded(), Degraded::None);
+    let (status, logs) = tokio::task::spawn_blocking(move || server.terminate())
+        .await
+        .unwrap();
+    assert!(status.success(), "{logs:#?}");
+    assert!(
+        logs.iter().any(|l| l.contains("tollgate stopped")),
+        "{logs:#?}"
+    );
+}
