@@ -251,3 +251,61 @@ async fn starts_before_redis_is_reachable_and_becomes_ready_when_it_is() {
     assert!(r.allowed);
     server.stop().await;
 }
+
+/// While Redis is down, a `local` rule allows `--local-fraction` of its
+/// limit per instance; and a request that meets a `deny` rule beside a
+/// `local` one is refused whole, without spending a local bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_fraction_and_a_deny_rule_beside_a_local_one_during_an_outage() {
+    let with = |mut r: LimitRow, policy: &str| {
+        r.on_store_unavailable = policy.parse().unwrap();
+        r
+    };
+    let rules = [
+        with(row("local-10", "local", "", "key", 10, "1/hour"), "local"),
+        with(row("mixed-key", "mixed", "", "key", 10, "1/hour"), "local"),
+        with(
+            row("mixed-all", "mixed", "", "tenant", 100, "1/hour"),
+            "deny",
+        ),
+    ];
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let server = TestServer::launch(Some(&rules), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(100);
+        c.local_fraction = 0.5;
+    })
+    .await;
+    server.wait_ready().await;
+    let mut client = server.client().await;
+    redis.kill();
+    let buckets = || async {
+        let (_, metrics) = server.http_get("/metrics").await.unwrap();
+        common::envoy::sample(&metrics, "tollgate_buckets").unwrap()
+    };
+
+    // The deny rule beside the local one refuses the request whole, and no
+    // local bucket comes into being for it.
+    for _ in 0..5 {
+        let r = decide(&mut client, "mixed", "k").await;
+        assert!(!r.allowed);
+        assert_eq!(r.degraded(), Degraded::FailedClosed);
+        assert_eq!(r.limit_name, "mixed-all");
+    }
+    assert_eq!(buckets().await, 0, "a refused request spent a local bucket");
+
+    // Half of 10 per instance: exactly 5 admitted.
+    let admitted = {
+        let mut n = 0;
+        for _ in 0..8 {
+            let r = decide(&mut client, "local", "k").await;
+            assert_eq!(r.degraded(), Degraded::Local);
+            n += u32::from(r.allowed);
+        }
+        n
+    };
+    assert_eq!(admitted, 5);
+    assert_eq!(buckets().await, 1);
+    server.stop().await;
+}
