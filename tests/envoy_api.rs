@@ -442,3 +442,65 @@ async fn the_envoy_api_on_redis_and_on_a_cluster() {
         server.stop().await;
     }
 }
+
+/// The Envoy API follows each rule's `on_store_unavailable` while Redis is
+/// down: `allow` admits, `deny` answers OVER_LIMIT, `local` decides with
+/// this instance's own bucket at `--local-fraction` of the limit; and a
+/// request meeting `deny` beside `local` is refused whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_envoy_api_follows_on_store_unavailable_while_redis_is_down() {
+    use common::redis::RedisServer;
+    use tollgate::server::StoreSpec;
+    let dir = config_dir(
+        "\
+domain: edge
+descriptors:
+  - key: open
+    rate_limit: {unit: hour, requests_per_unit: 2, on_store_unavailable: allow}
+  - key: closed
+    rate_limit: {unit: hour, requests_per_unit: 2, on_store_unavailable: deny}
+  - key: local
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket, on_store_unavailable: local}
+",
+    );
+    let mut redis = RedisServer::start();
+    let (path, url) = (dir.path().to_owned(), redis.url());
+    let server = TestServer::launch(None, move |c| {
+        c.envoy_config = Some(path);
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(100);
+        c.local_fraction = 0.5;
+    })
+    .await;
+    server.wait_ready().await;
+    let mut client = RateLimitServiceClient::new(server.channel().await);
+    assert_eq!(one(&mut client, &[("closed", "x")]).await.0, Code::Ok);
+    redis.kill();
+
+    for _ in 0..5 {
+        assert_eq!(one(&mut client, &[("open", "x")]).await.0, Code::Ok);
+        assert_eq!(
+            one(&mut client, &[("closed", "x")]).await.0,
+            Code::OverLimit
+        );
+        // Refused whole: the local descriptor beside the closed one is not
+        // spent (the 5 local admissions below prove it).
+        let both = ask(
+            &mut client,
+            request(vec![
+                descriptor(&[("local", "y")]),
+                descriptor(&[("closed", "y")]),
+            ]),
+        )
+        .await;
+        assert_eq!(both.overall_code(), Code::OverLimit);
+    }
+    let mut admitted = 0;
+    for _ in 0..8 {
+        if one(&mut client, &[("local", "y")]).await.0 == Code::Ok {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 5, "half of 10 on this instance");
+    server.stop().await;
+}
