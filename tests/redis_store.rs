@@ -248,6 +248,50 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
     let server = RedisServer::start();
     let single = store(server.url(), &clock, Duration::from_secs(1));
     assert!(single.apply(&b, &c, true).await.unwrap().allowed);
+
+    // Through gRPC, a batch across tenants on the cluster is the caller's
+    // to split: INVALID_ARGUMENT with the same message, nothing charged,
+    // and each tenant's part alone works.
+    use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest};
+    let url = cluster.url();
+    let served = common::TestServer::launch(None, move |c| {
+        c.store = tollgate::server::StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_secs(2);
+    })
+    .await;
+    served.wait_ready().await;
+    let mut client = served.client().await;
+    let item = |tenant: &str| BatchItem {
+        key: "a".into(),
+        cost: 1,
+        resource: String::new(),
+        tenant: tenant.into(),
+    };
+    let batch = |tenants: &[&str]| ShouldAllowBatchRequest {
+        items: tenants.iter().map(|t| item(t)).collect(),
+        dry_run: false,
+    };
+    let status = client
+        .should_allow_batch(batch(&["acme", "globex"]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        status.message(),
+        "on a Redis Cluster one call can only touch one tenant's buckets, but this one touches tenants \"acme\" and \"globex\"; send them in separate calls"
+    );
+    for tenant in ["acme", "globex"] {
+        let r = client
+            .should_allow_batch(batch(&[tenant]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.allowed);
+        // The default rule's burst of 30, less this one call: the refused
+        // batch charged nothing.
+        assert_eq!(r.results[0].remaining, 29, "{tenant}");
+    }
+    served.stop().await;
 }
 
 #[test]
