@@ -177,3 +177,45 @@ async fn top_limited_stays_small_whatever_names_callers_send() {
     assert!(body.len() < 64 * 1024, "{} bytes", body.len());
     server.stop().await;
 }
+
+/// A tenant that stops being limited leaves the top-limited series once its
+/// rejections are older than two windows (the sketch's memory), and the
+/// series of a tenant limited since then take its place.
+#[tokio::test]
+async fn stale_top_limited_series_leave_metrics() {
+    let server = TestServer::with_rows(&[row("per-key", "", "", "key", 2, "1/hour")]).await;
+    hammer(&server).await;
+    let series = |metrics: &str, tenant: &str| {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with(&format!(
+                    "tollgate_top_limited_rejections{{tenant=\"{tenant}\""
+                ))
+            })
+            .count()
+    };
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(series(&metrics, "scraper"), 1, "{metrics}");
+    assert_eq!(series(&metrics, "storm"), 1, "{metrics}");
+
+    // One window later the old rejections are still within memory.
+    server.clock.advance(std::time::Duration::from_secs(61));
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(series(&metrics, "scraper"), 1, "{metrics}");
+
+    // Two windows later they are gone; a tenant limited now shows instead.
+    server.clock.advance(std::time::Duration::from_secs(61));
+    let mut client = server.client().await;
+    for _ in 0..5 {
+        ask(&mut client, req("newcomer", "k")).await;
+    }
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(series(&metrics, "scraper"), 0, "{metrics}");
+    assert_eq!(series(&metrics, "storm"), 0, "{metrics}");
+    assert!(
+        metrics.contains("tollgate_top_limited_rejections{tenant=\"newcomer\",rank=\"1\"} 3\n"),
+        "{metrics}"
+    );
+    server.stop().await;
+}
