@@ -309,3 +309,62 @@ async fn local_fraction_and_a_deny_rule_beside_a_local_one_during_an_outage() {
     assert_eq!(buckets().await, 1);
     server.stop().await;
 }
+
+/// Once the breaker opens, decisions skip Redis altogether until its
+/// cooldown ends: with a threshold of 3 and Redis frozen, exactly 3 of 10
+/// decisions are sent (and time out) and the other 7 are answered by their
+/// policy at once, counted as `circuit_open`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_skips_redis_end_to_end() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let server = TestServer::launch(Some(&rules()), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(100);
+        c.breaker_threshold = 3;
+        c.breaker_cooldown = Duration::from_secs(60);
+    })
+    .await;
+    server.wait_ready().await;
+    let mut client = server.client().await;
+    assert_eq!(
+        decide(&mut client, "open", "warm").await.degraded(),
+        Degraded::None
+    );
+    let count = |metrics: &str, series: &str| common::envoy::sample(metrics, series).unwrap_or(0);
+
+    redis.freeze();
+    for i in 0..10 {
+        let r = decide(&mut client, "open", &format!("k{i}")).await;
+        assert_eq!(r.degraded(), Degraded::FailedOpen);
+    }
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(
+        count(&metrics, "tollgate_store_decisions_total{store=\"redis\"}"),
+        4,
+        "{metrics}"
+    );
+    assert_eq!(
+        count(
+            &metrics,
+            "tollgate_store_errors_total{store=\"redis\",kind=\"timeout\"}"
+        ),
+        3,
+        "{metrics}"
+    );
+    assert_eq!(
+        count(
+            &metrics,
+            "tollgate_store_errors_total{store=\"redis\",kind=\"circuit_open\"}"
+        ),
+        7,
+        "{metrics}"
+    );
+    assert_eq!(
+        count(&metrics, "tollgate_store_circuit_state{store=\"redis\"}"),
+        1,
+        "open"
+    );
+    redis.thaw();
+    server.stop().await;
+}
