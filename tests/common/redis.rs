@@ -64,19 +64,33 @@ impl RedisServer {
         server
     }
 
+    /// A server with `extra` arguments on a free port. A port taken by
+    /// someone else between choosing and binding it makes redis-server exit
+    /// at once: then another port is tried.
     pub fn start_with(extra: &[&str]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let mut server = Self {
-            port: free_port(extra.contains(&"--cluster-enabled")),
-            child: None,
-            dir,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        server.spawn();
-        server
+        let mut last = String::new();
+        for _ in 0..5 {
+            let mut server = Self {
+                port: free_port(extra.contains(&"--cluster-enabled")),
+                child: None,
+                dir: tempfile::tempdir().unwrap(),
+                extra: extra.iter().map(|s| s.to_string()).collect(),
+            };
+            match server.try_spawn() {
+                Ok(()) => return server,
+                Err(e) => last = e,
+            }
+        }
+        panic!("redis-server did not start on five free ports: {last}");
     }
 
     fn spawn(&mut self) {
+        if let Err(e) = self.try_spawn() {
+            panic!("{e}");
+        }
+    }
+
+    fn try_spawn(&mut self) -> Result<(), String> {
         let child = Command::new("redis-server")
             .current_dir(self.dir.path())
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
@@ -89,11 +103,22 @@ impl RedisServer {
         self.child = Some(child);
         for _ in 0..500 {
             if redis_cli(self.port, &["PING"]) == "PONG" {
-                return;
+                return Ok(());
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Err(format!(
+                    "redis-server on port {} exited: {status}",
+                    self.port
+                ));
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        panic!("redis-server on port {} did not answer", self.port);
+        Err(format!("redis-server on port {} did not answer", self.port))
     }
 
     pub fn url(&self) -> String {
