@@ -88,6 +88,48 @@ fn expressions() -> Vec<String> {
     exprs
 }
 
+/// Prometheus with `dir/prometheus.yml`, once it says it is ready. A port
+/// taken between choosing and binding it makes Prometheus exit: then another
+/// one is tried.
+async fn start_prometheus(dir: &std::path::Path) -> (Prometheus, u16) {
+    for _ in 0..5 {
+        let port = free_port(false);
+        let mut prometheus = Prometheus(
+            Command::new("prometheus")
+                .arg(format!(
+                    "--config.file={}",
+                    dir.join("prometheus.yml").display()
+                ))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.join(format!("data-{port}")).display()
+                ))
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("prometheus runs (scripts/test installs Debian's prometheus)"),
+        );
+        for _ in 0..600 {
+            if prometheus.0.try_wait().unwrap().is_some() {
+                break;
+            }
+            if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                let _ = s
+                    .write_all(b"GET /-/ready HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n")
+                    .await;
+                let mut r = String::new();
+                let _ = s.read_to_string(&mut r).await;
+                if r.starts_with("HTTP/1.1 200") {
+                    return (prometheus, port);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    panic!("prometheus did not become ready on five free ports");
+}
+
 async fn http_get(port: u16, path: &str) -> String {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
@@ -149,29 +191,13 @@ async fn every_dashboard_and_alert_expression_returns_data() {
     .await;
 
     // Prometheus scraping the admin port every second.
-    let prom_port = free_port(false);
     let dir = tempfile::tempdir().unwrap();
     let config = format!(
         "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: [{DEPLOY}/prometheus/alerts.yml]\nscrape_configs:\n  - job_name: tollgate\n    static_configs: [{{targets: ['{}']}}]\n",
         server.admin
     );
     std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
-    let _prometheus = Prometheus(
-        Command::new("prometheus")
-            .arg(format!(
-                "--config.file={}",
-                dir.path().join("prometheus.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus runs (scripts/test installs Debian's prometheus)"),
-    );
+    let (_prometheus, prom_port) = start_prometheus(dir.path()).await;
 
     // Load of every kind: allowed and rejected decisions, a Redis outage
     // (degraded decisions, store errors, an open breaker), rejected reloads.

@@ -368,3 +368,99 @@ async fn an_open_breaker_skips_redis_end_to_end() {
     redis.thaw();
     server.stop().await;
 }
+
+/// A Redis Cluster node killed under load and started again: no call fails,
+/// decisions follow their policies while it is gone, and every tenant is
+/// decided by the cluster again afterwards, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_killed_under_load_and_back() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let mut cluster = common::redis::RedisCluster::start();
+    let url = cluster.url();
+    let server = TestServer::launch(Some(&rules()), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(100);
+        c.breaker_cooldown = Duration::from_millis(200);
+    })
+    .await;
+    server.wait_ready().await;
+    let (degraded, decided, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let mut load = Vec::new();
+    for w in 0..4 {
+        let mut client = server.client().await;
+        let (degraded, decided, stop) = (degraded.clone(), decided.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                // `decide` panics on any error or on a call past the deadline.
+                let r = decide(&mut client, "open", &format!("w{w}-{}", i % 20)).await;
+                decided.fetch_add(1, Ordering::Relaxed);
+                if r.degraded() != Degraded::None {
+                    degraded.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Kill the node that holds tenant "open"'s slot.
+    let slot: u16 =
+        common::redis::redis_cli(cluster.nodes[0].port, &["CLUSTER", "KEYSLOT", "{open}"])
+            .trim()
+            .parse()
+            .unwrap();
+    let owner = cluster
+        .nodes
+        .iter()
+        .position(|n| {
+            let nodes = common::redis::redis_cli(n.port, &["CLUSTER", "NODES"]);
+            let me = nodes.lines().find(|l| l.contains("myself")).unwrap().to_owned();
+            me.split_whitespace().skip(8).any(|range| {
+                let (a, b) = range.split_once('-').unwrap_or((range, range));
+                matches!((a.parse::<u16>(), b.parse::<u16>()), (Ok(a), Ok(b)) if (a..=b).contains(&slot))
+            })
+        })
+        .expect("a node holds the slot");
+    cluster.nodes[owner].kill();
+    let before = degraded.load(Ordering::Relaxed);
+    let mut saw_outage = false;
+    for _ in 0..300 {
+        if degraded.load(Ordering::Relaxed) > before {
+            saw_outage = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(saw_outage, "no decision was degraded with a node gone");
+    cluster.nodes[owner].restart();
+    let mut client = server.client().await;
+    let mut recovered = false;
+    for i in 0..600 {
+        // Keys spread over every node's slots (tenants are the hash tags).
+        let mut all = true;
+        for tenant in ["open", "closed", "local"] {
+            let r = decide(&mut client, tenant, &format!("after-{i}")).await;
+            all &= r.degraded() == Degraded::None;
+        }
+        if all {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in load {
+        task.await.expect("no call failed");
+    }
+    assert!(
+        recovered,
+        "the cluster never decided again after the node came back"
+    );
+    assert!(decided.load(Ordering::Relaxed) > degraded.load(Ordering::Relaxed));
+    server.stop().await;
+}
