@@ -40,46 +40,53 @@ impl Rng {
     }
 }
 
-#[tokio::test]
-async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
+/// How a differential run draws time and costs.
+struct Sequence {
+    seed: u64,
+    limits: Vec<Limit>,
+    /// The largest forward step of the clock, in µs.
+    max_step: u64,
+    /// One step in `jump_one_in` may move the clock by up to `max_jump` µs.
+    jump_one_in: u64,
+    max_jump: u64,
+    /// One step in `tiny_one_in` moves the clock by 0 to 3 µs.
+    tiny_one_in: u64,
+    /// One cost in `zero_cost_one_in` is 0.
+    zero_cost_one_in: u64,
+    steps: usize,
+}
+
+/// The Lua script and the Rust arithmetic decide `sequence` identically,
+/// verdict by verdict and stored state by stored state. Returns (steps
+/// allowed, steps denied, steps where the clock went back).
+async fn differential(sequence: Sequence) -> (u32, u32, u32) {
     let server = RedisServer::start();
     let clock = Arc::new(ManualClock::new(T0));
     // A long expiry margin: real time must not expire keys the simulated
     // clock still considers in use.
     let store = store(server.url(), &clock, Duration::from_secs(3600));
     let mut conn = connect(&server).await;
-
-    let mut limits: Vec<Limit> = [
-        (5, "10/second"),
-        (3, "1/second"),
-        (30, "600/minute"),
-        (2, "3000/second"),
-        (7, "5/hour"),
-    ]
-    .iter()
-    .map(|(b, r)| Limit::new(*b, r.parse::<Rate>().unwrap()).unwrap())
-    .collect();
-    // Windows too: fixed and sliding, per second and per minute.
-    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
-        for rate in ["4/second", "9/minute"] {
-            limits.push(Limit::window(algorithm, rate.parse().unwrap()).unwrap());
-        }
-    }
+    let limits = &sequence.limits;
     let keys: Vec<BucketKey> = (0..4)
         .map(|i| BucketKey::new("diff", "k", "", &format!("key{i}")))
         .collect();
     let mut states: HashMap<BucketKey, State> = HashMap::new();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng(sequence.seed);
     let mut now: Micros = T0;
     let (mut allowed_steps, mut denied_steps, mut backwards_steps) = (0, 0, 0);
 
-    for step in 0..3000 {
-        // Time: mostly forward by up to 2 s, sometimes back by up to 1 s.
+    for step in 0..sequence.steps {
+        // Time: mostly forward, sometimes by a few µs, sometimes back by up
+        // to a second.
         if rng.below(20) == 0 {
             now -= rng.below(1_000_000);
             backwards_steps += 1;
+        } else if rng.below(sequence.tiny_one_in) == 0 {
+            now += rng.below(4);
+        } else if rng.below(sequence.jump_one_in) == 0 {
+            now += rng.below(sequence.max_jump);
         } else {
-            now += rng.below(2_000_000);
+            now += rng.below(sequence.max_step);
         }
         clock.set(now);
         // 1 to 3 distinct buckets, each under a possibly different limit
@@ -91,7 +98,11 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
             .iter()
             .map(|_| {
                 let limit = limits[rng.below(limits.len() as u64) as usize];
-                let cost = 1 + rng.below(limit.burst() + 1);
+                let cost = if rng.below(sequence.zero_cost_one_in) == 0 {
+                    0
+                } else {
+                    1 + rng.below(limit.burst() + 1)
+                };
                 Charge {
                     limit,
                     cost,
@@ -104,10 +115,14 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
         let before: Vec<Option<State>> = buckets.iter().map(|b| states.get(b).copied()).collect();
         let expected = plan(&before, &charges, now, spend);
         let got = store.apply(&buckets, &charges, spend).await.unwrap();
-        assert_eq!(got.allowed, expected.allowed, "step {step}: allowed");
+        let seed = sequence.seed;
+        assert_eq!(
+            got.allowed, expected.allowed,
+            "seed {seed:#x} step {step}: allowed"
+        );
         assert_eq!(
             got.verdicts, expected.verdicts,
-            "step {step}: verdicts for {charges:?} with {before:?}"
+            "seed {seed:#x} step {step}: verdicts for {charges:?} with {before:?}"
         );
         for (bucket, write) in buckets.iter().zip(&expected.writes) {
             if let Some(state) = write {
@@ -118,7 +133,10 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
                 State::Tokens(s) => format!("{}:{}:{}", s.full_at, s.interval, s.burst),
                 State::Window(w) => format!("w:{}:{}:{}", w.start, w.count, w.previous),
             });
-            assert_eq!(stored, want, "step {step}: stored state of {bucket:?}");
+            assert_eq!(
+                stored, want,
+                "seed {seed:#x} step {step}: stored state of {bucket:?}"
+            );
         }
         if expected.allowed {
             allowed_steps += 1
@@ -126,11 +144,91 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
             denied_steps += 1
         }
     }
+    (allowed_steps, denied_steps, backwards_steps)
+}
+
+fn limits(specs: &[(u64, &str)]) -> Vec<Limit> {
+    specs
+        .iter()
+        .map(|(b, r)| Limit::new(*b, r.parse::<Rate>().unwrap()).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
+    let mut everyday = limits(&[
+        (5, "10/second"),
+        (3, "1/second"),
+        (30, "600/minute"),
+        (2, "3000/second"),
+        (7, "5/hour"),
+    ]);
+    // Windows too: fixed and sliding, per second and per minute.
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        for rate in ["4/second", "9/minute"] {
+            everyday.push(Limit::window(algorithm, rate.parse().unwrap()).unwrap());
+        }
+    }
+    let (allowed, denied, backwards) = differential(Sequence {
+        seed: 0x9e37_79b9_7f4a_7c15,
+        limits: everyday,
+        max_step: 2_000_000,
+        jump_one_in: 100,
+        max_jump: 3_600_000_000,
+        tiny_one_in: 10,
+        zero_cost_one_in: 50,
+        steps: 3000,
+    })
+    .await;
     // The sequence exercised both outcomes and the backwards clock.
     assert!(
-        allowed_steps > 500 && denied_steps > 500 && backwards_steps > 50,
-        "{allowed_steps} {denied_steps} {backwards_steps}"
+        allowed > 500 && denied > 500 && backwards > 50,
+        "{allowed} {denied} {backwards}"
     );
+}
+
+/// Where Lua's doubles and Rust's integers could part: bursts and costs up
+/// to the largest tolerance (100 years of µs, 3.15e15), 1 µs intervals,
+/// year-long limits and windows, clock steps from 0 µs to two years, costs
+/// of 0 and above the burst. Two seeds.
+///
+/// The clock stays within a few decades of T0 (2023): a full-at instant is
+/// at most now + 100 years, and Lua's doubles hold integers exactly only up
+/// to 2^53 µs after 1970 (the year 2255), so the two agree for clocks before
+/// 2155. Letting this test's clock drift past that (1 500 steps of up to two
+/// years) made them differ by 1 µs, which is how that limit was found.
+#[tokio::test]
+async fn lua_and_rust_agree_at_the_extremes() {
+    let max = tollgate::algorithm::MAX_TOLERANCE;
+    let mut extreme = limits(&[
+        (max, "1000000/second"),
+        (max / 2 + 1, "1000000/second"),
+        (1, "1000000/second"),
+        (100, "1/year"),
+        (1, "1/year"),
+        (3, "7/week"),
+    ]);
+    extreme
+        .push(Limit::window(Algorithm::FixedWindow, "4000000000/year".parse().unwrap()).unwrap());
+    extreme.push(Limit::window(Algorithm::FixedWindow, "1/year".parse().unwrap()).unwrap());
+    extreme.push(Limit::window(Algorithm::SlidingWindow, "1000/day".parse().unwrap()).unwrap());
+    for seed in [0x0123_4567_89ab_cdef_u64, 0xdead_beef_cafe_f00d] {
+        let (allowed, denied, backwards) = differential(Sequence {
+            seed,
+            limits: extreme.clone(),
+            max_step: 3_600_000_000,
+            jump_one_in: 50,
+            max_jump: 2 * 365 * 86_400_000_000,
+            tiny_one_in: 3,
+            zero_cost_one_in: 10,
+            steps: 1500,
+        })
+        .await;
+        assert!(
+            allowed > 100 && denied > 100 && backwards > 20,
+            "seed {seed:#x}: {allowed} {denied} {backwards}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -215,7 +215,7 @@ fn dry_run_reports_as_if_spent_and_writes_nothing() {
 }
 
 fn arb_limit() -> impl Strategy<Value = Limit> {
-    (
+    let everyday = (
         1u64..50,
         1u64..1_000,
         prop_oneof![
@@ -224,19 +224,50 @@ fn arb_limit() -> impl Strategy<Value = Limit> {
             Just(RateUnit::Hour)
         ],
     )
-        .prop_map(|(burst, count, unit)| limit(burst, count, unit))
+        .prop_map(|(burst, count, unit)| limit(burst, count, unit));
+    // Where integer arithmetic could overflow or round: 1 µs intervals with
+    // bursts up to the largest tolerance (100 years of µs), year-long
+    // intervals, and every long unit.
+    let extreme = prop_oneof![
+        (1u64..=MAX_TOLERANCE).prop_map(|burst| limit(burst, 1_000_000, RateUnit::Second)),
+        (MAX_TOLERANCE - 1000..=MAX_TOLERANCE).prop_map(|burst| limit(
+            burst,
+            1_000_000,
+            RateUnit::Second
+        )),
+        (1u64..=100).prop_map(|burst| limit(burst, 1, RateUnit::Year)),
+        (
+            1u64..100,
+            1u64..1_000,
+            prop_oneof![
+                Just(RateUnit::Day),
+                Just(RateUnit::Week),
+                Just(RateUnit::Month),
+                Just(RateUnit::Year)
+            ],
+        )
+            .prop_filter_map("within the largest tolerance", |(burst, count, unit)| {
+                Limit::new(burst, Rate { count, unit }).ok()
+            }),
+    ];
+    prop_oneof![3 => everyday, 1 => extreme]
 }
 
-/// Time steps from tiny to a few intervals, and costs up to the burst.
+/// Time steps from 0 µs to a few intervals, one in ten of them backwards by
+/// up to an interval (a clock stepped back), and costs from 0 to the burst.
 fn arb_events(limit: Limit) -> impl Strategy<Value = Vec<(Micros, u64)>> {
-    let max_step = limit.interval() * 3;
-    prop::collection::vec((0..=max_step, 1..=limit.burst()), 1..200).prop_map(|steps| {
-        let mut now = T0;
+    let max_step = limit.interval().saturating_mul(3);
+    let step = prop_oneof![
+        9 => (0..=max_step).prop_map(|dt| dt as i128),
+        1 => (1..=limit.interval()).prop_map(|dt| -(dt as i128)),
+    ];
+    prop::collection::vec((step, 0..=limit.burst()), 1..200).prop_map(|steps| {
+        let mut now = T0 as i128;
         steps
             .into_iter()
             .map(|(dt, cost)| {
-                now += dt;
-                (now, cost)
+                now = (now + dt).max(0);
+                (now as Micros, cost)
             })
             .collect()
     })
@@ -252,13 +283,19 @@ proptest! {
     ) {
         let admitted = run(&limit, &events);
         for i in 0..admitted.len() {
-            let mut spent = 0;
+            let (mut spent, mut earliest, mut latest) = (0u128, admitted[i].0, admitted[i].0);
             for &(t, cost) in &admitted[i..] {
-                spent += cost;
-                let elapsed = t - admitted[i].0;
+                spent += u128::from(cost);
+                // With a clock that steps back, the span is that of the
+                // readings seen, not last minus first.
+                earliest = earliest.min(t);
+                latest = latest.max(t);
+                let elapsed = u128::from(latest - earliest);
                 // cost × interval ≤ tolerance + elapsed, i.e. in tokens:
-                prop_assert!(spent * limit.interval() <= limit.tolerance() + elapsed,
-                    "spent {} within {} µs", spent, elapsed);
+                prop_assert!(
+                    spent * u128::from(limit.interval()) <= u128::from(limit.tolerance()) + elapsed,
+                    "spent {} within {} µs", spent, elapsed
+                );
             }
         }
     }
@@ -318,7 +355,10 @@ proptest! {
             } else {
                 prop_assert_eq!(Some(next), state);
             }
-            prop_assert!(spent * limit.interval() <= limit.tolerance() + (latest - earliest));
+            prop_assert!(
+                u128::from(spent) * u128::from(limit.interval())
+                    <= u128::from(limit.tolerance()) + u128::from(latest - earliest)
+            );
         }
     }
 
