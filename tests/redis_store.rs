@@ -673,3 +673,33 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
         assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
     }
 }
+
+/// Readiness loads the decision script on a single Redis, so the first
+/// decision after it is one EVALSHA that finds the script (no NOSCRIPT and
+/// reload on a caller's clock).
+#[tokio::test]
+async fn ready_means_the_script_is_loaded() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let served = common::TestServer::launch(None, move |c| {
+        c.store = tollgate::server::StoreSpec::Redis(url);
+    })
+    .await;
+    served.wait_ready().await;
+    let stats = redis_cli(server.port, &["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_script|load:calls="), "{stats}");
+    assert!(!stats.contains("cmdstat_evalsha"), "{stats}");
+    let mut client = served.client().await;
+    let r = common::ask(&mut client, common::req("t", "first")).await;
+    assert_eq!(r.degraded(), tollgate::proto::v1::Degraded::None);
+    let stats = redis_cli(server.port, &["INFO", "commandstats"]);
+    let evalsha = stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .unwrap_or_else(|| panic!("{stats}"));
+    assert!(
+        evalsha.contains("calls=1,") && evalsha.contains("failed_calls=0"),
+        "{evalsha}"
+    );
+    served.stop().await;
+}

@@ -312,12 +312,24 @@ impl Shared {
     }
 
     /// Sends PING (with the timeout).
+    /// Checks that Redis answers. On a single Redis this also loads the
+    /// decision script, so that once the service is ready its first
+    /// decision is one round trip (on a cluster each node loads it on its
+    /// first NOSCRIPT).
     async fn ping(&self) -> Result<(), StoreError> {
+        let script = &self.script;
         self.call("ping", |mut conn| async move {
-            redis::cmd("PING")
-                .query_async::<String>(&mut conn)
-                .await
-                .map(|_| ())
+            match conn {
+                AnyConnection::Standalone(_) => script
+                    .prepare_invoke()
+                    .load_async(&mut conn)
+                    .await
+                    .map(|_| ()),
+                AnyConnection::Cluster(_) => redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map(|_| ()),
+            }
         })
         .await
     }
