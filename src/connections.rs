@@ -5,8 +5,10 @@
 //!   itself fails (out of file descriptors, say): it never spins, and logs
 //!   once per burst of errors.
 //! - [`Connection`] closes itself when it has had no request in flight for
-//!   the idle timeout. "Idle" counts requests, not bytes, so HTTP/2
-//!   keepalive pings do not keep an unused connection open.
+//!   a whole idle-timeout period (so between one and two periods after its
+//!   last request). "Idle" counts requests, not bytes, so HTTP/2 keepalive
+//!   pings do not keep an unused connection open, and a request's start and
+//!   end cost one atomic add each, no clock read.
 //! - [`InFlightLayer`] marks each request's start and end on its connection
 //!   (the end is when the response body is done, so a stream counts until
 //!   it closes) and, on the gRPC port, holds one of a fixed number of
@@ -155,30 +157,35 @@ impl axum::serve::Listener for Acceptor {
     }
 }
 
-/// What requests on a connection share with the connection itself: how many
-/// are in flight and when that last changed.
-#[derive(Debug)]
-struct Activity {
-    in_flight: AtomicUsize,
-    /// Microseconds after `epoch` of the last start or end of a request.
-    last_change: AtomicU64,
-    epoch: Instant,
-}
+/// What requests on a connection share with the connection itself, in one
+/// word so that a request's start and end are one atomic add each, with no
+/// clock read: the low 32 bits count requests in flight, the high 32 bits
+/// count starts and ends (wrapping), so the idle check can tell "nothing
+/// happened since I last looked".
+#[derive(Debug, Default)]
+struct Activity(AtomicU64);
 
 impl Activity {
-    fn touch(&self) {
-        let micros = self.epoch.elapsed().as_micros() as u64;
-        self.last_change.store(micros, Ordering::Release);
+    const ONE_REQUEST: u64 = 1;
+    const ONE_EVENT: u64 = 1 << 32;
+
+    fn begin(&self) {
+        self.0
+            .fetch_add(Self::ONE_EVENT + Self::ONE_REQUEST, Ordering::AcqRel);
     }
 
-    /// When the connection becomes idle for `timeout`, or `None` while a
-    /// request is in flight.
-    fn idle_deadline(&self, timeout: Duration) -> Option<Instant> {
-        if self.in_flight.load(Ordering::Acquire) > 0 {
-            return None;
-        }
-        let last = Duration::from_micros(self.last_change.load(Ordering::Acquire));
-        Some(self.epoch + last + timeout)
+    fn end(&self) {
+        // One more event, one fewer request: + 2^32 − 1.
+        self.0
+            .fetch_add(Self::ONE_EVENT - Self::ONE_REQUEST, Ordering::AcqRel);
+    }
+
+    fn load(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn in_flight(word: u64) -> u64 {
+        word & (Self::ONE_EVENT - 1)
     }
 }
 
@@ -193,12 +200,11 @@ pub struct ConnectionHandle {
 
 impl ConnectionHandle {
     /// Marks a request as started; it ends when the guard is dropped.
-    fn begin(&self) -> RequestGuard {
-        self.activity.in_flight.fetch_add(1, Ordering::AcqRel);
-        self.activity.touch();
+    fn begin(self) -> RequestGuard {
+        self.activity.begin();
         RequestGuard {
-            activity: Some(self.activity.clone()),
-            slot: None,
+            activity: Some(self.activity),
+            cap: None,
         }
     }
 }
@@ -211,6 +217,8 @@ pub struct Connection {
     port: &'static str,
     idle_timeout: Duration,
     idle: Option<Pin<Box<Sleep>>>,
+    /// The activity word when the idle timer last fired.
+    seen: u64,
     /// Idle for its timeout: every read is the end of the stream.
     expired: bool,
     _slot: OwnedSemaphorePermit,
@@ -224,22 +232,17 @@ impl Connection {
         port: &'static str,
         idle_timeout: Duration,
     ) -> Self {
-        let epoch = Instant::now();
         metrics::connection_opened(port);
         Self {
             stream,
             handle: ConnectionHandle {
                 peer,
-                activity: Arc::new(Activity {
-                    in_flight: AtomicUsize::new(0),
-                    last_change: AtomicU64::new(0),
-                    epoch,
-                }),
+                activity: Arc::default(),
             },
             port,
             idle_timeout,
-            idle: (!idle_timeout.is_zero())
-                .then(|| Box::pin(tokio::time::sleep_until(epoch + idle_timeout))),
+            idle: (!idle_timeout.is_zero()).then(|| Box::pin(tokio::time::sleep(idle_timeout))),
+            seen: 0,
             expired: false,
             _slot: slot,
         }
@@ -250,20 +253,21 @@ impl Connection {
         &self.handle
     }
 
-    /// True when the connection has been idle for its timeout. Otherwise the
-    /// timer is set to the next moment that could be true (and registered
-    /// with `cx`).
+    /// True when the connection has had no request in flight, and no
+    /// request start or end, for a whole timeout period: so it closes
+    /// between one and two timeouts after its last request ended. Otherwise
+    /// the timer is set one period on (and registered with `cx`).
     fn idle_expired(&mut self, cx: &mut Context<'_>) -> bool {
         let Some(timer) = self.idle.as_mut() else {
             return false;
         };
         while timer.as_mut().poll(cx).is_ready() {
-            match self.handle.activity.idle_deadline(self.idle_timeout) {
-                Some(deadline) if deadline <= Instant::now() => return true,
-                Some(deadline) => timer.as_mut().reset(deadline),
-                // Busy: look again one timeout from now.
-                None => timer.as_mut().reset(Instant::now() + self.idle_timeout),
+            let now = self.handle.activity.load();
+            if now == self.seen && Activity::in_flight(now) == 0 {
+                return true;
             }
+            self.seen = now;
+            timer.as_mut().reset(Instant::now() + self.idle_timeout);
         }
         false
     }
@@ -284,7 +288,9 @@ impl AsyncRead for Connection {
         if self.expired {
             return Poll::Ready(Ok(()));
         }
-        if self.idle_expired(cx) {
+        // The socket first: the idle timer only matters when it has nothing.
+        let read = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if read.is_pending() && self.idle_expired(cx) {
             // End of stream, from now on: the server closes the connection
             // as if the client had.
             metrics::connection_idle_closed(self.port);
@@ -292,7 +298,7 @@ impl AsyncRead for Connection {
             self.idle = None;
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        read
     }
 }
 
@@ -347,14 +353,16 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Acce
 #[derive(Debug)]
 pub struct RequestGuard {
     activity: Option<Arc<Activity>>,
-    slot: Option<OwnedSemaphorePermit>,
+    cap: Option<InFlightCap>,
 }
 
 impl Drop for RequestGuard {
     fn drop(&mut self) {
-        if let Some(activity) = self.activity.take() {
-            activity.touch();
-            activity.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if let Some(activity) = &self.activity {
+            activity.end();
+        }
+        if let Some(cap) = &self.cap {
+            cap.count.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -363,7 +371,7 @@ impl Drop for RequestGuard {
 /// one past that.
 #[derive(Debug, Clone)]
 pub struct InFlightCap {
-    slots: Arc<Semaphore>,
+    count: Arc<AtomicUsize>,
     max: usize,
 }
 
@@ -371,14 +379,23 @@ impl InFlightCap {
     /// At most `max` requests in flight.
     pub fn new(max: usize) -> Self {
         Self {
-            slots: Arc::new(Semaphore::new(max)),
+            count: Arc::default(),
             max,
         }
     }
 
     /// Requests in flight now.
     pub fn in_flight(&self) -> usize {
-        self.max - self.slots.available_permits()
+        self.count.load(Ordering::Acquire).min(self.max)
+    }
+
+    /// Takes a slot, or `false` at the cap.
+    fn take(&self) -> bool {
+        if self.count.fetch_add(1, Ordering::AcqRel) < self.max {
+            return true;
+        }
+        self.count.fetch_sub(1, Ordering::AcqRel);
+        false
     }
 }
 
@@ -419,58 +436,94 @@ pub struct InFlight<S> {
     cap: Option<InFlightCap>,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for InFlight<S>
 where
     S: tower::Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
-    S::Future: Send + 'static,
-    ResBody: Default + Send + 'static,
+    ResBody: Default,
 {
     type Response = http::Response<Tracked<ResBody>>;
     type Error = S::Error;
-    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+    type Future = InFlightFuture<S::Future, ResBody>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
-        let extensions = request.extensions();
-        let handle = extensions.get::<ConnectionHandle>().or_else(|| {
+    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
+        // The request's own copy of the handle moves into the guard.
+        let extensions = request.extensions_mut();
+        let handle = extensions.remove::<ConnectionHandle>().or_else(|| {
             extensions
                 .get::<axum::extract::ConnectInfo<ConnectionHandle>>()
-                .map(|info| &info.0)
+                .map(|info| info.0.clone())
         });
         let mut guard = match handle {
             Some(handle) => handle.begin(),
             None => RequestGuard {
                 activity: None,
-                slot: None,
+                cap: None,
             },
         };
         if let Some(cap) = &self.cap {
-            match cap.slots.clone().try_acquire_owned() {
-                Ok(slot) => guard.slot = Some(slot),
-                Err(_) => {
-                    metrics::grpc_overloaded();
-                    let status = tonic::Status::resource_exhausted(format!(
-                        "this Tollgate instance has {} requests in flight, its cap \
-                         (--grpc-max-requests-in-flight); retry shortly",
-                        cap.max
-                    ));
-                    let response = status
-                        .into_http::<ResBody>()
-                        .map(|body| Tracked::new(body, guard));
-                    return Box::pin(async move { Ok(response) });
-                }
+            if !cap.take() {
+                metrics::grpc_overloaded();
+                let status = tonic::Status::resource_exhausted(format!(
+                    "this Tollgate instance has {} requests in flight, its cap \
+                     (--grpc-max-requests-in-flight); retry shortly",
+                    cap.max
+                ));
+                let response = status
+                    .into_http::<ResBody>()
+                    .map(|body| Tracked::new(body, guard));
+                return InFlightFuture::Refused {
+                    response: Some(response),
+                };
+            }
+            guard.cap = Some(cap.clone());
+        }
+        InFlightFuture::Called {
+            inner: self.inner.call(request),
+            guard: Some(guard),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`InFlight`]: the inner call's, its response body
+    /// wrapped to end the request when it is done.
+    #[project = InFlightProjection]
+    #[allow(missing_docs)] // the variants' fields are described on the variants
+
+    pub enum InFlightFuture<F, B> {
+        /// Refused at the cap: the RESOURCE_EXHAUSTED answer, until taken.
+        Refused { response: Option<http::Response<Tracked<B>>> },
+        /// In service: the inner call, and the guard that ends the request
+        /// with its response body.
+        Called {
+            #[pin]
+            inner: F,
+            guard: Option<RequestGuard>,
+        },
+    }
+}
+
+impl<F, B, E> Future for InFlightFuture<F, B>
+where
+    F: Future<Output = Result<http::Response<B>, E>>,
+{
+    type Output = Result<http::Response<Tracked<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            InFlightProjection::Refused { response } => {
+                Poll::Ready(Ok(response.take().expect("polled after completion")))
+            }
+            InFlightProjection::Called { inner, guard } => {
+                let response = std::task::ready!(inner.poll(cx))?;
+                let guard = guard.take().expect("polled after completion");
+                Poll::Ready(Ok(response.map(|body| Tracked::new(body, guard))))
             }
         }
-        let response = self.inner.call(request);
-        Box::pin(async move {
-            let response = response.await?;
-            Ok(response.map(|body| Tracked::new(body, guard)))
-        })
     }
 }
 

@@ -184,8 +184,9 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_GRPC_KEEPALIVE_TIMEOUT", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub grpc_keepalive_timeout: Option<Duration>,
-    /// Close a connection (either port) with no request in flight for this
-    /// long (0s: never).
+    /// Close a connection (either port) with no request in flight for a
+    /// whole period of this length, so one to two periods after its last
+    /// request (0s: never).
     #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", value_parser = parse_duration_or_zero)]
     #[serde(default, with = "text_duration_or_zero")]
     pub idle_timeout: Option<Duration>,
