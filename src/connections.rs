@@ -45,6 +45,9 @@ pub struct ConnectionLimits {
     /// A connection with no request in flight for this long is closed
     /// (zero: never).
     pub idle_timeout: Duration,
+    /// TCP keepalive: probe a quiet peer after this long, and close the
+    /// connection when four probes a quarter of it apart go unanswered.
+    pub tcp_keepalive: Option<Duration>,
 }
 
 /// Accepts connections on one port within its [`ConnectionLimits`].
@@ -129,6 +132,14 @@ impl Acceptor {
                 self.refused_in_burst = 0;
             }
             let _ = stream.set_nodelay(true);
+            if let Some(every) = self.limits.tcp_keepalive {
+                // The kernel probes a quiet peer, at no cost per request.
+                let probe = socket2::TcpKeepalive::new()
+                    .with_time(every)
+                    .with_interval(every / 4)
+                    .with_retries(4);
+                let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&probe);
+            }
             return Connection::new(stream, peer, slot, self.port, self.limits.idle_timeout);
         }
     }

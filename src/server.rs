@@ -191,7 +191,8 @@ pub struct GrpcLimits {
     /// Request body bytes a connection may have received and not yet read
     /// (its HTTP/2 flow-control window; each stream gets a quarter).
     pub connection_window_bytes: u32,
-    /// How often an HTTP/2 PING checks that a quiet peer is still there.
+    /// How often an HTTP/2 PING checks that a quiet peer is still there
+    /// (zero: never, the default; TCP keepalive probes instead).
     pub keepalive_interval: Duration,
     /// How long the PING's answer may take before the connection is closed.
     pub keepalive_timeout: Duration,
@@ -211,7 +212,10 @@ impl Default for GrpcLimits {
             max_requests_in_flight: 1024,
             max_header_bytes: 16 * 1024,
             connection_window_bytes: 256 * 1024,
-            keepalive_interval: Duration::from_secs(60),
+            // HTTP/2 keepalive makes hyper read the clock and take a lock on
+            // every frame received (about 3 % of the CPU per decision in the
+            // profile); TCP keepalive finds dead peers for free.
+            keepalive_interval: Duration::ZERO,
             keepalive_timeout: Duration::from_secs(20),
             idle_timeout: Duration::from_secs(300),
         }
@@ -226,6 +230,14 @@ pub const CONNECTION_OVERHEAD_BYTES: usize = 64 * 1024;
 pub const STREAM_OVERHEAD_BYTES: usize = 16 * 1024;
 
 impl GrpcLimits {
+    /// TCP keepalive for accepted connections: on when HTTP/2 PINGs are off,
+    /// probing after 60 s of quiet.
+    pub fn tcp_keepalive(&self) -> Option<Duration> {
+        self.keepalive_interval
+            .is_zero()
+            .then_some(Duration::from_secs(60))
+    }
+
     /// Refuses settings that would turn every caller away.
     pub fn validate(&self) -> Result<(), String> {
         let zero = |name: &str| Err(format!("{name} must be at least 1"));
@@ -474,6 +486,7 @@ pub async fn run(
         ConnectionLimits {
             max_connections: ADMIN_MAX_CONNECTIONS,
             idle_timeout: limits_of_ports.idle_timeout,
+            tcp_keepalive: limits_of_ports.tcp_keepalive(),
         },
     );
     let admin_server = axum::serve(
@@ -549,6 +562,7 @@ pub async fn run(
         ConnectionLimits {
             max_connections: limits.max_connections,
             idle_timeout: limits.idle_timeout,
+            tcp_keepalive: limits.tcp_keepalive(),
         },
     );
     let served = builder

@@ -176,7 +176,8 @@ pub struct ServeArgs {
     /// yet read (its HTTP/2 flow-control window).
     #[arg(long, env = "TOLLGATE_GRPC_CONNECTION_WINDOW_BYTES")]
     pub grpc_connection_window_bytes: Option<u32>,
-    /// How often an HTTP/2 PING checks a quiet gRPC peer (0s: never).
+    /// How often an HTTP/2 PING checks a quiet gRPC peer (0s: never; TCP
+    /// keepalive probes after 60 s of quiet instead, at no cost per request).
     #[arg(long, env = "TOLLGATE_GRPC_KEEPALIVE_INTERVAL", value_parser = parse_duration_or_zero)]
     #[serde(default, with = "text_duration_or_zero")]
     pub grpc_keepalive_interval: Option<Duration>,
