@@ -49,7 +49,15 @@ fn check(mut command: Command) {
     let server = ServeProcess::start(dir.path(), &[]);
     let port = free_port(false);
     let mut child = command
-        .args([port.to_string(), server.grpc.clone(), "shop".into()])
+        // A generous deadline: on a loaded machine the first call (which
+        // also connects) can take longer than the examples' default 50 ms,
+        // and they would then let the request through unlimited.
+        .args([
+            port.to_string(),
+            server.grpc.clone(),
+            "shop".into(),
+            "5000".into(),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

@@ -1,11 +1,18 @@
-// node examples/node/server.js PORT TOLLGATE_ADDR TENANT
+// node examples/node/server.js PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS]
+// (TIMEOUT_MS: how long to wait for Tollgate before letting the request
+// through; 50 by default)
 "use strict";
 
 const http = require("http");
 const { tollgate } = require("./middleware");
 
-const [port, target, tenant] = process.argv.slice(2);
-const limit = tollgate({ target, tenant, key: (req) => req.headers["x-api-key"] });
+const [port, target, tenant, timeout] = process.argv.slice(2);
+const limit = tollgate({
+  target,
+  tenant,
+  key: (req) => req.headers["x-api-key"],
+  timeoutMs: timeout === undefined ? undefined : Number(timeout),
+});
 
 http
   .createServer((req, res) =>

@@ -88,8 +88,11 @@ if __name__ == "__main__":
         def log_message(self, *args):
             pass
 
+    # PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS]: how long to wait for Tollgate
+    # before letting the request through (50 ms by default).
     port, target, tenant = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    app = TollgateMiddleware(hello, target, tenant=tenant,
+    timeout = float(sys.argv[4]) / 1000 if len(sys.argv) > 4 else 0.05
+    app = TollgateMiddleware(hello, target, tenant=tenant, timeout=timeout,
                              key=lambda environ: environ.get("HTTP_X_API_KEY", ""))
     with make_server("127.0.0.1", port, app, handler_class=Quiet) as server:
         print(f"listening on 127.0.0.1:{port}", flush=True)

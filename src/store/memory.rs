@@ -200,8 +200,12 @@ impl MemoryStore {
         let plan = plan(&states, charges, now, spend);
         // Far from the caps (the usual case) this is two loads and a sum.
         let over = |store: &Self, count: usize, bytes: usize| {
-            store.held.load(Ordering::Relaxed) + count > store.max_buckets
-                || store.held_bytes.load(Ordering::Relaxed) + bytes > store.max_bytes
+            store.held.load(Ordering::Relaxed).saturating_add(count) > store.max_buckets
+                || store
+                    .held_bytes
+                    .load(Ordering::Relaxed)
+                    .saturating_add(bytes)
+                    > store.max_bytes
         };
         let written = || {
             buckets
@@ -238,10 +242,16 @@ impl MemoryStore {
             match self.buckets.get_mut(bucket) {
                 Some(mut entry) => *entry = *state,
                 None => {
-                    if self.buckets.insert(bucket.clone(), *state).is_none() {
-                        self.held.fetch_add(1, Ordering::Relaxed);
-                        self.held_bytes
-                            .fetch_add(bucket_bytes(bucket), Ordering::Relaxed);
+                    // Counted before it is visible: a sweep running beside
+                    // this may remove the new bucket at once (when it is
+                    // already full again) and subtract it, and must never
+                    // subtract what was not yet added.
+                    let bytes = bucket_bytes(bucket);
+                    self.held.fetch_add(1, Ordering::Relaxed);
+                    self.held_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    if self.buckets.insert(bucket.clone(), *state).is_some() {
+                        self.held.fetch_sub(1, Ordering::Relaxed);
+                        self.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
                     }
                 }
             }
