@@ -121,16 +121,9 @@ async fn envoy_asks_tollgate_and_answers_429_with_headers() {
             if envoy.0.try_wait().unwrap().is_some() {
                 break;
             }
-            if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", admin_port)).await {
-                let _ = s
-                    .write_all(b"GET /ready HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-                    .await;
-                let mut r = String::new();
-                let _ = s.read_to_string(&mut r).await;
-                if r.starts_with("HTTP/1.1 200") {
-                    started = Some((envoy, open_port, closed_port));
-                    break;
-                }
+            if common::http_ok(admin_port, "/ready").await {
+                started = Some((envoy, open_port, closed_port));
+                break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -378,25 +378,6 @@ async fn a_line_feed_in_a_domain_cannot_forge_metric_lines() {
         !metrics.lines().any(|l| l.starts_with("fake_metric")),
         "{metrics}"
     );
-    let mut lint = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool runs (scripts/test installs Debian's prometheus)");
-    use std::io::Write as _;
-    lint.stdin
-        .take()
-        .unwrap()
-        .write_all(metrics.as_bytes())
-        .unwrap();
-    let lint = lint.wait_with_output().unwrap();
-    assert!(
-        lint.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&lint.stdout),
-        String::from_utf8_lossy(&lint.stderr)
-    );
+    common::assert_promtool_accepts(&metrics);
     server.stop().await;
 }

@@ -114,15 +114,8 @@ async fn start_prometheus(dir: &std::path::Path) -> (Prometheus, u16) {
             if prometheus.0.try_wait().unwrap().is_some() {
                 break;
             }
-            if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-                let _ = s
-                    .write_all(b"GET /-/ready HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n")
-                    .await;
-                let mut r = String::new();
-                let _ = s.read_to_string(&mut r).await;
-                if r.starts_with("HTTP/1.1 200") {
-                    return (prometheus, port);
-                }
+            if common::http_ok(port, "/-/ready").await {
+                return (prometheus, port);
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -271,25 +264,6 @@ async fn every_dashboard_and_alert_expression_returns_data() {
     // After all that, every series Tollgate exposes passes promtool's lint:
     // help text, units and suffixes as Prometheus names them.
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
-    let mut lint = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write as _;
-    lint.stdin
-        .take()
-        .unwrap()
-        .write_all(metrics.as_bytes())
-        .unwrap();
-    let lint = lint.wait_with_output().unwrap();
-    assert!(
-        lint.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&lint.stdout),
-        String::from_utf8_lossy(&lint.stderr)
-    );
+    common::assert_promtool_accepts(&metrics);
     server.stop().await;
 }

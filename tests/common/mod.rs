@@ -253,3 +253,44 @@ pub fn micros(d: &Option<prost_types::Duration>) -> u64 {
     let d = d.as_ref().expect("duration present");
     d.seconds as u64 * 1_000_000 + d.nanos as u64 / 1_000
 }
+
+/// Fails unless `promtool check metrics` accepts `metrics` (Prometheus text).
+pub fn assert_promtool_accepts(metrics: &str) {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let mut lint = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool runs (scripts/test installs Debian's prometheus)");
+    lint.stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let lint = lint.wait_with_output().unwrap();
+    assert!(
+        lint.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
+}
+
+/// True when `GET path` on loopback `port` answers 200 (for readiness
+/// endpoints of the servers tests start).
+pub async fn http_ok(port: u16, path: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+    if s.write_all(request.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r).await;
+    r.starts_with("HTTP/1.1 200")
+}
