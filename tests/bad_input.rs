@@ -4,7 +4,6 @@
 mod common;
 
 use common::{TestServer, ask, raw, req, row};
-use tokio_stream::StreamExt;
 use tollgate::api::native::Unmatched;
 use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 use tonic::Code;
@@ -153,28 +152,12 @@ async fn a_malformed_message_is_invalid_argument_not_internal() {
 #[tokio::test]
 async fn an_undecodable_message_on_a_stream_is_answered_and_the_stream_goes_on() {
     use prost::Message;
-    use tollgate::proto::v1::StreamDecision;
     let server = TestServer::with_rows(&[row("acme", "acme", "", "key", 5, "1/hour")]).await;
-    let mut grpc = tonic::client::Grpc::new(server.channel().await);
-    grpc.ready().await.unwrap();
     let good = req("acme", "k").encode_to_vec();
     // Field 1 (key) declared as a 100-byte string, but only 3 bytes follow.
     let garbage = vec![0x0a, 100, b'a', b'b', b'c'];
     let messages = vec![good.clone(), garbage.clone(), good.clone(), garbage, good];
-    let answers: Vec<StreamDecision> = grpc
-        .streaming(
-            tonic::Request::new(tokio_stream::iter(messages)),
-            "/tollgate.v1.RateLimiter/ShouldAllowStream"
-                .parse()
-                .unwrap(),
-            raw::RawCodec,
-        )
-        .await
-        .unwrap()
-        .into_inner()
-        .map(|bytes| StreamDecision::decode(bytes.unwrap().as_slice()).unwrap())
-        .collect()
-        .await;
+    let answers = raw::stream_decisions(server.channel().await, messages).await;
     assert_eq!(answers.len(), 5, "{answers:#?}");
     for (i, answer) in answers.iter().enumerate() {
         if i % 2 == 0 {

@@ -214,9 +214,6 @@ fn arbitrary_bytes_as_native_and_envoy_messages() {
 
 #[test]
 fn arbitrary_bytes_on_a_stream_each_get_an_answer() {
-    use prost::Message;
-    use tokio_stream::StreamExt;
-    use tollgate::proto::v1::StreamDecision;
     let (runtime, server) = server();
     let message = prop::collection::vec(any::<u8>(), 0..512);
     runner()
@@ -225,21 +222,7 @@ fn arbitrary_bytes_on_a_stream_each_get_an_answer() {
             let len = messages.iter().map(Vec::len).sum();
             let answers = bounded("ShouldAllowStream", len, || {
                 runtime.block_on(async {
-                    let mut grpc = tonic::client::Grpc::new(server.channel().await);
-                    grpc.ready().await.unwrap();
-                    grpc.streaming(
-                        tonic::Request::new(tokio_stream::iter(messages)),
-                        "/tollgate.v1.RateLimiter/ShouldAllowStream"
-                            .parse()
-                            .unwrap(),
-                        raw::RawCodec,
-                    )
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .map(|m| StreamDecision::decode(m.unwrap().as_slice()).unwrap())
-                    .collect::<Vec<_>>()
-                    .await
+                    raw::stream_decisions(server.channel().await, messages).await
                 })
             });
             prop_assert_eq!(answers.len(), n);

@@ -43,3 +43,28 @@ impl Decoder for RawCodec {
         BufferSettings::default()
     }
 }
+
+/// Sends `messages` as raw bodies on one `ShouldAllowStream` and returns the
+/// answers, decoded.
+pub async fn stream_decisions(
+    channel: tonic::transport::Channel,
+    messages: Vec<Vec<u8>>,
+) -> Vec<tollgate::proto::v1::StreamDecision> {
+    use prost::Message;
+    use tokio_stream::StreamExt;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    grpc.streaming(
+        tonic::Request::new(tokio_stream::iter(messages)),
+        "/tollgate.v1.RateLimiter/ShouldAllowStream"
+            .parse()
+            .unwrap(),
+        RawCodec,
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .map(|m| tollgate::proto::v1::StreamDecision::decode(m.unwrap().as_slice()).unwrap())
+    .collect()
+    .await
+}
