@@ -114,12 +114,7 @@ impl Postgres {
             if ready {
                 return Ok(());
             }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.child = None;
+            if let Some(status) = super::redis::take_if_exited(&mut self.child) {
                 return Err(format!("postgres on port {} exited: {status}", self.port));
             }
             std::thread::sleep(Duration::from_millis(20));

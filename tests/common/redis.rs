@@ -105,12 +105,7 @@ impl RedisServer {
             if redis_cli(self.port, &["PING"]) == "PONG" {
                 return Ok(());
             }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.child = None;
+            if let Some(status) = take_if_exited(&mut self.child) {
                 return Err(format!(
                     "redis-server on port {} exited: {status}",
                     self.port
@@ -219,4 +214,12 @@ impl RedisCluster {
             .collect();
         format!("redis-cluster://{}", hosts.join(","))
     }
+}
+
+/// Takes `child` out of `slot` when it has exited (a server that could not
+/// bind its port, say), with its exit status.
+pub fn take_if_exited(slot: &mut Option<std::process::Child>) -> Option<std::process::ExitStatus> {
+    let status = slot.as_mut()?.try_wait().ok().flatten()?;
+    *slot = None;
+    Some(status)
 }
