@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tollgate::algorithm::{Algorithm, Charge, Limit, Rate, decide, plan};
+use tollgate::algorithm::{Algorithm, Charge, Limit, Op, Rate, decide, plan};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
 
@@ -43,16 +43,18 @@ fn algorithm(c: &mut Criterion) {
         Charge {
             limit: l,
             cost: 1,
+            need: 1,
             enforce: true,
         },
         Charge {
             limit: w,
             cost: 1,
+            need: 1,
             enforce: true,
         },
     ];
     g.bench_function("plan_two_buckets", |b| {
-        b.iter(|| plan(black_box(&[None, None]), &charges, T0, true))
+        b.iter(|| plan(black_box(&[None, None]), &charges, T0, Op::SPEND))
     });
     g.finish();
 }
@@ -65,26 +67,29 @@ fn memory_store(c: &mut Criterion) {
     let charge = [Charge {
         limit: Limit::new(1_000_000, "1000000/second".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     }];
     let hot = [BucketKey::new("bench", "k", "", "hot")];
     g.bench_function("one_hot_key", |b| {
         b.iter(|| {
             clock.advance(Duration::from_micros(1));
-            store.apply_now(black_box(&hot), &charge, true)
+            store.apply_now(black_box(&hot), &charge, Op::SPEND)
         })
     });
     let keys: Vec<[BucketKey; 1]> = (0..1_000_000)
         .map(|i| [BucketKey::new("bench", "k", "", &i.to_string())])
         .collect();
     for k in &keys {
-        store.apply_now(k, &charge, true).expect("under the cap");
+        store
+            .apply_now(k, &charge, Op::SPEND)
+            .expect("under the cap");
     }
     let mut i = 0usize;
     g.bench_function("million_keys", |b| {
         b.iter(|| {
             i = (i + 7919) % keys.len();
-            store.apply_now(black_box(&keys[i]), &charge, true)
+            store.apply_now(black_box(&keys[i]), &charge, Op::SPEND)
         })
     });
     for threads in [1usize, 2] {
@@ -99,7 +104,7 @@ fn memory_store(c: &mut Criterion) {
                             let mut i = t * 500_000;
                             for _ in 0..iters {
                                 i = (i + 7919) % keys.len();
-                                let _ = black_box(store.apply_now(&keys[i], &charge, true));
+                                let _ = black_box(store.apply_now(&keys[i], &charge, Op::SPEND));
                             }
                         });
                     }
@@ -158,6 +163,7 @@ fn redis_store(c: &mut Criterion) {
     let charge = [Charge {
         limit: Limit::new(1_000_000, "1000000/second".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     }];
     let mut g = c.benchmark_group("redis_store");
@@ -167,7 +173,9 @@ fn redis_store(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             let key = [BucketKey::new("bench", "k", "", &(i % 10_000).to_string())];
-            runtime.block_on(store.apply(&key, &charge, true)).unwrap()
+            runtime
+                .block_on(store.apply(&key, &charge, Op::SPEND))
+                .unwrap()
         })
     });
     // 64 decisions in flight: pipelined on the multiplexed connection.
@@ -180,7 +188,7 @@ fn redis_store(c: &mut Criterion) {
                     let store = store.clone();
                     tasks.push(tokio::spawn(async move {
                         let key = [BucketKey::new("bench", "k", "", &j.to_string())];
-                        store.apply(&key, &charge, true).await.unwrap()
+                        store.apply(&key, &charge, Op::SPEND).await.unwrap()
                     }));
                 }
                 for t in tasks {

@@ -10,43 +10,78 @@ The same arithmetic as src/algorithm/token_bucket.rs (`decide`), plan.rs (`plan`
 (fixed and sliding windows); the differential test in tests/redis_store.rs
 feeds both the same random sequences and requires identical answers.
 
-KEYS[i]   the i-th bucket, `PREFIX{TAG}:SCOPE:RESOURCE:KEY`, the requests'
-          buckets in request order. Every key of one call shares the hash
-          tag, so the script runs on one Redis Cluster slot.
+KEYS      the requests' keys, in request order: each request's buckets,
+          `PREFIX{TAG}:SCOPE:RESOURCE:KEY`, then for a reserve or a settle
+          its record, `PREFIX{TAG}:r:NONCE`. Every key of one call shares
+          the hash tag, so the script runs on one Redis Cluster slot (a
+          settle reads and writes the buckets its record names: they share
+          the record's tag).
 ARGV[1]   "now" in microseconds since the Unix epoch, or "" to read Redis's
           own clock (TIME). Production passes "": every instance then uses
           the one clock of the Redis that holds the bucket, so instances with
           skewed clocks still agree. Tests pass a value to control time.
-ARGV[2]   the requests: for each, its number of keys and "s" to spend when
-          allowed or "d" for a dry run, comma-separated ("2s" is one
-          request of two buckets; "2s,1d,1s" three requests over 4 keys).
+ARGV[2]   the requests, comma-separated, each its number of buckets and its
+          operation:
+            Ns        decide, and spend when allowed
+            Nd        decide without spending (a dry run)
+            Nc        charge usage after the fact, in full, into debt down
+                      to each bucket's floor; never refused
+            NvTTL     reserve: decide and spend like Ns and, when allowed,
+                      write the record (its key follows the N buckets) that
+                      expires TTL µs from now (plus a grace period); the
+                      record's body is this request's extra argument
+            0uACTUAL  settle the record (its key is the request's only key)
+                      at ACTUAL per line
+          For example "2s,1d,1s" is three decisions over 4 keys.
 ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
-then five per key, for key i at ARGV[4 + 5(i-1)] ...:
+then six per bucket, for the i-th bucket of the call (record keys do not
+count) at ARGV[4 + 6(i-1)] ...:
           algorithm "t" token bucket, "f" fixed window, "s" sliding window
           interval  token bucket: µs to refill one token; windows: the
                     window length in µs (a whole number of milliseconds)
           burst     token bucket: capacity; windows: requests per window
-          cost      tokens to spend (>= 1)
+          cost      tokens to spend, or "COST/NEED" when the bucket must
+                    hold more than the request spends (an ask: "0/1")
           enforce   "1" for an enforced rule, "0" for a shadow rule
+          debt      how far below zero charges after the fact may take the
+                    balance, in tokens ("0": not at all)
+then one extra argument per reserve, in request order: the record body, per
+bucket "ALG INTERVAL BURST DEBT COST LINES KEYLEN\nKEY" (the charge it
+spends and how many lines it merges).
 
-Stored value per key: for a token bucket "FULL_AT:INTERVAL:BURST", the instant
-(µs) the bucket is full again and the limit it was written under; for a
-window "w:START:COUNT:PREVIOUS", the window's start, its count and the
+Stored value per bucket: for a token bucket "FULL_AT:INTERVAL:BURST", the
+instant (µs) the bucket is full again and the limit it was written under;
+for a window "w:START:COUNT:PREVIOUS", the window's start, its count and the
 previous window's count. A missing key is a full bucket or an empty window; a
 value of the other kind (the rule changed algorithm) counts as missing. Each
 key expires (SET ... PX) when its state no longer matters (the bucket is full,
 the window is over), plus the margin, so Redis holds only active buckets.
+A token bucket in debt is full again later than a full refill: its balance
+is below zero.
 
-Returns an array: { now, then per request: allowed, then four per key of
-that request: allowed, remaining, retry_after, reset_after }, with allowed
-as 1/0 and times in microseconds; retry_after is -1 when the cost exceeds
-the capacity (it can never pass).
+Stored value per reservation: "P RESERVED_AT EXPIRES_AT MASK\n" and the
+body, MASK marking with 1 the buckets the reserve spent; once settled,
+"S ACTUAL ESTIMATE" (kept, with the record's TTL, so a second settle answers
+what the first did).
+
+Returns an array: { now, then per request ... }:
+  decide, charge, reserve: allowed, then four per bucket: allowed, balance,
+          retry_after, reset_after, with allowed as 1/0, balance the whole
+          tokens left (negative: the tokens owed below zero) and times in
+          microseconds; retry_after is -1 when the need exceeds the
+          capacity (it can never pass). For a charge, the third value is
+          the tokens forgiven at the debt floor instead.
+  settle: status (1 settled, 2 already settled, 3 expired, 4 unknown),
+          the actual cost settled (now, or by the settle that counted), the
+          estimate, the number of buckets settled, then four per bucket as
+          for a charge.
 Windows are aligned to the Unix epoch.
 
-The request is allowed when every enforced bucket admits its cost. Only then
-(and only when spending) is anything written: each admitting bucket,
+A decision is allowed when every enforced bucket holds what it needs. Only
+then (and only when spending) is anything written: each admitting bucket,
 shadow ones included. Otherwise nothing changes, and buckets that would have
-admitted the cost report what they hold now.
+admitted the cost report what they hold now. A charge or a settle changes
+every bucket it names.
 
 Why a script and not MULTI/EXEC: the decision needs to read every bucket,
 decide, then write only if all of them admit. MULTI cannot branch on what it
@@ -54,7 +89,8 @@ read, and WATCH-based optimistic retries would collapse under contention on a
 hot key. The script is one round trip and runs atomically.
 
 Numbers are Lua doubles; every value stays below 2^53 (Tollgate refuses limits
-whose refill time exceeds 100 years), so the integer arithmetic is exact.
+whose refill time from the debt floor exceeds 100 years, and clamps costs),
+so the integer arithmetic is exact.
 Division goes through floor_div/ceil_div, which correct the rounding of `/`.
 ]]
 
@@ -76,34 +112,71 @@ local function ceil_div(a, b)
   return q
 end
 
--- Token bucket. Returns allowed, remaining, retry_after, reset_after, and
--- when allowed the value to store and its lifetime (µs). `limit` is
--- "INTERVAL:BURST" as the caller wrote them, so that the usual case (the
--- limit did not change) compares one string instead of converting numbers.
-local function decide_tokens(stored, now, interval, burst, cost, limit)
-  local tolerance = burst * interval
-  local debt = 0
-  if stored then
-    local f, rest = string.match(stored, '^(%d+):(%d+:%d+)$')
-    if f then
-      debt = math.max(tonumber(f) - now, 0)
-      if rest ~= limit then
-        -- The limit changed: spent tokens stay spent, clamped to the new burst.
-        local si = tonumber(string.match(rest, '^%d+'))
-        debt = math.min(ceil_div(debt, math.max(si, 1)) * interval, tolerance)
-      end
-    end
+-- A token bucket's debt at `now` (µs until full) from its stored value.
+-- `limit` is "INTERVAL:BURST" as the caller wrote them, so that the usual
+-- case (the limit did not change) compares one string instead of
+-- converting numbers. On a change, spent tokens stay spent, clamped to the
+-- new floor.
+local function token_debt(stored, now, interval, limit, floor)
+  if not stored then
+    return 0
   end
-  local debt_after = debt + cost * interval
-  if debt_after <= tolerance then
-    local value = string.format('%d:%s', now + debt_after, limit)
-    return true, floor_div(tolerance - debt_after, interval), 0, debt_after, value, debt_after
+  local f, rest = string.match(stored, '^(%d+):(%d+:%d+)$')
+  if not f then
+    return 0
   end
-  return false, floor_div(math.max(tolerance - debt, 0), interval), debt_after - tolerance, debt
+  local debt = math.max(tonumber(f) - now, 0)
+  if rest ~= limit then
+    local si = tonumber(string.match(rest, '^%d+'))
+    debt = math.min(ceil_div(debt, math.max(si, 1)) * interval, floor)
+  end
+  return debt
 end
 
--- Fixed (sliding = false) or sliding window counter.
-local function decide_window(stored, now, sliding, window, max, cost)
+-- Whole tokens left for a debt of `debt` µs, or minus the whole tokens owed
+-- below zero (rounded up).
+local function token_balance(debt, tolerance, interval)
+  if debt <= tolerance then
+    return floor_div(tolerance - debt, interval)
+  end
+  return -ceil_div(debt - tolerance, interval)
+end
+
+-- Token bucket, with op 'd' (decide: spend `cost` if it holds `need`),
+-- 'c' (charge `cost` in full, down to the floor) or 'r' (refund `cost`).
+-- Returns allowed, balance, retry_after (a charge: tokens forgiven),
+-- reset_after, and when it changes the value to store and its lifetime (µs).
+local function apply_tokens(stored, now, interval, burst, debt_max, cost, need, limit, op)
+  local tolerance = burst * interval
+  local floor = (burst + debt_max) * interval
+  local debt = token_debt(stored, now, interval, limit, floor)
+  local after, third
+  if op == 'd' then
+    local needed = debt + need * interval
+    if needed > tolerance then
+      return false, token_balance(debt, tolerance, interval), needed - tolerance, debt
+    end
+    after, third = debt + cost * interval, 0
+  else
+    -- Past burst + debt + 1 tokens every amount lands on the floor (or
+    -- at full): clamp first so the product stays exact.
+    local capped = math.min(cost, burst + debt_max + 1)
+    if op == 'c' then
+      -- A charge never lowers the debt, not even one seen past the floor
+      -- through a clock that stepped back.
+      after = math.max(math.min(debt + capped * interval, floor), debt)
+      third = cost - ceil_div(after - debt, interval)
+    else
+      after, third = math.max(debt - capped * interval, 0), 0
+    end
+  end
+  return true, token_balance(after, tolerance, interval), third, after,
+    string.format('%d:%s', now + after, limit), after
+end
+
+-- Fixed (sliding = false) or sliding window counter, with the same ops; a
+-- refund uncounts tokens charged at `since` while that window still counts.
+local function apply_window(stored, now, sliding, window, max, debt_max, cost, need, op, since)
   local start = floor_div(now, window) * window
   local count, prev = 0, 0
   if stored then
@@ -120,12 +193,21 @@ local function decide_window(stored, now, sliding, window, max, cost)
       end
     end
   end
+  if not sliding then
+    prev = 0
+  end
+  if op == 'r' then
+    local charged_in = floor_div(since, window) * window
+    if charged_in == start then
+      count = math.max(count - cost, 0)
+    elseif sliding and charged_in + window == start then
+      prev = math.max(prev - cost, 0)
+    end
+  end
   local w = window / 1000
   local weighted = 0
   if sliding then
     weighted = ceil_div(prev * (w - floor_div(now - start, 1000)), w)
-  else
-    prev = 0
   end
   local used = count + weighted
   local idle = start + (sliding and 2 * window or window)
@@ -137,38 +219,50 @@ local function decide_window(stored, now, sliding, window, max, cost)
     end
     return start + 2 * window - now
   end
-  if used + cost <= max then
-    local c = count + cost
-    return true, max - used - cost, 0, reset(c), string.format('w:%d:%d:%d', start, c, prev), idle - now
-  end
-  local retry_at = start + window
-  if sliding then
-    local avail = max - cost
-    if count <= avail then
-      retry_at = start + (w - floor_div((avail - count) * w, prev)) * 1000
-    else
-      retry_at = start + window + (w - floor_div(avail * w, count)) * 1000
+  local third = 0
+  if op == 'd' then
+    if used + need > max then
+      local retry_at = start + window
+      if sliding then
+        local avail = max - need
+        if count <= avail then
+          retry_at = start + (w - floor_div((avail - count) * w, prev)) * 1000
+        else
+          retry_at = start + window + (w - floor_div(avail * w, count)) * 1000
+        end
+      end
+      return false, max - used, retry_at - now, reset(count)
     end
+    count, used = count + cost, used + cost
+  elseif op == 'c' then
+    local applied = math.min(cost, math.max(max + debt_max - used, 0))
+    count, used, third = count + applied, used + applied, cost - applied
   end
-  return false, math.max(max - used, 0), retry_at - now, reset(count)
+  return true, max - used, third, reset(count), string.format('w:%d:%d:%d', start, count, prev), idle - now
 end
 
--- Decides the bucket of key k (whose ARGV fields start at `a`, with the
--- interval and burst already read) for `cost`.
-local function decide(stored, now, a, interval, burst, cost)
-  if ARGV[a] == 't' then
-    return decide_tokens(stored, now, interval, burst, cost, ARGV[a + 1] .. ':' .. ARGV[a + 2])
+-- Applies `op` to a bucket of algorithm `alg` ("t", "f" or "s"). `limit`
+-- is "INTERVAL:BURST" as written by the caller (never a number formatted
+-- by Lua, which would print 1.5768e+15).
+local function apply(stored, now, alg, interval, burst, debt_max, cost, need, op, since, limit)
+  if alg == 't' then
+    return apply_tokens(stored, now, interval, burst, debt_max, cost, need, limit, op)
   end
-  return decide_window(stored, now, ARGV[a] == 's', interval, burst, cost)
+  return apply_window(stored, now, alg == 's', interval, burst, debt_max, cost, need, op, since)
 end
 
--- A cost from ARGV: "1" is by far the most common, and comparing interned
--- strings is cheaper than converting.
+-- A cost from ARGV, "COST" or "COST/NEED": "1" is by far the most common,
+-- and comparing interned strings is cheaper than converting.
 local function read_cost(s)
   if s == '1' then
-    return 1
+    return 1, 1
   end
-  return tonumber(s)
+  local c, n = string.match(s, '^(%d+)/(%d+)$')
+  if c then
+    return tonumber(c), math.max(tonumber(n), tonumber(c))
+  end
+  local v = tonumber(s)
+  return v, v
 end
 
 local now
@@ -179,6 +273,17 @@ else
   now = tonumber(ARGV[1])
 end
 local margin_ms = tonumber(ARGV[3])
+
+-- How long a reservation's record outlives its time to live, so that a late
+-- settle is answered "expired" rather than "unknown" (src/store/reservation.rs,
+-- EXPIRED_GRACE).
+local EXPIRED_GRACE = 600000000
+
+local function store(key, value, ttl)
+  -- PX as an integer string: Lua would otherwise print the number with
+  -- "%.14g", which costs more than the SET itself.
+  redis.call('SET', key, value, 'PX', string.format('%d', math.max(ceil_div(ttl, 1000) + margin_ms, 1)))
+end
 
 -- What every bucket of the call held when it started, read with one MGET
 -- (a few for very large calls: unpack has a limit): a call of twenty
@@ -200,30 +305,59 @@ local function read_all()
   return stored
 end
 
--- Decides the request whose keys are KEYS[first .. first + n - 1] and
--- appends its answer to `out`. `stored` is read_all()'s snapshot and
--- `written` what earlier requests of this call stored since (key -> value),
--- which this one must see. (Plain arrays and no table per key: a batch call
--- decides thousands of keys, and each table is garbage to collect.)
-local function decide_request(first, n, spend, out, snapshot, written)
-  local stored, allowed, remaining, retry, reset, value, ttl = {}, {}, {}, {}, {}, {}, {}
+-- The value a key holds now: what an earlier request of this call wrote,
+-- else the snapshot (keys of the call), else Redis (a settle's buckets).
+local function current(key, k, snapshot, written)
+  local v = written[key]
+  if v ~= nil then
+    return v
+  end
+  if k then
+    v = snapshot[k]
+  else
+    v = redis.call('GET', key)
+  end
+  if v == false then
+    return nil
+  end
+  return v
+end
+
+-- Appends one bucket's four reply values.
+local function push(out, allowed, balance, third, reset)
+  local o = #out
+  out[o + 1] = allowed and 1 or 0
+  out[o + 2] = balance
+  out[o + 3] = third
+  out[o + 4] = reset
+end
+
+-- Decides (op 'd') or charges (op 'c') the request whose keys are
+-- KEYS[first .. first + n - 1] and whose fields start at bucket `b`, and
+-- appends its answer to `out`. `snapshot` is read_all()'s and `written`
+-- what earlier requests of this call stored since (key -> value), which
+-- this one must see. Returns whether it was allowed. (Plain arrays and no
+-- table per key: a batch call decides thousands of keys, and each table is
+-- garbage to collect.)
+local function decide_request(first, n, b, op, spend, out, snapshot, written)
+  local allowed, balance, third, reset, value, ttl = {}, {}, {}, {}, {}, {}
+  local stored = {}
   local all_allowed = true
 
   for i = 1, n do
     local k = first + i - 1
-    stored[i] = written[KEYS[k]]
-    if stored[i] == nil then
-      stored[i] = snapshot[k]
-    end
-    local a = 4 + (k - 1) * 5
-    local interval, burst, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), read_cost(ARGV[a + 3])
-    if cost > burst then
+    stored[i] = current(KEYS[k], k, snapshot, written)
+    local a = 4 + (b + i - 2) * 6
+    local interval, burst, debt_max = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 5])
+    local limit = ARGV[a + 1] .. ':' .. ARGV[a + 2]
+    local cost, need = read_cost(ARGV[a + 3])
+    if op == 'd' and need > burst then
       -- It can never pass: report what the bucket holds, and "never".
-      local _, rem, _, rst = decide(stored[i], now, a, interval, burst, 0)
-      allowed[i], remaining[i], retry[i], reset[i] = false, rem, -1, rst
+      local _, bal, _, rst = apply(stored[i], now, ARGV[a], interval, burst, debt_max, 0, 0, 'd', 0, limit)
+      allowed[i], balance[i], third[i], reset[i] = false, bal, -1, rst
     else
-      allowed[i], remaining[i], retry[i], reset[i], value[i], ttl[i] =
-        decide(stored[i], now, a, interval, burst, cost)
+      allowed[i], balance[i], third[i], reset[i], value[i], ttl[i] =
+        apply(stored[i], now, ARGV[a], interval, burst, debt_max, cost, need, op, 0, limit)
     end
     if not allowed[i] and ARGV[a + 4] == '1' then
       all_allowed = false
@@ -233,10 +367,8 @@ local function decide_request(first, n, spend, out, snapshot, written)
   if all_allowed and spend then
     for i = 1, n do
       if allowed[i] then
-        -- PX as an integer string: Lua would otherwise print the number
-        -- with "%.14g", which costs more than the SET itself.
         local key = KEYS[first + i - 1]
-        redis.call('SET', key, value[i], 'PX', string.format('%d', ceil_div(ttl[i], 1000) + margin_ms))
+        store(key, value[i], ttl[i])
         written[key] = value[i]
       end
     end
@@ -244,41 +376,133 @@ local function decide_request(first, n, spend, out, snapshot, written)
     -- Nothing is spent: report what the admitting buckets hold now.
     for i = 1, n do
       if allowed[i] then
-        local a = 4 + (first + i - 2) * 5
-        local _, rem, _, rst = decide(stored[i], now, a, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), 0)
-        remaining[i], reset[i] = rem, rst
+        local a = 4 + (b + i - 2) * 6
+        local _, bal, _, rst = apply(stored[i], now, ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
+          tonumber(ARGV[a + 5]), 0, 0, 'd', 0, ARGV[a + 1] .. ':' .. ARGV[a + 2])
+        balance[i], reset[i] = bal, rst
       end
     end
   end
 
-  local o = #out
-  out[o + 1] = all_allowed and 1 or 0
+  out[#out + 1] = all_allowed and 1 or 0
   for i = 1, n do
-    local j = o + 2 + (i - 1) * 4
-    out[j] = allowed[i] and 1 or 0
-    out[j + 1] = remaining[i]
-    out[j + 2] = retry[i]
-    out[j + 3] = reset[i]
+    push(out, allowed[i], balance[i], third[i], reset[i])
   end
+  return all_allowed
+end
+
+-- Settles the reservation whose record is `key` at `actual` per line.
+-- Appends status (1 settled, 2 already settled, 3 expired, 4 unknown), the
+-- actual cost settled, the estimate, the number of buckets, and four values
+-- per bucket settled. Returns an error reply for an unreadable record,
+-- before changing anything.
+local function settle(key, actual, out, written)
+  local record = current(key, nil, nil, written)
+  local o = #out
+  if not record then
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 4, 0, 0, 0
+    return
+  end
+  local done, estimate_done = string.match(record, '^S (%d+) (%d+)$')
+  if done then
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 2, tonumber(done), tonumber(estimate_done), 0
+    return
+  end
+  local unreadable = redis.error_reply('token_bucket.lua: reservation ' .. key .. ' holds an unreadable record')
+  local reserved_at, expires_at, mask, estimate, pos = string.match(record, '^P (%d+) (%d+) ([01]*)\n(%d+)\n()')
+  if not reserved_at then
+    return unreadable
+  end
+  reserved_at, expires_at, estimate = tonumber(reserved_at), tonumber(expires_at), tonumber(estimate)
+  if now >= expires_at then
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 3, 0, estimate, 0
+    return
+  end
+  -- Parse every entry before changing anything.
+  local entries = {}
+  for i = 1, #mask do
+    local alg, interval, burst, debt_max, cost, lines, len, at = string.match(record,
+      '^([tfs]) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)\n()', pos)
+    if not alg then
+      return unreadable
+    end
+    len = tonumber(len)
+    pos = at + len
+    if string.sub(mask, i, i) == '1' then
+      entries[#entries + 1] = { alg, tonumber(interval), tonumber(burst), tonumber(debt_max), tonumber(cost),
+        tonumber(lines), string.sub(record, at, at + len - 1), interval .. ':' .. burst }
+    end
+  end
+  out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 1, actual, estimate, #entries
+  for _, e in ipairs(entries) do
+    local alg, interval, burst, debt_max, cost, lines, bucket, limit = e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8]
+    local target = math.min(lines * actual, 9007199254740992)
+    local stored = current(bucket, nil, nil, written)
+    local ok, bal, third, rst, value, ttl
+    if target > cost then
+      ok, bal, third, rst, value, ttl = apply(stored, now, alg, interval, burst, debt_max, target - cost, 0, 'c', 0,
+        limit)
+    elseif target < cost then
+      ok, bal, third, rst, value, ttl = apply(stored, now, alg, interval, burst, debt_max, cost - target, 0, 'r',
+        reserved_at, limit)
+    else
+      ok, bal, third, rst = apply(stored, now, alg, interval, burst, debt_max, 0, 0, 'd', 0, limit)
+    end
+    if value then
+      store(bucket, value, ttl)
+      written[bucket] = value
+    end
+    push(out, ok, bal, third, rst)
+  end
+  local value = string.format('S %d %d', actual, estimate)
+  redis.call('SET', key, value, 'KEEPTTL')
+  written[key] = value
 end
 
 -- Read the whole request list before deciding anything, so a malformed
 -- call writes nothing.
-local requests, total = {}, 0
-for n, mode in string.gmatch(ARGV[2], '(%d+)([sd])') do
-  requests[#requests + 1] = { tonumber(n), mode == 's' }
-  total = total + tonumber(n)
+local requests, keys, buckets = {}, 0, 0
+for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvu])(%d*)') do
+  n = tonumber(n)
+  requests[#requests + 1] = { n, mode, tonumber(arg) }
+  keys = keys + n
+  buckets = buckets + n
+  if mode == 'v' or mode == 'u' then
+    keys = keys + 1
+  end
 end
-if total ~= #KEYS or #requests == 0 then
-  return redis.error_reply('token_bucket.lua: ARGV[2] ' .. ARGV[2] .. ' covers ' .. total ..
+if keys ~= #KEYS or #requests == 0 then
+  return redis.error_reply('token_bucket.lua: ARGV[2] ' .. ARGV[2] .. ' covers ' .. keys ..
     ' keys, but the call has ' .. #KEYS)
 end
 
-local stored, written = read_all(), {}
+local snapshot, written = read_all(), {}
 local out = { now }
-local first = 1
+local first, b, extra = 1, 1, 4 + buckets * 6
 for _, r in ipairs(requests) do
-  decide_request(first, r[1], r[2], out, stored, written)
-  first = first + r[1]
+  local n, mode = r[1], r[2]
+  if mode == 'u' then
+    local err = settle(KEYS[first], r[3], out, written)
+    if err then
+      return err
+    end
+    first = first + 1
+  else
+    local allowed = decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot, written)
+    first, b = first + n, b + n
+    if mode == 'v' then
+      if allowed then
+        local mask = {}
+        for i = 1, n do
+          mask[i] = out[#out - 4 * (n - i) - 3] == 1 and '1' or '0'
+        end
+        local record = KEYS[first]
+        local value = string.format('P %d %d %s\n', now, now + r[3], table.concat(mask)) .. ARGV[extra]
+        store(record, value, r[3] + EXPIRED_GRACE)
+        written[record] = value
+      end
+      first, extra = first + 1, extra + 1
+    end
+  end
 end
 return out

@@ -10,9 +10,13 @@ use std::time::Duration;
 use common::T0;
 use common::redis::{RedisCluster, RedisServer, evalsha_calls, redis_cli};
 use redis::AsyncCommands;
-use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Rate, State, plan};
+use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Rate, State, plan};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::{BucketKey, RedisConfig, RedisStore, Store, StoreError};
+use tollgate::store::reservation::{Record, settle_plan};
+use tollgate::store::{
+    BucketKey, RedisConfig, RedisStore, Reservation, ReservationId, SettleStatus, Settled, Store,
+    StoreError,
+};
 
 fn store(url: String, clock: &Arc<ManualClock>, margin: Duration) -> RedisStore {
     let config = RedisConfig {
@@ -74,6 +78,8 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
     let mut rng = Rng(sequence.seed);
     let mut now: Micros = T0;
     let (mut allowed_steps, mut denied_steps, mut backwards_steps) = (0, 0, 0);
+    let mut reservations: Vec<(ReservationId, Record, Vec<BucketKey>)> = Vec::new();
+    let (mut settles, mut in_debt, mut forgiven) = (0, 0, 0);
 
     for step in 0..sequence.steps {
         // Time: mostly forward, sometimes by a few µs, sometimes back by up
@@ -90,41 +96,165 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
         }
         clock.set(now);
         // 1 to 3 distinct buckets, each under a possibly different limit
-        // than last time (limit changes), costs sometimes above the burst.
+        // than last time (limit changes), costs sometimes above the burst,
+        // needs sometimes above the cost (an ask that spends less).
         let n = 1 + rng.below(3) as usize;
         let start = rng.below(4) as usize;
         let buckets: Vec<BucketKey> = (0..n).map(|i| keys[(start + i) % 4].clone()).collect();
+        let op = match rng.below(20) {
+            0..=1 => Step::Charge,
+            2..=3 => Step::Reserve,
+            4..=5 => Step::Settle,
+            6 => Step::Decide(Op::DRY),
+            _ => Step::Decide(Op::SPEND),
+        };
+        let lines = 1 + rng.below(2);
         let charges: Vec<Charge> = buckets
             .iter()
             .map(|_| {
                 let limit = limits[rng.below(limits.len() as u64) as usize];
-                let cost = if rng.below(sequence.zero_cost_one_in) == 0 {
+                let mut cost = if rng.below(sequence.zero_cost_one_in) == 0 {
                     0
                 } else {
                     1 + rng.below(limit.burst() + 1)
                 };
+                if matches!(op, Step::Charge) {
+                    // After the fact: anything up to several bursts, and
+                    // now and then the largest cost there is.
+                    cost = if rng.below(10) == 0 {
+                        rng.below(1 << 53)
+                    } else {
+                        rng.below(3 * (limit.burst() + limit.debt()).min(1 << 40) + 2)
+                    };
+                }
+                let need = if rng.below(4) == 0 {
+                    cost + rng.below(3)
+                } else {
+                    cost
+                };
                 Charge {
                     limit,
                     cost,
+                    need,
                     enforce: rng.below(5) != 0,
                 }
             })
             .collect();
-        let spend = rng.below(10) != 0;
-
-        let before: Vec<Option<State>> = buckets.iter().map(|b| states.get(b).copied()).collect();
-        let expected = plan(&before, &charges, now, spend);
-        let got = store.apply(&buckets, &charges, spend).await.unwrap();
         let seed = sequence.seed;
-        assert_eq!(
-            got.allowed, expected.allowed,
-            "seed {seed:#x} step {step}: allowed"
-        );
-        assert_eq!(
-            got.verdicts, expected.verdicts,
-            "seed {seed:#x} step {step}: verdicts for {charges:?} with {before:?}"
-        );
-        for (bucket, write) in buckets.iter().zip(&expected.writes) {
+        let before: Vec<Option<State>> = buckets.iter().map(|b| states.get(b).copied()).collect();
+        let (touched, expected) = match op {
+            Step::Decide(_) | Step::Charge => {
+                let op = match op {
+                    Step::Decide(op) => op,
+                    _ => Op::Charge,
+                };
+                let expected = plan(&before, &charges, now, op);
+                in_debt += expected.verdicts.iter().filter(|v| v.debt > 0).count();
+                forgiven += expected.verdicts.iter().filter(|v| v.forgiven > 0).count();
+                let got = store.apply(&buckets, &charges, op).await.unwrap();
+                assert_eq!(
+                    (got.allowed, &got.verdicts),
+                    (expected.allowed, &expected.verdicts),
+                    "seed {seed:#x} step {step}: {op:?} of {charges:?} with {before:?}"
+                );
+                (
+                    buckets
+                        .iter()
+                        .cloned()
+                        .zip(expected.writes)
+                        .collect::<Vec<_>>(),
+                    expected.allowed,
+                )
+            }
+            Step::Reserve => {
+                // A reservation: one estimate per line, `lines` lines per
+                // bucket (rules sharing it).
+                let estimate = charges[0].cost;
+                let charges: Vec<Charge> = charges
+                    .iter()
+                    .map(|c| Charge {
+                        cost: (lines * estimate).min(c.limit.burst() + 1),
+                        need: (lines * estimate).min(c.limit.burst() + 1),
+                        ..*c
+                    })
+                    .collect();
+                let ttl = 1 + rng.below(sequence.max_step * 3);
+                let reservation = Reservation {
+                    id: ReservationId::new("diff"),
+                    estimate,
+                    lines: vec![lines; n],
+                    ttl,
+                };
+                let expected = plan(&before, &charges, now, Op::SPEND);
+                let got = store
+                    .reserve(&buckets, &charges, &reservation)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    (got.allowed, &got.verdicts),
+                    (expected.allowed, &expected.verdicts),
+                    "seed {seed:#x} step {step}: reserve {charges:?} with {before:?}"
+                );
+                if expected.allowed {
+                    let spent: Vec<usize> =
+                        (0..n).filter(|&i| expected.verdicts[i].allowed).collect();
+                    let record = Record {
+                        reserved_at: now,
+                        expires_at: now + ttl.min(tollgate::store::reservation::MAX_TTL),
+                        estimate,
+                        charges: spent.iter().map(|&i| charges[i]).collect(),
+                        lines: vec![lines; spent.len()],
+                        settled: None,
+                    };
+                    let held: Vec<BucketKey> = spent.iter().map(|&i| buckets[i].clone()).collect();
+                    reservations.push((reservation.id.clone(), record, held));
+                }
+                (
+                    buckets.iter().cloned().zip(expected.writes).collect(),
+                    expected.allowed,
+                )
+            }
+            Step::Settle => {
+                let actual = rng.below(2 * limits[0].burst() + 2);
+                let pick = rng.below(reservations.len() as u64 + 1) as usize;
+                let Some((id, record, held)) = reservations.get_mut(pick) else {
+                    let unknown = store
+                        .settle(&ReservationId::new("diff"), actual)
+                        .await
+                        .unwrap();
+                    assert_eq!(unknown.status, SettleStatus::Unknown);
+                    continue;
+                };
+                let got = store.settle(id, actual).await.unwrap();
+                let status = match record.settled {
+                    Some(actual) => SettleStatus::AlreadySettled { actual },
+                    None if record.expires_at <= now => SettleStatus::Expired,
+                    None => SettleStatus::Settled,
+                };
+                let mut touched = Vec::new();
+                let mut verdicts = Vec::new();
+                if status == SettleStatus::Settled {
+                    let states_now: Vec<Option<State>> =
+                        held.iter().map(|b| states.get(b).copied()).collect();
+                    let (v, writes) = settle_plan(record, &states_now, actual, now);
+                    verdicts = v;
+                    touched = held.iter().cloned().zip(writes).collect();
+                    record.settled = Some(actual);
+                }
+                assert_eq!(
+                    got,
+                    Settled {
+                        status,
+                        estimate: record.estimate,
+                        verdicts,
+                    },
+                    "seed {seed:#x} step {step}: settle at {actual} of {record:?}"
+                );
+                settles += 1;
+                (touched, true)
+            }
+        };
+        for (bucket, write) in &touched {
             if let Some(state) = write {
                 states.insert(bucket.clone(), *state);
             }
@@ -138,13 +268,28 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                 "seed {seed:#x} step {step}: stored state of {bucket:?}"
             );
         }
-        if expected.allowed {
+        if expected {
             allowed_steps += 1
         } else {
             denied_steps += 1
         }
     }
+    // The sequence went into debt, hit debt floors and settled.
+    assert!(
+        settles > 20 && in_debt > 20 && forgiven > 20,
+        "seed {:#x}: {settles} settles, {in_debt} verdicts in debt, {forgiven} with tokens forgiven",
+        sequence.seed
+    );
     (allowed_steps, denied_steps, backwards_steps)
+}
+
+/// What a differential step does.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Decide(Op),
+    Charge,
+    Reserve,
+    Settle,
 }
 
 fn limits(specs: &[(u64, &str)]) -> Vec<Limit> {
@@ -169,6 +314,13 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
             everyday.push(Limit::window(algorithm, rate.parse().unwrap()).unwrap());
         }
     }
+    // And limits that allow debt, of every algorithm.
+    let with_debt: Vec<Limit> = everyday
+        .iter()
+        .zip([7, 30, 1, 100, 2, 5, 50, 3, 20])
+        .map(|(l, debt)| l.with_debt(debt).unwrap())
+        .collect();
+    everyday.extend(with_debt);
     let (allowed, denied, backwards) = differential(Sequence {
         seed: 0x9e37_79b9_7f4a_7c15,
         limits: everyday,
@@ -212,6 +364,21 @@ async fn lua_and_rust_agree_at_the_extremes() {
         .push(Limit::window(Algorithm::FixedWindow, "4000000000/year".parse().unwrap()).unwrap());
     extreme.push(Limit::window(Algorithm::FixedWindow, "1/year".parse().unwrap()).unwrap());
     extreme.push(Limit::window(Algorithm::SlidingWindow, "1000/day".parse().unwrap()).unwrap());
+    // Debt floors at the largest refill time, and a sliding window's at
+    // the largest exact weighting.
+    extreme.push(
+        limits(&[(max / 2, "1000000/second")])[0]
+            .with_debt(max / 2)
+            .unwrap(),
+    );
+    extreme.push(
+        limits(&[(1, "1000000/second")])[0]
+            .with_debt(max - 1)
+            .unwrap(),
+    );
+    extreme.push(limits(&[(1, "1/year")])[0].with_debt(99).unwrap());
+    let sliding = Limit::window(Algorithm::SlidingWindow, "1000/day".parse().unwrap()).unwrap();
+    extreme.push(sliding.with_debt((1 << 52) / 86_400_000 - 1000).unwrap());
     for seed in [0x0123_4567_89ab_cdef_u64, 0xdead_beef_cafe_f00d] {
         let (allowed, denied, backwards) = differential(Sequence {
             seed,
@@ -239,6 +406,7 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
     let c = [Charge {
         limit: Limit::new(1000, "1/second".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     }];
     let b = [
@@ -246,10 +414,10 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
         BucketKey::new("acme", "t", "", ""),
     ];
     let c2 = [c[0], c[0]];
-    store.apply(&b, &c2, true).await.unwrap(); // loads the script
+    store.apply(&b, &c2, Op::SPEND).await.unwrap(); // loads the script
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
     for _ in 0..100 {
-        assert!(store.apply(&b, &c2, true).await.unwrap().allowed);
+        assert!(store.apply(&b, &c2, Op::SPEND).await.unwrap().allowed);
     }
     let stats = redis_cli(server.port, &["INFO", "commandstats"]);
     assert!(stats.contains("cmdstat_evalsha:calls=100,"), "{stats}");
@@ -261,7 +429,7 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
     // After SCRIPT FLUSH (as after a restart or failover) the next decision
     // reloads the script by itself.
     redis_cli(server.port, &["SCRIPT", "FLUSH"]);
-    let o = store.apply(&b, &c2, true).await.unwrap();
+    let o = store.apply(&b, &c2, Op::SPEND).await.unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 1000 - 102);
 }
@@ -280,18 +448,19 @@ async fn keys_follow_the_documented_format_and_expire_when_full() {
     let c = [Charge {
         limit: Limit::new(10, "10/second".parse().unwrap()).unwrap(),
         cost: 3,
+        need: 3,
         enforce: true,
     }];
     store
         .apply(
             &[BucketKey::new("acme", "k", "exports", "alice:1")],
             &c,
-            true,
+            Op::SPEND,
         )
         .await
         .unwrap();
     store
-        .apply(&[BucketKey::new("", "t", "", "")], &c, true)
+        .apply(&[BucketKey::new("", "t", "", "")], &c, Op::SPEND)
         .await
         .unwrap();
     let mut keys: Vec<String> = redis_cli(server.port, &["KEYS", "*"])
@@ -324,13 +493,14 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
     let c = [Charge {
         limit: Limit::new(10, "1/second".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     }; 2];
     let b = [
         BucketKey::new("acme", "k", "", "a"),
         BucketKey::new("globex", "k", "", "a"),
     ];
-    let err = on_cluster.apply(&b, &c, true).await.unwrap_err();
+    let err = on_cluster.apply(&b, &c, Op::SPEND).await.unwrap_err();
     assert!(matches!(err, StoreError::Unsupported(_)), "{err:?}");
     assert_eq!(
         err.to_string(),
@@ -341,11 +511,17 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
         BucketKey::new("acme", "k", "", "a"),
         BucketKey::new("acme", "t", "", ""),
     ];
-    assert!(on_cluster.apply(&same, &c, true).await.unwrap().allowed);
+    assert!(
+        on_cluster
+            .apply(&same, &c, Op::SPEND)
+            .await
+            .unwrap()
+            .allowed
+    );
 
     let server = RedisServer::start();
     let single = store(server.url(), &clock, Duration::from_secs(1));
-    assert!(single.apply(&b, &c, true).await.unwrap().allowed);
+    assert!(single.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
 
     // Through gRPC, a batch across tenants on the cluster is the caller's
     // to split: INVALID_ARGUMENT with the same message, nothing charged,
@@ -443,12 +619,13 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
     let hot = Charge {
         limit: Limit::new(100, "1/day".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     };
     // Load the script, then race 500 decisions at a fresh bucket of 100
     // (each also charging a bucket of its own, so each call carries a mix).
     store
-        .apply(&[BucketKey::new("warm", "k", "", "up")], &[hot], true)
+        .apply(&[BucketKey::new("warm", "k", "", "up")], &[hot], Op::SPEND)
         .await
         .unwrap();
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
@@ -460,7 +637,7 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
                 BucketKey::new("race", "k", "", "hot"),
                 BucketKey::new("race", "k", "", &format!("own-{i}")),
             ];
-            store.apply(&b, &[hot, hot], true).await.unwrap()
+            store.apply(&b, &[hot, hot], Op::SPEND).await.unwrap()
         }));
     }
     let mut admitted = 0;
@@ -509,7 +686,7 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
             .arg("1s")
             .arg(1000);
         for _ in 0..2 {
-            inv.arg("t").arg(1_000_000).arg(10).arg(1).arg("1");
+            inv.arg("t").arg(1_000_000).arg(10).arg(1).arg("1").arg(0);
         }
     };
     let mut inv = script.prepare_invoke();
@@ -534,10 +711,15 @@ async fn large_batches_go_out_one_per_call() {
     let charge = Charge {
         limit: Limit::new(1_000_000, "1/second".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     };
     store
-        .apply(&[BucketKey::new("warm", "k", "", "up")], &[charge], true)
+        .apply(
+            &[BucketKey::new("warm", "k", "", "up")],
+            &[charge],
+            Op::SPEND,
+        )
         .await
         .unwrap();
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
@@ -548,7 +730,10 @@ async fn large_batches_go_out_one_per_call() {
             let keys: Vec<BucketKey> = (0..1000)
                 .map(|i| BucketKey::new("big", "k", "", &format!("b{b}-{i}")))
                 .collect();
-            store.apply(&keys, &vec![charge; 1000], true).await.unwrap()
+            store
+                .apply(&keys, &vec![charge; 1000], Op::SPEND)
+                .await
+                .unwrap()
         }));
     }
     for t in tasks {
@@ -577,7 +762,8 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
             .arg(1_000_000)
             .arg(2)
             .arg(1)
-            .arg("1");
+            .arg("1")
+            .arg(0);
     }
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
     // [now, then per request: allowed, then per key: allowed, remaining, retry, reset]
@@ -618,7 +804,8 @@ async fn a_call_larger_than_one_mget_reads_every_bucket() {
             .arg(1_000_000)
             .arg(1)
             .arg(1)
-            .arg("1");
+            .arg("1")
+            .arg(0);
     }
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
     assert_eq!(reply.len(), 2 + 4500 * 4);
@@ -637,6 +824,7 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     let c = [Charge {
         limit: Limit::new(1_000_000, "1/second".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     }];
     // Rounds of 100 concurrent decisions, half of them abandoned by their
@@ -648,7 +836,7 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
             let store = store.clone();
             tasks.push(tokio::spawn(async move {
                 let b = [BucketKey::new("cancel", "k", "", &format!("k{i}"))];
-                store.apply(&b, &c, true).await
+                store.apply(&b, &c, Op::SPEND).await
             }));
         }
         for (i, t) in tasks.iter().enumerate() {
@@ -668,7 +856,7 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     // No slot was lost: decisions still go straight through, one by one.
     for i in 0..20 {
         let b = [BucketKey::new("cancel", "k", "", "after")];
-        let o = store.apply(&b, &c, true).await.unwrap();
+        let o = store.apply(&b, &c, Op::SPEND).await.unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::T0;
 use common::redis::{RedisCluster, RedisServer};
-use tollgate::algorithm::{Charge, Limit, Rate};
+use tollgate::algorithm::{Charge, Limit, Op, Rate};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
 
@@ -66,11 +66,10 @@ impl Harness {
 }
 
 fn charge(burst: u64, rate: &str, cost: u64) -> Charge {
-    Charge {
-        limit: Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap(),
+    Charge::new(
+        Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap(),
         cost,
-        enforce: true,
-    }
+    )
 }
 
 fn key(tenant: &str, k: &str) -> BucketKey {
@@ -81,19 +80,19 @@ async fn burst_then_exact_retry_after(h: &Harness) {
     let b = [key("acme", "alice")];
     let c = [charge(5, "1/second", 1)];
     for left in (0..5).rev() {
-        let o = h.store.apply(&b, &c, true).await.unwrap();
+        let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, left);
         assert_eq!(o.verdicts[0].reset_after, (5 - left) * 1_000_000);
     }
-    let o = h.store.apply(&b, &c, true).await.unwrap();
+    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].retry_after, 1_000_000);
     assert_eq!(o.verdicts[0].reset_after, 5_000_000);
     h.clock.advance(Duration::from_micros(999_999));
-    assert!(!h.store.apply(&b, &c, true).await.unwrap().allowed);
+    assert!(!h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
     h.clock.advance(Duration::from_micros(1));
-    let o = h.store.apply(&b, &c, true).await.unwrap();
+    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
 }
@@ -101,13 +100,13 @@ async fn burst_then_exact_retry_after(h: &Harness) {
 async fn all_or_nothing_across_buckets(h: &Harness) {
     let b = [key("acme", "account"), key("acme", "ip")];
     let c = [charge(10, "1/hour", 1), charge(1, "1/hour", 1)];
-    assert!(h.store.apply(&b, &c, true).await.unwrap().allowed);
-    let o = h.store.apply(&b, &c, true).await.unwrap();
+    assert!(h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
     assert!(!o.allowed);
     assert!(o.verdicts[0].allowed, "the account alone would pass");
     assert_eq!(o.verdicts[0].remaining, 9, "and is not charged");
     assert_eq!(o.verdicts[1].retry_after, 3_600_000_000);
-    let o = h.store.apply(&b[..1], &c[..1], false).await.unwrap();
+    let o = h.store.apply(&b[..1], &c[..1], Op::DRY).await.unwrap();
     assert_eq!(
         o.verdicts[0].remaining, 8,
         "dry run after: 9 held, 8 if spent"
@@ -118,7 +117,7 @@ async fn dry_run_spends_nothing(h: &Harness) {
     let b = [key("t", "k")];
     let c = [charge(3, "1/hour", 2)];
     for _ in 0..3 {
-        let o = h.store.apply(&b, &c, false).await.unwrap();
+        let o = h.store.apply(&b, &c, Op::DRY).await.unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, 1);
     }
@@ -136,8 +135,8 @@ async fn shadow_charges_never_reject(h: &Harness) {
             ..charge(1, "1/hour", 1)
         },
     ];
-    assert!(h.store.apply(&b, &c, true).await.unwrap().allowed);
-    let o = h.store.apply(&b, &c, true).await.unwrap();
+    assert!(h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
     assert!(o.allowed, "the shadow bucket is empty but never rejects");
     assert!(!o.verdicts[1].allowed);
     assert_eq!(o.verdicts[0].remaining, 8);
@@ -146,13 +145,13 @@ async fn shadow_charges_never_reject(h: &Harness) {
 async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
     let b = [key("t", "k")];
     h.store
-        .apply(&b, &[charge(100, "1/second", 40)], true)
+        .apply(&b, &[charge(100, "1/second", 40)], Op::SPEND)
         .await
         .unwrap();
     // Same rate, burst 10: 40 owed clamps to 10, so empty for 10 s.
     let o = h
         .store
-        .apply(&b, &[charge(10, "1/second", 1)], false)
+        .apply(&b, &[charge(10, "1/second", 1)], Op::DRY)
         .await
         .unwrap();
     assert!(!o.allowed);
@@ -161,7 +160,7 @@ async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
     // Faster refill, big burst: 40 tokens owed at 10/s is 4 s.
     let o = h
         .store
-        .apply(&b, &[charge(100, "10/second", 1)], false)
+        .apply(&b, &[charge(100, "10/second", 1)], Op::DRY)
         .await
         .unwrap();
     assert_eq!(o.verdicts[0].remaining, 59);
@@ -170,10 +169,10 @@ async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
 async fn backwards_clock_creates_nothing(h: &Harness) {
     let b = [key("t", "k")];
     let c = [charge(2, "1/second", 1)];
-    h.store.apply(&b, &c, true).await.unwrap();
-    h.store.apply(&b, &c, true).await.unwrap();
+    h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    h.store.apply(&b, &c, Op::SPEND).await.unwrap();
     h.clock.set(T0 - 10_000_000);
-    let o = h.store.apply(&b, &c, true).await.unwrap();
+    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
     assert_eq!(
@@ -181,7 +180,7 @@ async fn backwards_clock_creates_nothing(h: &Harness) {
         "still owed as of T0, plus the 10 s back"
     );
     h.clock.set(T0 + 1_000_000);
-    assert!(h.store.apply(&b, &c, true).await.unwrap().allowed);
+    assert!(h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
 }
 
 async fn five_hundred_racers_admit_exactly_one_hundred(h: &Harness) {
@@ -191,7 +190,7 @@ async fn five_hundred_racers_admit_exactly_one_hundred(h: &Harness) {
         let store = h.store.clone();
         tasks.push(tokio::spawn(async move {
             let b = [key("race", "hot")];
-            store.apply(&b, &c, true).await.unwrap().allowed
+            store.apply(&b, &c, Op::SPEND).await.unwrap().allowed
         }));
     }
     let mut admitted = 0;
@@ -204,12 +203,16 @@ async fn five_hundred_racers_admit_exactly_one_hundred(h: &Harness) {
 async fn tenants_and_keys_are_separate_buckets(h: &Harness) {
     let c = [charge(1, "1/hour", 1)];
     for (tenant, k) in [("a", "x"), ("a", "y"), ("b", "x"), ("", "x")] {
-        let o = h.store.apply(&[key(tenant, k)], &c, true).await.unwrap();
+        let o = h
+            .store
+            .apply(&[key(tenant, k)], &c, Op::SPEND)
+            .await
+            .unwrap();
         assert!(o.allowed, "{tenant}/{k}");
     }
     assert!(
         !h.store
-            .apply(&[key("a", "x")], &c, true)
+            .apply(&[key("a", "x")], &c, Op::SPEND)
             .await
             .unwrap()
             .allowed
@@ -223,6 +226,7 @@ async fn fixed_and_sliding_windows(h: &Harness) {
     let window = |a| Charge {
         limit: Limit::window(a, "3/minute".parse().unwrap()).unwrap(),
         cost: 1,
+        need: 1,
         enforce: true,
     };
     let fixed = [window(Algorithm::FixedWindow)];
@@ -230,22 +234,32 @@ async fn fixed_and_sliding_windows(h: &Harness) {
     let (bf, bs) = ([key("w", "fixed")], [key("w", "sliding")]);
     for left in [2, 1, 0] {
         assert_eq!(
-            h.store.apply(&bf, &fixed, true).await.unwrap().verdicts[0].remaining,
+            h.store
+                .apply(&bf, &fixed, Op::SPEND)
+                .await
+                .unwrap()
+                .verdicts[0]
+                .remaining,
             left
         );
         assert_eq!(
-            h.store.apply(&bs, &sliding, true).await.unwrap().verdicts[0].remaining,
+            h.store
+                .apply(&bs, &sliding, Op::SPEND)
+                .await
+                .unwrap()
+                .verdicts[0]
+                .remaining,
             left
         );
     }
-    let o = h.store.apply(&bf, &fixed, true).await.unwrap();
+    let o = h.store.apply(&bf, &fixed, Op::SPEND).await.unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].retry_after, 10_000_000, "the next minute");
     // 15 s into the next minute the fixed window is fresh, while the sliding
     // window still counts 75% of the 3 (rounded up: 3).
     h.clock.set(minute + 75_000_000);
-    assert!(h.store.apply(&bf, &fixed, true).await.unwrap().allowed);
-    let o = h.store.apply(&bs, &sliding, true).await.unwrap();
+    assert!(h.store.apply(&bf, &fixed, Op::SPEND).await.unwrap().allowed);
+    let o = h.store.apply(&bs, &sliding, Op::SPEND).await.unwrap();
     assert!(!o.allowed);
     // ceil(3 × (60 − e) / 60) ≤ 2 from e = 20 s.
     assert_eq!(o.verdicts[0].retry_after, 5_000_000);

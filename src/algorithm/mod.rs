@@ -8,7 +8,19 @@
 //! - [`window`]: fixed and sliding windows (envoyproxy/ratelimit's);
 //! - [`plan`]: several buckets decided together, all or nothing.
 //!
-//! This file holds the shared vocabulary: rates, limits, verdicts, charges.
+//! This file holds the shared vocabulary: rates, limits, verdicts, charges,
+//! and the [`Op`]s a set of charges can be applied with.
+//!
+//! ## Debt
+//!
+//! A limit may allow debt ([`Limit::with_debt`]): usage charged after the
+//! fact ([`Op::Charge`]) is applied in full even when the bucket holds less,
+//! so its balance goes below zero, down to a floor of `-debt` tokens. A
+//! decision still needs the bucket to hold what the request needs, so while
+//! the balance is below that every request waits, for exactly as long as the
+//! refill takes to cover it. A charge past the floor is not applied: the
+//! part beyond it is reported as forgiven, so every token charged is either
+//! in the balance or reported, never silently lost.
 
 use std::fmt;
 use std::time::Duration;
@@ -139,6 +151,16 @@ pub enum LimitError {
         /// The rate.
         rate: Rate,
     },
+    /// Refilling from the debt floor would take longer than
+    /// [`MAX_TOLERANCE`] (a sliding window: its weighting would lose
+    /// precision).
+    #[error("a debt of {debt} below a burst of {burst} takes too long to refill; lower the debt")]
+    DebtTooLarge {
+        /// The burst.
+        burst: u64,
+        /// The debt asked for.
+        debt: u64,
+    },
 }
 
 /// How a limit counts.
@@ -184,6 +206,9 @@ pub struct Limit {
     burst: u64,
     /// Token bucket: time to refill one token. Windows: the window length.
     interval: Micros,
+    /// How many tokens the balance may go below zero through charges made
+    /// after the fact (0: none).
+    debt: u64,
 }
 
 impl Limit {
@@ -204,6 +229,7 @@ impl Limit {
                 algorithm: Algorithm::TokenBucket,
                 burst,
                 interval,
+                debt: 0,
             }),
             _ => Err(LimitError::TooSlow { burst, rate }),
         }
@@ -234,7 +260,33 @@ impl Limit {
             algorithm,
             burst: rate.count,
             interval: rate.unit.micros(),
+            debt: 0,
         })
+    }
+
+    /// This limit, allowing the balance to go `debt` tokens below zero
+    /// through charges made after the fact. Refused when refilling from the
+    /// floor would take longer than [`MAX_TOLERANCE`] (a sliding window:
+    /// when `(burst + debt) × window-in-ms` passes [`window::MAX_WEIGHT`]).
+    pub fn with_debt(self, debt: u64) -> Result<Self, LimitError> {
+        let too_large = LimitError::DebtTooLarge {
+            burst: self.burst,
+            debt,
+        };
+        let depth = self.burst.checked_add(debt).ok_or(too_large.clone())?;
+        let fits = match self.algorithm {
+            Algorithm::TokenBucket => depth
+                .checked_mul(self.interval)
+                .is_some_and(|t| t <= MAX_TOLERANCE),
+            Algorithm::SlidingWindow => {
+                depth.saturating_mul(self.interval / 1000) <= window::MAX_WEIGHT
+            }
+            Algorithm::FixedWindow => depth <= MAX_TOLERANCE,
+        };
+        if !fits {
+            return Err(too_large);
+        }
+        Ok(Self { debt, ..self })
     }
 
     /// A fixed window of one per `window` µs, for a limit of zero: charged
@@ -244,6 +296,7 @@ impl Limit {
             algorithm: Algorithm::FixedWindow,
             burst: 1,
             interval: window.clamp(1_000_000, MAX_TOLERANCE),
+            debt: 0,
         }
     }
 
@@ -260,6 +313,17 @@ impl Limit {
     /// Microseconds to refill one token (windows: the window length).
     pub fn interval(&self) -> Micros {
         self.interval
+    }
+
+    /// Tokens the balance may go below zero (0: no debt).
+    pub fn debt(&self) -> u64 {
+        self.debt
+    }
+
+    /// The largest time a token bucket may take to be full again: from
+    /// the debt floor, `(burst + debt) × interval`.
+    pub fn floor(&self) -> Micros {
+        (self.burst + self.debt) * self.interval
     }
 
     /// Microseconds to refill an empty bucket (windows: the window length).
@@ -279,15 +343,21 @@ impl Limit {
             return *self;
         }
         let burst = ((self.burst as f64 * fraction).ceil() as u64).max(1);
+        let debt = (self.debt as f64 * fraction).ceil() as u64;
         if self.algorithm != Algorithm::TokenBucket {
-            return Self { burst, ..*self };
+            return Self {
+                burst,
+                debt,
+                ..*self
+            };
         }
-        let interval =
-            ((self.interval as f64 / fraction).ceil() as u64).clamp(1, MAX_TOLERANCE / burst);
+        let interval = ((self.interval as f64 / fraction).ceil() as u64)
+            .clamp(1, MAX_TOLERANCE / (burst + debt));
         Self {
             algorithm: self.algorithm,
             burst,
             interval,
+            debt,
         }
     }
 }
@@ -297,8 +367,13 @@ impl Limit {
 pub struct Verdict {
     /// The bucket admits the cost.
     pub allowed: bool,
-    /// Whole tokens left (after the spend when allowed).
+    /// Whole tokens left (after the spend when allowed); 0 in debt.
     pub remaining: u64,
+    /// Tokens the balance is below zero, rounded up (0: not in debt).
+    pub debt: u64,
+    /// [`Op::Charge`] only: tokens of the charge not applied because the
+    /// balance reached the limit's debt floor.
+    pub forgiven: u64,
     /// Zero when allowed; otherwise the exact wait until the same cost fits.
     pub retry_after: Micros,
     /// Time until the bucket is full again.
@@ -358,18 +433,70 @@ impl State {
 pub struct Charge {
     /// The bucket's shape.
     pub limit: Limit,
-    /// Tokens to spend.
+    /// Tokens to spend (for [`Op::Charge`], to charge; for
+    /// [`Op::Refund`], to give back).
     pub cost: u64,
+    /// Tokens the bucket must hold for a decision to admit: at least
+    /// `cost`; more to ask whether a request could go ahead while spending
+    /// less (an ask without spending: cost 0, need 1).
+    pub need: u64,
     /// False for shadow-mode rules: they are evaluated and charged when they
     /// admit, but never cause a rejection.
     pub enforce: bool,
+}
+
+impl Charge {
+    /// A charge of `cost` tokens that needs `cost`, enforced.
+    pub fn new(limit: Limit, cost: u64) -> Self {
+        Self {
+            limit,
+            cost,
+            need: cost,
+            enforce: true,
+        }
+    }
+}
+
+/// How a set of charges is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Decide: admitted when every enforced bucket holds what it needs;
+    /// then, when `spend`, every admitting bucket is charged. All or
+    /// nothing.
+    Decide {
+        /// False for a dry run.
+        spend: bool,
+    },
+    /// Charge usage after the fact, unconditionally: every bucket is
+    /// charged in full, into debt down to its floor.
+    Charge,
+    /// Give back tokens charged by a decision made at `since` (a settled
+    /// reservation that used less than its estimate): a token bucket gets
+    /// them back at once, never above its capacity; a window only while
+    /// the window charged at `since` still counts.
+    Refund {
+        /// When the tokens were charged.
+        since: Micros,
+    },
+}
+
+impl Op {
+    /// A decision that spends.
+    pub const SPEND: Self = Self::Decide { spend: true };
+    /// A dry run.
+    pub const DRY: Self = Self::Decide { spend: false };
+
+    /// True when the op may write.
+    pub fn writes(self) -> bool {
+        !matches!(self, Self::Decide { spend: false })
+    }
 }
 
 pub mod plan;
 pub mod token_bucket;
 pub mod window;
 
-pub use plan::{Plan, current, decide_any, plan};
+pub use plan::{Plan, apply_any, current, decide_any, plan};
 pub use token_bucket::{BucketState, decide};
 
 #[cfg(test)]

@@ -1,30 +1,69 @@
 //! Several buckets decided together, all or nothing, under any algorithm.
 
-use super::{Algorithm, BucketState, Charge, CostExceedsBurst, Limit, Micros, State, Verdict};
+use super::{Algorithm, BucketState, Charge, CostExceedsBurst, Limit, Micros, Op, State, Verdict};
 use super::{token_bucket, window};
 
-/// Decides one charge under any algorithm. A state written under another
-/// algorithm (the rule changed its algorithm) counts as no state.
+/// The state as the limit's algorithm reads it: a state written under
+/// another algorithm (the rule changed its algorithm) counts as no state.
+fn split(
+    state: Option<State>,
+    limit: &Limit,
+) -> Result<Option<BucketState>, Option<window::WindowState>> {
+    match (limit.algorithm, state) {
+        (Algorithm::TokenBucket, Some(State::Tokens(s))) => Ok(Some(s)),
+        (Algorithm::TokenBucket, _) => Ok(None),
+        (_, Some(State::Window(w))) => Err(Some(w)),
+        (_, _) => Err(None),
+    }
+}
+
+/// Decides one charge under any algorithm: spends `cost` when the bucket
+/// holds `need` (see [`token_bucket::decide_need`]).
 pub fn decide_any(
     state: Option<State>,
     limit: &Limit,
     cost: u64,
     now: Micros,
 ) -> Result<(Verdict, State), CostExceedsBurst> {
-    match limit.algorithm {
-        Algorithm::TokenBucket => {
-            let tokens = match state {
-                Some(State::Tokens(s)) => Some(s),
-                _ => None,
-            };
-            token_bucket::decide(tokens, limit, cost, now).map(|(v, s)| (v, State::Tokens(s)))
+    decide_need_any(state, limit, cost, cost, now)
+}
+
+fn decide_need_any(
+    state: Option<State>,
+    limit: &Limit,
+    cost: u64,
+    need: u64,
+    now: Micros,
+) -> Result<(Verdict, State), CostExceedsBurst> {
+    match split(state, limit) {
+        Ok(tokens) => token_bucket::decide_need(tokens, limit, cost, need, now)
+            .map(|(v, s)| (v, State::Tokens(s))),
+        Err(win) => {
+            window::decide_need(win, limit, cost, need, now).map(|(v, w)| (v, State::Window(w)))
         }
-        _ => {
-            let win = match state {
-                Some(State::Window(w)) => Some(w),
-                _ => None,
-            };
-            window::decide(win, limit, cost, now).map(|(v, w)| (v, State::Window(w)))
+    }
+}
+
+/// Applies one charge with an unconditional op ([`Op::Charge`] or
+/// [`Op::Refund`]) under any algorithm.
+pub fn apply_any(state: Option<State>, charge: &Charge, op: Op, now: Micros) -> (Verdict, State) {
+    let limit = &charge.limit;
+    match (split(state, limit), op) {
+        (Ok(tokens), Op::Refund { .. }) => {
+            let (v, s) = token_bucket::refund(tokens, limit, charge.cost, now);
+            (v, State::Tokens(s))
+        }
+        (Ok(tokens), _) => {
+            let (v, s) = token_bucket::charge(tokens, limit, charge.cost, now);
+            (v, State::Tokens(s))
+        }
+        (Err(win), Op::Refund { since }) => {
+            let (v, w) = window::refund(win, limit, charge.cost, since, now);
+            (v, State::Window(w))
+        }
+        (Err(win), _) => {
+            let (v, w) = window::charge(win, limit, charge.cost, now);
+            (v, State::Window(w))
         }
     }
 }
@@ -49,34 +88,59 @@ pub struct Plan {
     pub allowed: bool,
 }
 
-/// Decides a set of buckets together: all-or-nothing.
+/// Applies a set of charges together with `op`.
 ///
-/// The request is allowed when every enforced charge admits it. Only then,
-/// and only when `spend` is true, is anything written: each charge that
-/// admitted its cost (shadow ones included) is spent. When the request is
-/// rejected nothing is spent, and the verdicts of buckets that would have
-/// admitted the cost report what they hold now rather than after a spend.
-/// Each bucket must appear at most once (merge costs beforehand); costs
-/// must not exceed capacities (check beforehand; such a charge is reported
-/// as denied with an unbounded wait).
-pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, spend: bool) -> Plan {
+/// [`Op::Decide`] is all-or-nothing: the request is allowed when every
+/// enforced charge holds what it needs. Only then, and only when spending,
+/// is anything written: each charge that admitted its cost (shadow ones
+/// included) is spent. When the request is rejected nothing is spent, and
+/// the verdicts of buckets that would have admitted the cost report what
+/// they hold now rather than after a spend. Needs must not exceed
+/// capacities (check beforehand; such a charge is reported as denied with
+/// an unbounded wait).
+///
+/// [`Op::Charge`] and [`Op::Refund`] apply to every bucket, shadow ones
+/// included, unconditionally.
+///
+/// Each bucket must appear at most once (merge costs beforehand).
+pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -> Plan {
     debug_assert_eq!(states.len(), charges.len());
+    let spend = match op {
+        Op::Decide { spend } => spend,
+        _ => {
+            let (verdicts, writes) = states
+                .iter()
+                .zip(charges)
+                .map(|(state, charge)| {
+                    let (v, s) = apply_any(*state, charge, op, now);
+                    (v, Some(s))
+                })
+                .unzip();
+            return Plan {
+                verdicts,
+                writes,
+                allowed: true,
+            };
+        }
+    };
     let mut verdicts = Vec::with_capacity(charges.len());
     let mut next = Vec::with_capacity(charges.len());
     let mut allowed = true;
     for (state, charge) in states.iter().zip(charges) {
         let (verdict, state) =
-            decide_any(*state, &charge.limit, charge.cost, now).unwrap_or_else(|_| {
-                let verdict = Verdict {
-                    allowed: false,
-                    retry_after: Micros::MAX,
-                    ..current(*state, &charge.limit, now)
-                };
-                (
-                    verdict,
-                    State::Tokens(BucketState::full(&charge.limit, now)),
-                )
-            });
+            decide_need_any(*state, &charge.limit, charge.cost, charge.need, now).unwrap_or_else(
+                |_| {
+                    let verdict = Verdict {
+                        allowed: false,
+                        retry_after: Micros::MAX,
+                        ..current(*state, &charge.limit, now)
+                    };
+                    (
+                        verdict,
+                        State::Tokens(BucketState::full(&charge.limit, now)),
+                    )
+                },
+            );
         allowed &= verdict.allowed || !charge.enforce;
         verdicts.push(verdict);
         next.push(state);

@@ -143,15 +143,17 @@ fn plan_is_all_or_nothing_and_reports_unspent_tokens_on_rejection() {
         Charge {
             limit: roomy,
             cost: 3,
+            need: 3,
             enforce: true,
         },
         Charge {
             limit: tight,
             cost: 3 - 1,
+            need: 3 - 1,
             enforce: true,
         },
     ];
-    let p = plan(&[None, None], &charges, T0, true);
+    let p = plan(&[None, None], &charges, T0, Op::SPEND);
     assert!(p.allowed);
     assert_eq!(p.verdicts[0].remaining, 7);
     assert_eq!(p.verdicts[1].remaining, 0);
@@ -159,7 +161,7 @@ fn plan_is_all_or_nothing_and_reports_unspent_tokens_on_rejection() {
     // Second time the tight bucket is empty: nothing is spent anywhere, and
     // the roomy bucket reports the 7 it still holds.
     let states = [p.writes[0], p.writes[1]];
-    let p = plan(&states, &charges, T0, true);
+    let p = plan(&states, &charges, T0, Op::SPEND);
     assert!(!p.allowed);
     assert!(p.writes.iter().all(Option::is_none));
     assert!(p.verdicts[0].allowed);
@@ -177,11 +179,13 @@ fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
         Charge {
             limit: open,
             cost: 1,
+            need: 1,
             enforce: true,
         },
         Charge {
             limit: empty_shadow,
             cost: 1,
+            need: 1,
             enforce: false,
         },
     ];
@@ -189,7 +193,12 @@ fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
         full_at: T0 + 3_600_000_000,
         ..BucketState::full(&empty_shadow, T0)
     });
-    let p = plan(&[None, spent_shadow.map(State::Tokens)], &charges, T0, true);
+    let p = plan(
+        &[None, spent_shadow.map(State::Tokens)],
+        &charges,
+        T0,
+        Op::SPEND,
+    );
     assert!(p.allowed);
     assert!(!p.verdicts[1].allowed);
     assert!(p.writes[0].is_some());
@@ -204,10 +213,11 @@ fn dry_run_reports_as_if_spent_and_writes_nothing() {
         &[Charge {
             limit: l,
             cost: 2,
+            need: 2,
             enforce: true,
         }],
         T0,
-        false,
+        Op::DRY,
     );
     assert!(p.allowed);
     assert_eq!(p.verdicts[0].remaining, 3);

@@ -51,57 +51,167 @@ fn rolled(state: Option<WindowState>, window: Micros, now: Micros) -> (Micros, u
     }
 }
 
-/// Decides `cost` against a fixed or sliding window.
+/// Decides `cost` against a fixed or sliding window: the [`decide_need`] of
+/// a request that needs what it spends.
 pub fn decide(
     state: Option<WindowState>,
     limit: &Limit,
     cost: u64,
     now: Micros,
 ) -> Result<(Verdict, WindowState), CostExceedsBurst> {
-    let max = limit.burst();
-    if cost > max {
-        return Err(CostExceedsBurst { cost, burst: max });
-    }
-    let window = limit.interval();
-    let (start, count, previous, now) = rolled(state, window, now);
-    let sliding = limit.algorithm() == Algorithm::SlidingWindow;
-    let (previous, weighted) = if sliding {
-        (previous, weigh(previous, window, now - start))
-    } else {
-        (0, 0)
-    };
-    let used = count + weighted;
-    let idle_at = start + if sliding { 2 * window } else { window };
-    let allowed = used + cost <= max;
-    // A rejection spends nothing: the count stays.
-    let count = if allowed { count + cost } else { count };
-    let verdict = if allowed {
-        Verdict {
-            allowed,
-            remaining: max - used - cost,
-            retry_after: 0,
-            reset_after: reset_after(sliding, start, window, count, previous, now),
-        }
-    } else {
-        let retry_at = if sliding {
-            sliding_retry_at(start, window, count, previous, max - cost)
+    decide_need(state, limit, cost, cost, now)
+}
+
+/// The counts at `now` and what they add up to.
+struct Counts {
+    start: Micros,
+    count: u64,
+    previous: u64,
+    /// `now`, moved up to the stored window's start if the clock went back.
+    now: Micros,
+    /// `count` plus the weighted previous count.
+    used: u64,
+    sliding: bool,
+    window: Micros,
+}
+
+impl Counts {
+    fn at(state: Option<WindowState>, limit: &Limit, now: Micros) -> Self {
+        let window = limit.interval();
+        let (start, count, previous, now) = rolled(state, window, now);
+        let sliding = limit.algorithm() == Algorithm::SlidingWindow;
+        let (previous, weighted) = if sliding {
+            (previous, weigh(previous, window, now - start))
         } else {
-            start + window
+            (0, 0)
         };
-        Verdict {
-            allowed,
-            remaining: max.saturating_sub(used),
-            retry_after: retry_at - now,
-            reset_after: reset_after(sliding, start, window, count, previous, now),
+        Self {
+            start,
+            count,
+            previous,
+            now,
+            used: count + weighted,
+            sliding,
+            window,
         }
+    }
+
+    fn state(&self) -> WindowState {
+        WindowState {
+            start: self.start,
+            count: self.count,
+            previous: self.previous,
+            idle_at: self.start
+                + if self.sliding {
+                    2 * self.window
+                } else {
+                    self.window
+                },
+        }
+    }
+
+    /// A verdict that admitted (or applied) what is now counted.
+    fn applied(&self, limit: &Limit, forgiven: u64) -> Verdict {
+        Verdict {
+            allowed: true,
+            remaining: limit.burst().saturating_sub(self.used),
+            debt: self.used.saturating_sub(limit.burst()),
+            forgiven,
+            retry_after: 0,
+            reset_after: self.reset_after(),
+        }
+    }
+
+    fn reset_after(&self) -> Micros {
+        reset_after(
+            self.sliding,
+            self.start,
+            self.window,
+            self.count,
+            self.previous,
+            self.now,
+        )
+    }
+}
+
+/// Decides a request spending `cost` that needs `need` (`cost <= need`)
+/// against a fixed or sliding window.
+pub fn decide_need(
+    state: Option<WindowState>,
+    limit: &Limit,
+    cost: u64,
+    need: u64,
+    now: Micros,
+) -> Result<(Verdict, WindowState), CostExceedsBurst> {
+    let max = limit.burst();
+    let need = need.max(cost);
+    if need > max {
+        return Err(CostExceedsBurst {
+            cost: need,
+            burst: max,
+        });
+    }
+    let mut c = Counts::at(state, limit, now);
+    if c.used + need <= max {
+        c.count += cost;
+        c.used += cost;
+        return Ok((c.applied(limit, 0), c.state()));
+    }
+    // A rejection spends nothing: the count stays.
+    let retry_at = if c.sliding {
+        sliding_retry_at(c.start, c.window, c.count, c.previous, max - need)
+    } else {
+        c.start + c.window
     };
-    let state = WindowState {
-        start,
-        count,
-        previous,
-        idle_at,
+    let verdict = Verdict {
+        allowed: false,
+        remaining: max.saturating_sub(c.used),
+        debt: c.used.saturating_sub(max),
+        forgiven: 0,
+        retry_after: retry_at - c.now,
+        reset_after: c.reset_after(),
     };
-    Ok((verdict, state))
+    Ok((verdict, c.state()))
+}
+
+/// Counts `cost` at `now` whatever the window holds (usage reported after
+/// the fact), up to `burst + debt` in use; the rest is reported forgiven.
+pub fn charge(
+    state: Option<WindowState>,
+    limit: &Limit,
+    cost: u64,
+    now: Micros,
+) -> (Verdict, WindowState) {
+    let mut c = Counts::at(state, limit, now);
+    let cap = limit.burst() + limit.debt();
+    let room = cap.saturating_sub(c.used);
+    let applied = cost.min(room);
+    c.count += applied;
+    c.used += applied;
+    (c.applied(limit, cost - applied), c.state())
+}
+
+/// Uncounts `tokens` charged at `since`, while that window still counts:
+/// from this window's count when `since` falls in it, from the previous
+/// count (a sliding window) when it fell in the one before; otherwise the
+/// tokens have already been forgotten with their window.
+pub fn refund(
+    state: Option<WindowState>,
+    limit: &Limit,
+    tokens: u64,
+    since: Micros,
+    now: Micros,
+) -> (Verdict, WindowState) {
+    let mut c = Counts::at(state, limit, now);
+    let charged_in = since - since % c.window;
+    if charged_in == c.start {
+        c.count = c.count.saturating_sub(tokens);
+    } else if c.sliding && charged_in + c.window == c.start {
+        c.previous = c.previous.saturating_sub(tokens);
+    }
+    // Recount from what is left.
+    let c = Counts::at(Some(c.state()), limit, c.now);
+    (c.applied(limit, 0), c.state())
 }
 
 /// `previous` weighted by the share of the previous window still inside the

@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use super::{duration, status};
+use crate::algorithm::Op;
 use crate::engine::{
     self, Allowance, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line, OverCapacity, caps,
 };
@@ -158,7 +159,11 @@ impl RateLimiterService {
             }
         };
         caps::check_items("items", items.len())?;
-        let mut demand = Demand::new(Api::Native, !dry_run, OverCapacity::Invalid);
+        let mut demand = Demand::new(
+            Api::Native,
+            Op::Decide { spend: !dry_run },
+            OverCapacity::Invalid,
+        );
         for (i, req) in items.iter().enumerate() {
             if req.key.is_empty() {
                 return Err(DecideError::InvalidField(format!(
@@ -171,11 +176,9 @@ impl RateLimiterService {
                 .map_err(DecideError::InvalidField)?;
             check_label_named(req.resource, || field(i, "resource"))
                 .map_err(DecideError::InvalidField)?;
-            demand.items.push(Item {
-                tenant: req.tenant,
-                key: req.key,
-                cost: req.cost.max(1),
-            });
+            demand
+                .items
+                .push(Item::new(req.tenant, req.key, req.cost.max(1)));
             let mut matched = false;
             for rule in rules.applicable(req.tenant, req.resource) {
                 matched = true;

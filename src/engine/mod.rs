@@ -26,11 +26,11 @@ use smallvec::SmallVec;
 pub use error::DecideError;
 pub use summary::Headers;
 
-use crate::algorithm::{Charge, Limit, Micros, Verdict};
+use crate::algorithm::{Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
-use crate::store::BucketKey;
 use crate::store::stack::{Applied, Layer, Request};
+use crate::store::{BucketKey, Reservation, ReservationId, SettleStatus};
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
 
@@ -92,6 +92,21 @@ pub struct Item<'a> {
     pub key: &'a str,
     /// Tokens to spend (the API has already applied its default).
     pub cost: u64,
+    /// Tokens each bucket must hold for the item to be admitted: at least
+    /// `cost` (more for an ask that spends less than it needs).
+    pub need: u64,
+}
+
+impl<'a> Item<'a> {
+    /// An item that needs what it spends.
+    pub fn new(tenant: &'a str, key: &'a str, cost: u64) -> Self {
+        Self {
+            tenant,
+            key,
+            cost,
+            need: cost,
+        }
+    }
 }
 
 /// One rule's part in an item: which bucket it charges, and how.
@@ -113,7 +128,7 @@ pub struct Line<'a> {
 }
 
 /// One decision asked of the engine: items, the rules' lines on them, and
-/// whether to spend.
+/// how to apply them.
 #[derive(Debug, Clone)]
 pub struct Demand<'a> {
     /// The API, for metric labels and error field names.
@@ -122,23 +137,36 @@ pub struct Demand<'a> {
     pub items: SmallVec<[Item<'a>; 1]>,
     /// The lines, in the order the API wants them reported.
     pub lines: SmallVec<[Line<'a>; INLINE]>,
-    /// False for a dry run: decide without spending.
-    pub spend: bool,
-    /// How to treat an enforced cost above a capacity.
+    /// A decision (spending, or a dry run), or usage charged after the
+    /// fact ([`Op::Charge`]).
+    pub op: Op,
+    /// How to treat an enforced cost above a capacity (decisions only: a
+    /// charge after the fact is applied whatever its size).
     pub over_capacity: OverCapacity,
 }
 
 impl<'a> Demand<'a> {
     /// An empty demand.
-    pub fn new(api: Api, spend: bool, over_capacity: OverCapacity) -> Self {
+    pub fn new(api: Api, op: Op, over_capacity: OverCapacity) -> Self {
         Self {
             api,
             items: SmallVec::new(),
             lines: SmallVec::new(),
-            spend,
+            op,
             over_capacity,
         }
     }
+}
+
+/// What a settle did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettleAnswer {
+    /// What the store found.
+    pub status: SettleStatus,
+    /// The estimate that was reserved (per line).
+    pub estimate: u64,
+    /// The tightest bucket after the settle (settled now only).
+    pub tightest: Option<Verdict>,
 }
 
 /// The engine's answer for one item.
@@ -150,6 +178,9 @@ pub struct ItemAnswer {
     pub shadow: bool,
     /// Whole tokens left in the tightest bucket.
     pub remaining: u64,
+    /// The most tokens any of the item's buckets is below zero (0: none in
+    /// debt).
+    pub debt: u64,
     /// Zero when allowed; otherwise the exact wait until it would be
     /// ([`Micros::MAX`]: never).
     pub retry_after: Micros,
@@ -210,32 +241,135 @@ impl Engine {
         // Everything but a wait for a remote store happens synchronously:
         // the future holds the demand and, only when it must wait, a boxed
         // store call, so that the futures of the wings above stay small.
+        self.decide_reserving(demand, None, span)
+            .await
+            .map(|(answer, _)| answer)
+    }
+
+    /// Decides a demand of one item and, when admitted with the store's
+    /// answer (not a fallback's), records a reservation of `estimate` per
+    /// line for `ttl`: settle it with [`Engine::settle`]. The reservation
+    /// is `None` when nothing was recorded (no rule applied, or the store
+    /// was unavailable and a policy answered: there is nothing to settle).
+    pub async fn reserve(
+        &self,
+        demand: &mut Demand<'_>,
+        ttl: Micros,
+        span: &tracing::Span,
+    ) -> Result<(Answer, Option<ReservationId>), DecideError> {
+        let tenant = demand.items.first().map_or("", |i| i.tenant).to_owned();
+        let estimate = demand.items.first().map_or(0, |i| i.cost);
+        let reservation = Reservation {
+            id: ReservationId::new(&tenant),
+            estimate,
+            lines: Vec::new(),
+            ttl,
+        };
+        let (answer, recorded) = self
+            .decide_reserving(demand, Some(reservation), span)
+            .await?;
+        if let Some(r) = &recorded {
+            metrics::reserved(demand.api.label(), r.estimate);
+        }
+        Ok((answer, recorded.map(|r| r.id)))
+    }
+
+    /// Settles a reservation at `actual` per line (see
+    /// [`crate::store::Store::settle`]).
+    pub async fn settle(
+        &self,
+        api: Api,
+        id: &ReservationId,
+        actual: u64,
+    ) -> Result<SettleAnswer, DecideError> {
+        let actual = actual.min(caps::MAX_COST);
+        let settled = self.store.settle(id, actual).await.map_err(|e| {
+            metrics::settle_outcome(api.label(), "error");
+            DecideError::from(e)
+        })?;
+        metrics::settle_outcome(api.label(), settled.status_label());
+        let mut tightest: Option<Verdict> = None;
+        for v in &settled.verdicts {
+            if tightest.is_none_or(|t| summary::tighter(true, v, true, &t)) {
+                tightest = Some(*v);
+            }
+        }
+        if settled.status == SettleStatus::Settled {
+            let (refunded, charged) = if actual >= settled.estimate {
+                (0, actual - settled.estimate)
+            } else {
+                (settled.estimate - actual, 0)
+            };
+            metrics::settled(api.label(), refunded, charged);
+            let forgiven: u64 = settled.verdicts.iter().map(|v| v.forgiven).sum();
+            metrics::forgiven(api.label(), forgiven);
+            if let Some(t) = tightest.filter(|t| t.debt > 0) {
+                self.top.record_debt(id.tenant(), "", t.debt);
+            }
+        }
+        Ok(SettleAnswer {
+            status: settled.status,
+            estimate: settled.estimate,
+            tightest,
+        })
+    }
+
+    async fn decide_reserving(
+        &self,
+        demand: &mut Demand<'_>,
+        mut reservation: Option<Reservation>,
+        span: &tracing::Span,
+    ) -> Result<(Answer, Option<Reservation>), DecideError> {
         let result = match self.prepare(demand) {
             Err(err) => Err(err),
-            Ok(merged) if merged.charges.is_empty() => Ok(self.answer(demand, &merged, None)),
-            Ok(merged) => match self.store.apply_now(merged.request(demand.spend)) {
-                Some(applied) => applied
-                    .map(|a| self.answer(demand, &merged, Some(a)))
-                    .map_err(Into::into),
-                None => {
-                    let store = &self.store;
-                    let spend = demand.spend;
-                    let (merged, applied) = Box::pin(async move {
-                        let applied = store.apply(merged.request(spend)).await;
-                        (merged, applied)
-                    })
-                    .await;
-                    applied
-                        .map(|a| self.answer(demand, &merged, Some(a)))
-                        .map_err(Into::into)
+            Ok(merged) if merged.charges.is_empty() => {
+                reservation = None;
+                Ok(self.answer(demand, &merged, None))
+            }
+            Ok(merged) => {
+                if let Some(r) = &mut reservation {
+                    r.lines = merged.lines.iter().map(|&n| u64::from(n)).collect();
                 }
-            },
+                let reserve = reservation.as_ref();
+                match self.store.apply_now(merged.request(demand.op, reserve)) {
+                    Some(applied) => applied
+                        .map(|a| self.answer_reserving(demand, &merged, a, &mut reservation))
+                        .map_err(Into::into),
+                    None => {
+                        let store = &self.store;
+                        let op = demand.op;
+                        let (merged, applied) = Box::pin(async move {
+                            let applied = store.apply(merged.request(op, reserve)).await;
+                            (merged, applied)
+                        })
+                        .await;
+                        applied
+                            .map(|a| self.answer_reserving(demand, &merged, a, &mut reservation))
+                            .map_err(Into::into)
+                    }
+                }
+            }
         };
         match &result {
             Ok(answer) => self.record(demand, answer, span),
             Err(_) => refused(demand.api, demand.items.len().max(1), span),
         }
-        result
+        result.map(|answer| (answer, reservation))
+    }
+
+    /// The answer to a decision, dropping the reservation unless the store
+    /// itself admitted it (and so wrote its record).
+    fn answer_reserving(
+        &self,
+        demand: &Demand<'_>,
+        merged: &Merged,
+        applied: Applied,
+        reservation: &mut Option<Reservation>,
+    ) -> Answer {
+        if applied.degraded || !applied.outcome.allowed {
+            *reservation = None;
+        }
+        self.answer(demand, merged, Some(applied))
     }
 
     /// Validates the demand and merges its lines into charges.
@@ -272,12 +406,16 @@ impl Engine {
                     (Allowance::Blocked { window }, _) => Verdict {
                         allowed: false,
                         remaining: 0,
+                        debt: 0,
+                        forgiven: 0,
                         retry_after: Micros::MAX,
                         reset_after: window.max(1) - now % window.max(1),
                     },
                     _ => Verdict {
                         allowed: true,
                         remaining: u64::MAX,
+                        debt: 0,
+                        forgiven: 0,
                         retry_after: 0,
                         reset_after: 0,
                     },
@@ -291,11 +429,17 @@ impl Engine {
     /// update per run of equal items), records rejections in the
     /// top-limited sketch, and fills the current span's outcome.
     fn record(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
+        if !matches!(demand.op, Op::Decide { .. }) {
+            return self.record_charge(demand, answer, span);
+        }
         let mut run: Option<(Outcome, &str, u64, u64)> = None;
         for (item, a) in demand.items.iter().zip(&answer.items) {
             let label = a.line.map_or("", |l| demand.lines[l].label);
             if !a.allowed {
                 self.top.record(item.tenant, item.key, item.cost);
+            }
+            if a.debt > 0 {
+                self.top.record_debt(item.tenant, item.key, a.debt);
             }
             match &mut run {
                 Some((o, r, n, tokens)) if *o == a.outcome && *r == label => {
@@ -327,6 +471,27 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Records usage charged after the fact: tokens charged and forgiven,
+    /// and the tenants left in debt.
+    fn record_charge(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
+        let api = demand.api.label();
+        let mut charged = 0u64;
+        for (item, a) in demand.items.iter().zip(&answer.items) {
+            charged = charged.saturating_add(item.cost);
+            if a.debt > 0 {
+                self.top.record_debt(item.tenant, item.key, a.debt);
+            }
+        }
+        let forgiven: u64 = answer.lines.iter().map(|v| v.forgiven).sum();
+        metrics::charged(api, charged);
+        metrics::forgiven(api, forgiven);
+        if !span.is_disabled() {
+            span.record("outcome", "charged");
+        }
+    }
+}
+
 /// Counts a refused demand (invalid, or the store failed with no fallback)
 /// as `n` decisions with the `error` outcome. Tokens asked for by a refused
 /// demand are not counted: they were never decided, and a hostile caller
@@ -343,17 +508,20 @@ struct Merged {
     buckets: SmallVec<[BucketKey; INLINE]>,
     charges: SmallVec<[Charge; INLINE]>,
     policies: SmallVec<[OnStoreUnavailable; INLINE]>,
+    /// For each charge, how many lines it merges.
+    lines: SmallVec<[u32; INLINE]>,
     /// For each line, the charge it adds to (limited lines only).
     line_charge: SmallVec<[Option<usize>; INLINE]>,
 }
 
 impl Merged {
-    fn request(&self, spend: bool) -> Request<'_> {
+    fn request<'a>(&'a self, op: Op, reserve: Option<&'a Reservation>) -> Request<'a> {
         Request {
             buckets: &self.buckets,
             charges: &self.charges,
             policies: &self.policies,
-            spend,
+            op,
+            reserve,
         }
     }
 }
@@ -367,18 +535,28 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         buckets: SmallVec::new(),
         charges: SmallVec::new(),
         policies: SmallVec::new(),
+        lines: SmallVec::new(),
         line_charge: SmallVec::new(),
     };
+    let deciding = matches!(demand.op, Op::Decide { .. });
     let mut index = summary::BucketIndex::default();
     for n in 0..demand.lines.len() {
         let line = &demand.lines[n];
-        let (limit, cost) = match line.allowance {
-            Allowance::Limited(limit) => (limit, demand.items[line.item].cost.min(caps::MAX_COST)),
+        let item = &demand.items[line.item];
+        let (limit, cost, need) = match line.allowance {
+            Allowance::Limited(limit) => (
+                limit,
+                item.cost.min(caps::MAX_COST),
+                item.need.max(item.cost).min(caps::MAX_COST),
+            ),
             // A limit of zero is a charge no bucket can hold: the store
             // denies it like any cost above a capacity, so the demand is
             // rejected in the same atomic step and nothing is spent.
-            Allowance::Blocked { window } => (Limit::blocking(window), caps::MAX_COST),
-            Allowance::Unlimited => {
+            Allowance::Blocked { window } if deciding => {
+                (Limit::blocking(window), caps::MAX_COST, caps::MAX_COST)
+            }
+            // Nothing to charge after the fact where nothing is admitted.
+            Allowance::Blocked { .. } | Allowance::Unlimited => {
                 merged.line_charge.push(None);
                 continue;
             }
@@ -387,6 +565,8 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
             Some(c) => {
                 let charge = &mut merged.charges[c];
                 charge.cost = charge.cost.saturating_add(cost).min(caps::MAX_COST);
+                charge.need = charge.need.saturating_add(need).min(caps::MAX_COST);
+                merged.lines[c] += 1;
                 // One enforced line makes the shared bucket enforced.
                 charge.enforce |= line.enforce;
                 c
@@ -406,18 +586,21 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
                 merged.charges.push(Charge {
                     limit,
                     cost,
+                    need,
                     enforce,
                 });
                 merged.policies.push(policy);
+                merged.lines.push(1);
                 merged.charges.len() - 1
             }
         };
         let line = &demand.lines[n];
         let charge = &merged.charges[at];
-        if demand.over_capacity == OverCapacity::Invalid
+        if deciding
+            && demand.over_capacity == OverCapacity::Invalid
             && matches!(line.allowance, Allowance::Limited(_))
             && charge.enforce
-            && charge.cost > limit.burst()
+            && charge.need > limit.burst()
         {
             let earlier = demand.lines[..n]
                 .iter()
@@ -437,7 +620,7 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
                 },
                 rule: line.label.to_owned(),
                 burst: limit.burst(),
-                cost: charge.cost,
+                cost: charge.need,
             });
         }
         merged.line_charge.push(Some(at));

@@ -124,6 +124,7 @@ pub(super) fn summarise(
             allowed: true,
             shadow: false,
             remaining: 0,
+            debt: 0,
             retry_after: 0,
             reset_after: 0,
             line: None,
@@ -134,6 +135,7 @@ pub(super) fn summarise(
         .collect();
     for (i, (line, verdict)) in demand.lines.iter().zip(&lines).enumerate() {
         let item = &mut items[line.item];
+        item.debt = item.debt.max(verdict.debt);
         if line.enforce {
             item.allowed &= verdict.allowed;
         } else if !verdict.allowed {

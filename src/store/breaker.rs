@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{PingFuture, StoreError, StoreStatus};
+use super::{PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus};
 use crate::telemetry::metrics;
 
 /// The breaker's state, as exported in metrics (0, 1, 2).
@@ -192,6 +192,15 @@ impl Layer for BreakerLayer {
         })
     }
 
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        Box::pin(async move {
+            let pending = self.admit()?;
+            let result = self.inner.settle(id, actual).await;
+            pending.report(&result);
+            result
+        })
+    }
+
     fn ping(&self) -> PingFuture<'_> {
         Box::pin(async move {
             let pending = self.admit()?;
@@ -267,6 +276,9 @@ mod tests {
                 }
             })
         }
+        fn settle<'a>(&'a self, _: &'a ReservationId, _: u64) -> SettleFuture<'a> {
+            Box::pin(std::future::pending())
+        }
         fn ping(&self) -> PingFuture<'_> {
             Box::pin(std::future::ready(Ok(())))
         }
@@ -285,7 +297,8 @@ mod tests {
             buckets: &[],
             charges: &[],
             policies: &[],
-            spend: true,
+            op: crate::algorithm::Op::SPEND,
+            reserve: None,
         }
     }
 

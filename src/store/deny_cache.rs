@@ -19,8 +19,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use dashmap::DashMap;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{BucketKey, PingFuture, StoreError, StoreStatus, Verdicts};
-use crate::algorithm::{Charge, Micros, Verdict};
+use super::{
+    BucketKey, PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus, Verdicts,
+};
+use crate::algorithm::{Charge, Micros, Op, Verdict};
 use crate::clock::Clock;
 
 /// What one cached bucket is counted as besides its key.
@@ -95,6 +97,8 @@ impl DenyCache {
             .map(|(i, _)| Verdict {
                 allowed: i != at,
                 remaining: 0,
+                debt: 0,
+                forgiven: 0,
                 retry_after: if i == at { until - now } else { 0 },
                 reset_after: 0,
             })
@@ -162,6 +166,10 @@ pub struct DenyCacheLayer {
 
 impl Layer for DenyCacheLayer {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
+        if !matches!(r.op, Op::Decide { .. }) {
+            // Charges and refunds always reach the store.
+            return self.inner.apply(r);
+        }
         if let Some(outcome) = self.cache.check(r.buckets, r.charges) {
             crate::telemetry::metrics::deny_cache_hit();
             return Box::pin(std::future::ready(Ok(Applied {
@@ -180,6 +188,9 @@ impl Layer for DenyCacheLayer {
     }
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
+        if !matches!(r.op, Op::Decide { .. }) {
+            return self.inner.apply_now(r);
+        }
         if let Some(outcome) = self.cache.check(r.buckets, r.charges) {
             crate::telemetry::metrics::deny_cache_hit();
             return Some(Ok(Applied {
@@ -194,6 +205,10 @@ impl Layer for DenyCacheLayer {
             self.cache.remember(r.buckets, r.charges, &applied.outcome);
         }
         Some(result)
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        self.inner.settle(id, actual)
     }
 
     fn ping(&self) -> PingFuture<'_> {
@@ -218,6 +233,8 @@ mod tests {
             verdicts: vec![Verdict {
                 allowed: false,
                 remaining: 0,
+                debt: 0,
+                forgiven: 0,
                 retry_after,
                 reset_after: retry_after,
             }],
@@ -232,6 +249,7 @@ mod tests {
         let charge = [Charge {
             limit: Limit::new(1, "1/minute".parse::<Rate>().unwrap()).unwrap(),
             cost: 1,
+            need: 1,
             enforce: true,
         }];
         let key = |i: u32| BucketKey::new("t", "k", "", &format!("{i:04}{}", "x".repeat(196)));

@@ -8,12 +8,19 @@
 //! to the configured fraction (refusing, as `deny`, if memory has no room
 //! either). Still all or nothing: local buckets are spent only when no
 //! enforced charge is denied.
+//!
+//! A charge made after the fact (or a refund) is applied to the in-process
+//! buckets of `local` rules; under `allow` and `deny` it is not recorded
+//! anywhere, and its verdict says so (the whole cost `forgiven`). A
+//! reservation decided here has no record: there is nothing to settle.
 
 use std::sync::Arc;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{MemoryStore, PingFuture, StoreError, StoreStatus, Verdicts};
-use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
+use super::{
+    MemoryStore, PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus, Verdicts,
+};
+use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
 
@@ -39,6 +46,10 @@ impl Fallback {
 
     /// Decides without the shared store, by each charge's policy.
     pub fn decide(&self, r: Request<'_>) -> Verdicts {
+        if !matches!(r.op, Op::Decide { .. }) {
+            return self.apply_unconditional(r);
+        }
+        let spend = r.op == Op::SPEND;
         let mut verdicts = Vec::with_capacity(r.charges.len());
         let mut local = Vec::new();
         let mut denied = false;
@@ -47,6 +58,8 @@ impl Fallback {
                 OnStoreUnavailable::Allow => Verdict {
                     allowed: true,
                     remaining: charge.limit.burst().saturating_sub(charge.cost),
+                    debt: 0,
+                    forgiven: 0,
                     retry_after: 0,
                     reset_after: match charge.limit.algorithm() {
                         Algorithm::TokenBucket => {
@@ -57,18 +70,15 @@ impl Fallback {
                 },
                 OnStoreUnavailable::Deny => {
                     denied |= charge.enforce;
-                    Verdict {
-                        allowed: false,
-                        remaining: 0,
-                        retry_after: self.deny_retry_after,
-                        reset_after: 0,
-                    }
+                    self.refused()
                 }
                 OnStoreUnavailable::Local => {
                     local.push(i);
                     Verdict {
                         allowed: true,
                         remaining: 0,
+                        debt: 0,
+                        forgiven: 0,
                         retry_after: 0,
                         reset_after: 0,
                     }
@@ -79,18 +89,14 @@ impl Fallback {
         let mut allowed = !denied;
         if !local.is_empty() {
             let buckets: Vec<BucketKey> = local.iter().map(|&i| r.buckets[i].clone()).collect();
-            let charges: Vec<Charge> = local
-                .iter()
-                .map(|&i| {
-                    let limit = r.charges[i].limit.scaled(self.local_fraction);
-                    Charge {
-                        limit,
-                        cost: r.charges[i].cost.min(limit.burst()),
-                        enforce: r.charges[i].enforce,
-                    }
-                })
-                .collect();
-            match self.local.apply_now(&buckets, &charges, r.spend && !denied) {
+            let charges = self.local_charges(r, &local);
+            match self.local.apply_now(
+                &buckets,
+                &charges,
+                Op::Decide {
+                    spend: spend && !denied,
+                },
+            ) {
                 Ok(plan) => {
                     allowed &= plan.allowed;
                     for (&i, verdict) in local.iter().zip(plan.verdicts) {
@@ -101,17 +107,81 @@ impl Fallback {
                 Err(_) => {
                     for &i in &local {
                         allowed &= !r.charges[i].enforce;
-                        verdicts[i] = Verdict {
-                            allowed: false,
-                            remaining: 0,
-                            retry_after: self.deny_retry_after,
-                            reset_after: 0,
-                        };
+                        verdicts[i] = self.refused();
                     }
                 }
             }
         }
         Verdicts { allowed, verdicts }
+    }
+
+    /// A charge refused by a `deny` rule (or a `local` one without room).
+    fn refused(&self) -> Verdict {
+        Verdict {
+            allowed: false,
+            remaining: 0,
+            debt: 0,
+            forgiven: 0,
+            retry_after: self.deny_retry_after,
+            reset_after: 0,
+        }
+    }
+
+    /// The charges at `at` scaled to this instance's share.
+    fn local_charges(&self, r: Request<'_>, at: &[usize]) -> Vec<Charge> {
+        at.iter()
+            .map(|&i| {
+                let limit = r.charges[i].limit.scaled(self.local_fraction);
+                let scaled = |tokens: u64| {
+                    if matches!(r.op, Op::Decide { .. }) {
+                        tokens.min(limit.burst())
+                    } else {
+                        tokens
+                    }
+                };
+                Charge {
+                    limit,
+                    cost: scaled(r.charges[i].cost),
+                    need: scaled(r.charges[i].need),
+                    enforce: r.charges[i].enforce,
+                }
+            })
+            .collect()
+    }
+
+    /// A charge or refund while the shared store is unavailable: applied to
+    /// the in-process buckets of `local` rules, not recorded under the
+    /// others (a charge's whole cost is reported `forgiven`).
+    fn apply_unconditional(&self, r: Request<'_>) -> Verdicts {
+        let charge = r.op == Op::Charge;
+        let mut verdicts: Vec<Verdict> = r
+            .charges
+            .iter()
+            .map(|c| Verdict {
+                allowed: true,
+                remaining: 0,
+                debt: 0,
+                forgiven: if charge { c.cost } else { 0 },
+                retry_after: 0,
+                reset_after: 0,
+            })
+            .collect();
+        let local: Vec<usize> = (0..r.charges.len())
+            .filter(|&i| r.policies[i] == OnStoreUnavailable::Local)
+            .collect();
+        if !local.is_empty() {
+            let buckets: Vec<BucketKey> = local.iter().map(|&i| r.buckets[i].clone()).collect();
+            let charges = self.local_charges(r, &local);
+            if let Ok(plan) = self.local.apply_now(&buckets, &charges, r.op) {
+                for (&i, verdict) in local.iter().zip(plan.verdicts) {
+                    verdicts[i] = verdict;
+                }
+            }
+        }
+        Verdicts {
+            allowed: true,
+            verdicts,
+        }
     }
 }
 
@@ -123,7 +193,7 @@ pub struct FallbackLayer {
 
 impl FallbackLayer {
     /// The inner layer's answer, or the policies' when it was unavailable.
-    fn settle(
+    fn or_policies(
         &self,
         r: Request<'_>,
         result: Result<Applied, StoreError>,
@@ -144,11 +214,15 @@ impl FallbackLayer {
 impl Layer for FallbackLayer {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
         let inner = self.inner.apply(r);
-        Box::pin(async move { self.settle(r, inner.await) })
+        Box::pin(async move { self.or_policies(r, inner.await) })
     }
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
-        Some(self.settle(r, self.inner.apply_now(r)?))
+        Some(self.or_policies(r, self.inner.apply_now(r)?))
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        self.inner.settle(id, actual)
     }
 
     fn ping(&self) -> PingFuture<'_> {

@@ -27,8 +27,12 @@ use foldhash::fast::RandomState;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::{BucketKey, PingFuture, Store, StoreError, StoreFuture, StoreStatus, Verdicts};
-use crate::algorithm::{Charge, Micros, Plan, State, plan};
+use super::reservation::{self, EXPIRED_GRACE, Record};
+use super::{
+    BucketKey, PingFuture, Reservation, ReservationId, SettleFuture, SettleStatus, Settled, Store,
+    StoreError, StoreFuture, StoreStatus, Verdicts,
+};
+use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
 use crate::clock::Clock;
 
 const STRIPES: usize = 4096;
@@ -66,12 +70,35 @@ fn bucket_bytes(bucket: &BucketKey) -> usize {
     BUCKET_OVERHEAD_BYTES + bucket.as_str().len()
 }
 
+/// The bytes a reservation record is counted as: its entry, and per bucket
+/// its name and charge.
+fn record_bytes(record: &Held) -> usize {
+    BUCKET_OVERHEAD_BYTES
+        + record
+            .buckets
+            .iter()
+            .map(|b| 64 + b.as_str().len())
+            .sum::<usize>()
+}
+
+/// A reservation record held in memory.
+#[derive(Debug, Clone)]
+struct Held {
+    record: Record,
+    buckets: Vec<BucketKey>,
+    /// Its expiry has been counted (`tollgate_reservations_expired_total`).
+    expiry_counted: bool,
+}
+
 /// Buckets held in this process.
 pub struct MemoryStore {
     /// Keyed with foldhash: bucket names come from callers, but the hasher
     /// is randomly seeded per process, and SipHash cost a tenth of a
     /// decision's time in the store.
     buckets: DashMap<BucketKey, State, RandomState>,
+    /// Reservation records by [`ReservationId::record_name`]; counted
+    /// against the same caps as buckets.
+    reservations: DashMap<BucketKey, Held, RandomState>,
     stripes: Box<[Mutex<()>]>,
     stripe_hasher: RandomState,
     clock: Arc<dyn Clock>,
@@ -93,6 +120,7 @@ impl MemoryStore {
     pub fn new(clock: Arc<dyn Clock>, max_buckets: usize) -> Self {
         Self {
             buckets: DashMap::with_hasher(RandomState::default()),
+            reservations: DashMap::with_hasher(RandomState::default()),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             stripe_hasher: RandomState::default(),
             clock,
@@ -128,6 +156,11 @@ impl MemoryStore {
     /// Buckets currently held.
     pub fn len(&self) -> usize {
         self.buckets.len()
+    }
+
+    /// Reservation records currently held (settled ones until they expire).
+    pub fn reservations(&self) -> usize {
+        self.reservations.len()
     }
 
     /// True when no bucket is held.
@@ -175,7 +208,35 @@ impl MemoryStore {
         self.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
         self.evicted_idle
             .fetch_add(removed as u64, Ordering::Relaxed);
+        self.sweep_reservations(now);
         removed
+    }
+
+    /// Counts reservations whose time to live passed unsettled, and drops
+    /// records past their grace period.
+    fn sweep_reservations(&self, now: Micros) {
+        if self.reservations.is_empty() {
+            return;
+        }
+        let (mut expired, mut removed, mut bytes) = (0, 0, 0);
+        self.reservations.retain(|_, held| {
+            if held.record.expires_at <= now
+                && held.record.settled.is_none()
+                && !held.expiry_counted
+            {
+                held.expiry_counted = true;
+                expired += 1;
+            }
+            let keep = held.record.expires_at.saturating_add(EXPIRED_GRACE) > now;
+            if !keep {
+                removed += 1;
+                bytes += record_bytes(held);
+            }
+            keep
+        });
+        self.held.fetch_sub(removed, Ordering::Relaxed);
+        self.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        crate::telemetry::metrics::reservations_expired(expired);
     }
 
     /// Synchronous form of [`Store::apply`]. Refused, writing nothing, when
@@ -184,20 +245,64 @@ impl MemoryStore {
         &self,
         buckets: &[BucketKey],
         charges: &[Charge],
-        spend: bool,
+        op: Op,
+    ) -> Result<Plan, AtCapacity> {
+        self.apply_locked(buckets, charges, op, None)
+    }
+
+    /// Synchronous form of [`Store::reserve`].
+    pub fn reserve_now(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        reservation: &Reservation,
+    ) -> Result<Plan, AtCapacity> {
+        self.apply_locked(buckets, charges, Op::SPEND, Some(reservation))
+    }
+
+    /// Locks the stripes of `buckets` (and of `extra`, a record's name),
+    /// in ascending order.
+    fn lock(
+        &self,
+        buckets: &[BucketKey],
+        extra: Option<&BucketKey>,
+    ) -> SmallVec<[parking_lot::MutexGuard<'_, ()>; INLINE]> {
+        let mut stripes: SmallVec<[usize; INLINE]> =
+            buckets.iter().map(|b| self.stripe_of(b)).collect();
+        if let Some(name) = extra {
+            stripes.push(self.stripe_of(name));
+        }
+        stripes.sort_unstable();
+        stripes.dedup();
+        stripes.iter().map(|&i| self.stripes[i].lock()).collect()
+    }
+
+    fn apply_locked(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        op: Op,
+        reservation: Option<&Reservation>,
     ) -> Result<Plan, AtCapacity> {
         debug_assert_eq!(buckets.len(), charges.len());
         let now = self.clock.now();
-        let mut stripes: SmallVec<[usize; INLINE]> =
-            buckets.iter().map(|b| self.stripe_of(b)).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        let guards: SmallVec<[_; INLINE]> =
-            stripes.iter().map(|&i| self.stripes[i].lock()).collect();
+        let guards = self.lock(buckets, None);
 
         let states: SmallVec<[Option<State>; INLINE]> =
             buckets.iter().map(|b| self.state(b)).collect();
-        let plan = plan(&states, charges, now, spend);
+        let mut plan = plan(&states, charges, now, op);
+        // A state that is full again means the same as none: not stored
+        // anew (a refund to a full bucket, a charge of nothing).
+        for (write, bucket) in plan.writes.iter_mut().zip(buckets) {
+            if write.is_some_and(|w| w.is_idle(now)) && !self.buckets.contains_key(bucket) {
+                *write = None;
+            }
+        }
+        let record = match reservation {
+            Some(r) if plan.allowed => Some(self.record(r, buckets, charges, &plan, now)),
+            _ => None,
+        };
+        let record_bytes = record.as_ref().map_or(0, record_bytes);
         // Far from the caps (the usual case) this is two loads and a sum.
         let over = |store: &Self, count: usize, bytes: usize| {
             store.held.load(Ordering::Relaxed).saturating_add(count) > store.max_buckets
@@ -213,14 +318,16 @@ impl MemoryStore {
                 .zip(&plan.writes)
                 .filter(|(_, w)| w.is_some())
         };
-        let (writes, write_bytes) = written().fold((0, 0), |(n, bytes), (b, _)| {
-            (n + 1, bytes + bucket_bytes(b))
-        });
+        let records = usize::from(record.is_some());
+        let (writes, write_bytes) = written()
+            .fold((records, record_bytes), |(n, bytes), (b, _)| {
+                (n + 1, bytes + bucket_bytes(b))
+            });
         if writes > 0 && over(self, writes, write_bytes) {
             let new = |store: &Self| {
                 written()
                     .filter(|(b, _)| !store.buckets.contains_key(*b))
-                    .fold((0, 0), |(n, bytes), (b, _)| {
+                    .fold((records, record_bytes), |(n, bytes), (b, _)| {
                         (n + 1, bytes + bucket_bytes(b))
                     })
             };
@@ -256,8 +363,102 @@ impl MemoryStore {
                 }
             }
         }
+        if let (Some(held), Some(r)) = (record, reservation) {
+            self.held.fetch_add(1, Ordering::Relaxed);
+            self.held_bytes.fetch_add(record_bytes, Ordering::Relaxed);
+            self.reservations.insert(r.id.record_name(), held);
+        }
         drop(guards);
         Ok(plan)
+    }
+
+    /// The record of a reservation whose decision `plan` admitted: the
+    /// charges it spent.
+    fn record(
+        &self,
+        r: &Reservation,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        plan: &Plan,
+        now: Micros,
+    ) -> Held {
+        let spent = |i: &usize| plan.verdicts[*i].allowed;
+        let at: Vec<usize> = (0..charges.len()).filter(spent).collect();
+        Held {
+            record: Record {
+                reserved_at: now,
+                expires_at: now.saturating_add(r.ttl.min(reservation::MAX_TTL)),
+                estimate: r.estimate,
+                charges: at.iter().map(|&i| charges[i]).collect(),
+                lines: at.iter().map(|&i| r.lines[i]).collect(),
+                settled: None,
+            },
+            buckets: at.iter().map(|&i| buckets[i].clone()).collect(),
+            expiry_counted: false,
+        }
+    }
+
+    /// Synchronous form of [`Store::settle`].
+    pub fn settle_now(&self, id: &ReservationId, actual: u64) -> Settled {
+        let name = id.record_name();
+        let unknown = Settled {
+            status: SettleStatus::Unknown,
+            estimate: 0,
+            verdicts: Vec::new(),
+        };
+        let Some(buckets) = self.reservations.get(&name).map(|h| h.buckets.clone()) else {
+            return unknown;
+        };
+        let now = self.clock.now();
+        let guards = self.lock(&buckets, Some(&name));
+        // Read again under the locks: a settle of the same reservation
+        // beside this one holds the record's stripe.
+        let Some(held) = self.reservations.get(&name).map(|h| h.record.clone()) else {
+            return unknown;
+        };
+        let status = match held.settled {
+            Some(actual) => SettleStatus::AlreadySettled { actual },
+            None if held.expires_at <= now => SettleStatus::Expired,
+            None => SettleStatus::Settled,
+        };
+        if status != SettleStatus::Settled {
+            return Settled {
+                status,
+                estimate: held.estimate,
+                verdicts: Vec::new(),
+            };
+        }
+        let states: Vec<Option<State>> = buckets.iter().map(|b| self.state(b)).collect();
+        let (verdicts, writes) = reservation::settle_plan(&held, &states, actual, now);
+        for (bucket, write) in buckets.iter().zip(writes) {
+            let Some(state) = write else { continue };
+            match self.buckets.get_mut(bucket) {
+                Some(mut entry) => *entry = state,
+                // Swept meanwhile (it was full again) and still full: no
+                // need to hold it. Otherwise held over the caps rather than
+                // lose the charge: it was counted when reserved.
+                None if state.is_idle(now) => {}
+                None => {
+                    self.held.fetch_add(1, Ordering::Relaxed);
+                    self.held_bytes
+                        .fetch_add(bucket_bytes(bucket), Ordering::Relaxed);
+                    if self.buckets.insert(bucket.clone(), state).is_some() {
+                        self.held.fetch_sub(1, Ordering::Relaxed);
+                        self.held_bytes
+                            .fetch_sub(bucket_bytes(bucket), Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        if let Some(mut entry) = self.reservations.get_mut(&name) {
+            entry.record.settled = Some(actual);
+        }
+        drop(guards);
+        Settled {
+            status,
+            estimate: held.estimate,
+            verdicts,
+        }
     }
 
     fn stripe_of(&self, bucket: &BucketKey) -> usize {
@@ -280,14 +481,23 @@ impl MemoryStore {
     }
 }
 
+fn verdicts(result: Result<Plan, AtCapacity>) -> Result<Verdicts, StoreError> {
+    result
+        .map(|plan| Verdicts {
+            allowed: plan.allowed,
+            verdicts: plan.verdicts,
+        })
+        .map_err(|full| StoreError::AtCapacity(full.to_string()))
+}
+
 impl Store for MemoryStore {
     fn apply<'a>(
         &'a self,
         buckets: &'a [BucketKey],
         charges: &'a [Charge],
-        spend: bool,
+        op: Op,
     ) -> StoreFuture<'a> {
-        let result = Store::apply_now(self, buckets, charges, spend).expect("never waits");
+        let result = verdicts(MemoryStore::apply_now(self, buckets, charges, op));
         Box::pin(std::future::ready(result))
     }
 
@@ -295,16 +505,23 @@ impl Store for MemoryStore {
         &self,
         buckets: &[BucketKey],
         charges: &[Charge],
-        spend: bool,
+        op: Op,
     ) -> Option<Result<Verdicts, StoreError>> {
-        Some(
-            MemoryStore::apply_now(self, buckets, charges, spend)
-                .map(|plan| Verdicts {
-                    allowed: plan.allowed,
-                    verdicts: plan.verdicts,
-                })
-                .map_err(|full| StoreError::AtCapacity(full.to_string())),
-        )
+        Some(verdicts(MemoryStore::apply_now(self, buckets, charges, op)))
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> StoreFuture<'a> {
+        let result = verdicts(self.reserve_now(buckets, charges, reservation));
+        Box::pin(std::future::ready(result))
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        Box::pin(std::future::ready(Ok(self.settle_now(id, actual))))
     }
 
     fn ping(&self) -> PingFuture<'_> {
@@ -335,11 +552,10 @@ mod tests {
     const T0: Micros = 1_700_000_000_000_000;
 
     fn charge(burst: u64, rate: &str, cost: u64) -> Charge {
-        Charge {
-            limit: Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap(),
+        Charge::new(
+            Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap(),
             cost,
-            enforce: true,
-        }
+        )
     }
 
     fn key(k: &str) -> BucketKey {
@@ -359,7 +575,7 @@ mod tests {
                 let (c, b) = (c, b.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    store.apply_now(&b, &c, true).unwrap().allowed
+                    store.apply_now(&b, &c, Op::SPEND).unwrap().allowed
                 })
             })
             .collect();
@@ -390,7 +606,8 @@ mod tests {
                             b.reverse();
                             c.reverse();
                         }
-                        admitted += usize::from(store.apply_now(&b, &c, true).unwrap().allowed);
+                        admitted +=
+                            usize::from(store.apply_now(&b, &c, Op::SPEND).unwrap().allowed);
                     }
                     admitted
                 })
@@ -414,10 +631,10 @@ mod tests {
         let clock = Arc::new(ManualClock::new(T0));
         let store = MemoryStore::new(clock.clone(), 1000);
         store
-            .apply_now(&[key("a")], &[charge(10, "10/second", 5)], true)
+            .apply_now(&[key("a")], &[charge(10, "10/second", 5)], Op::SPEND)
             .unwrap(); // full in 500 ms
         store
-            .apply_now(&[key("b")], &[charge(10, "10/second", 1)], true)
+            .apply_now(&[key("b")], &[charge(10, "10/second", 1)], Op::SPEND)
             .unwrap(); // full in 100 ms
         assert_eq!(store.len(), 2);
         clock.advance(Duration::from_millis(100));
@@ -439,12 +656,12 @@ mod tests {
         // A key that is being limited: burst spent, the next request rejected.
         let victim = [key("victim")];
         for _ in 0..5 {
-            assert!(store.apply_now(&victim, &c, true).unwrap().allowed);
+            assert!(store.apply_now(&victim, &c, Op::SPEND).unwrap().allowed);
         }
         let (mut peak, mut refused) = (0, 0);
         for i in 0..1_000_000u32 {
             clock.advance(Duration::from_micros(1));
-            match store.apply_now(&[key(&i.to_string())], &c, true) {
+            match store.apply_now(&[key(&i.to_string())], &c, Op::SPEND) {
                 Ok(plan) => assert!(plan.allowed),
                 Err(full) => {
                     assert_eq!(
@@ -467,7 +684,7 @@ mod tests {
             "nothing was full again"
         );
         // The limited key was never dropped.
-        assert!(!store.apply_now(&victim, &c, true).unwrap().allowed);
+        assert!(!store.apply_now(&victim, &c, Op::SPEND).unwrap().allowed);
     }
 
     /// Concurrent inserts and sweeps count every bucket exactly once: each
@@ -484,7 +701,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..20_000u32 {
                         store
-                            .apply_now(&[key(&format!("{t}-{i}"))], &c, true)
+                            .apply_now(&[key(&format!("{t}-{i}"))], &c, Op::SPEND)
                             .unwrap();
                     }
                 })
@@ -523,32 +740,44 @@ mod tests {
         let bystander = [BucketKey::new("calm", "k", "", "user")];
         let fast = [charge(10, "10/second", 1)];
         for _ in 0..10 {
-            assert!(store.apply_now(&bystander, &fast, true).unwrap().allowed);
+            assert!(
+                store
+                    .apply_now(&bystander, &fast, Op::SPEND)
+                    .unwrap()
+                    .allowed
+            );
         }
         let slow = [charge(10, "1/hour", 1)];
         for i in 0..1_200u32 {
             let _ = store.apply_now(
                 &[BucketKey::new("flood", "k", "", &i.to_string())],
                 &slow,
-                true,
+                Op::SPEND,
             );
         }
         for _ in 0..10 {
             assert!(
-                !store.apply_now(&bystander, &fast, true).unwrap().allowed,
+                !store
+                    .apply_now(&bystander, &fast, Op::SPEND)
+                    .unwrap()
+                    .allowed,
                 "the bystander's key stays exhausted"
             );
         }
         // Once its bucket is full again it may go, and new keys get room.
         clock.advance(Duration::from_secs(1));
         assert_eq!(
-            store.apply_now(&bystander, &fast, true).unwrap().verdicts[0].remaining,
+            store
+                .apply_now(&bystander, &fast, Op::SPEND)
+                .unwrap()
+                .verdicts[0]
+                .remaining,
             9
         );
         clock.advance(Duration::from_secs(2));
         assert!(
             store
-                .apply_now(&[BucketKey::new("new", "k", "", "x")], &slow, true)
+                .apply_now(&[BucketKey::new("new", "k", "", "x")], &slow, Op::SPEND)
                 .is_ok()
         );
         assert!(store.state(&bystander[0]).is_none(), "swept once full");
@@ -566,14 +795,14 @@ mod tests {
         let per_bucket = BUCKET_OVERHEAD_BYTES + long(0).as_str().len();
         let mut admitted = 0;
         for i in 0..200 {
-            if store.apply_now(&[long(i)], &slow, true).is_ok() {
+            if store.apply_now(&[long(i)], &slow, Op::SPEND).is_ok() {
                 admitted += 1;
             }
             assert!(store.bytes() <= 100_000);
         }
         assert_eq!(admitted, 100_000 / per_bucket);
         assert_eq!(store.bytes(), admitted * per_bucket);
-        let refused = store.apply_now(&[long(500)], &slow, true).unwrap_err();
+        let refused = store.apply_now(&[long(500)], &slow, Op::SPEND).unwrap_err();
         assert_eq!(
             refused,
             AtCapacity {
@@ -583,7 +812,12 @@ mod tests {
         );
         assert!(refused.to_string().contains("--max-bucket-bytes"));
         // A held key still decides: no new bytes.
-        assert!(store.apply_now(&[long(0)], &slow, true).unwrap().allowed);
+        assert!(
+            store
+                .apply_now(&[long(0)], &slow, Op::SPEND)
+                .unwrap()
+                .allowed
+        );
         // Once full again, buckets are swept and their bytes come back.
         clock.advance(Duration::from_secs(2 * 3600));
         assert_eq!(store.sweep_idle(), admitted);
@@ -610,17 +844,16 @@ fn measure_buckets(n: u32, pad: usize) {
             .unwrap()
             * 1024
     };
-    let charge = [crate::algorithm::Charge {
-        limit: Limit::new(30, "600/minute".parse::<Rate>().unwrap()).unwrap(),
-        cost: 1,
-        enforce: true,
-    }];
+    let charge = [crate::algorithm::Charge::new(
+        Limit::new(30, "600/minute".parse::<Rate>().unwrap()).unwrap(),
+        1,
+    )];
     let store = MemoryStore::new(Arc::new(ManualClock::new(1_700_000_000_000_000)), 2_000_000);
     let padding = "x".repeat(pad);
     let before = rss();
     for i in 0..n {
         let key = BucketKey::new("acme", "k", "", &format!("user-{i:07}{padding}"));
-        store.apply_now(&[key], &charge, true).unwrap();
+        store.apply_now(&[key], &charge, Op::SPEND).unwrap();
     }
     let taken = rss() - before;
     let key_len = format!("acme:k::user-0000000{padding}").len();

@@ -15,6 +15,7 @@ pub mod deny_cache;
 pub mod fallback;
 pub mod memory;
 pub mod redis;
+pub mod reservation;
 pub mod stack;
 
 use std::fmt;
@@ -23,10 +24,11 @@ use std::pin::Pin;
 
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::{Charge, Verdict};
+use crate::algorithm::{Charge, Op, Verdict};
 
 pub use memory::MemoryStore;
 pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
+pub use reservation::{Reservation, ReservationId, SettleStatus, Settled};
 
 /// The name of one bucket: tenant, scope, resource and key, rendered as
 /// `tenant:scope:resource:key`. Tenants and resources cannot contain `:`,
@@ -109,6 +111,9 @@ pub struct Verdicts {
 /// A boxed future, so that stores can be chosen at run time.
 pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Result<Verdicts, StoreError>> + Send + 'a>>;
 
+/// The future of [`Store::settle`].
+pub type SettleFuture<'a> = Pin<Box<dyn Future<Output = Result<Settled, StoreError>> + Send + 'a>>;
+
 /// The future of [`Store::ping`].
 pub type PingFuture<'a> = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>>;
 
@@ -127,14 +132,15 @@ pub fn redact(url: &str) -> String {
 
 /// Applies decisions to buckets atomically.
 pub trait Store: Send + Sync + 'static {
-    /// Decides `charges[i]` against bucket `buckets[i]` for every `i`, as one
-    /// atomic step, spending only when `spend` is true and every enforced
-    /// charge admits its cost. Each bucket appears at most once.
+    /// Applies `charges[i]` to bucket `buckets[i]` for every `i` with `op`,
+    /// as one atomic step (see [`crate::algorithm::plan`]): a decision
+    /// spends only when spending and every enforced charge admits; a charge
+    /// or a refund always applies. Each bucket appears at most once.
     fn apply<'a>(
         &'a self,
         buckets: &'a [BucketKey],
         charges: &'a [Charge],
-        spend: bool,
+        op: Op,
     ) -> StoreFuture<'a>;
 
     /// [`Store::apply`] done at once, for a store that never waits (the
@@ -143,10 +149,23 @@ pub trait Store: Send + Sync + 'static {
         &self,
         _buckets: &[BucketKey],
         _charges: &[Charge],
-        _spend: bool,
+        _op: Op,
     ) -> Option<Result<Verdicts, StoreError>> {
         None
     }
+
+    /// Decides and spends like [`Store::apply`] with [`Op::SPEND`] and, when
+    /// allowed, writes `reservation`'s record in the same atomic step.
+    fn reserve<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> StoreFuture<'a>;
+
+    /// Settles a reservation at `actual` per line, atomically: every
+    /// bucket it charged gets the difference back or the excess charged.
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a>;
 
     /// Checks that the store answers.
     fn ping(&self) -> PingFuture<'_>;

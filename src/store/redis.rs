@@ -42,8 +42,12 @@ use tokio::sync::OnceCell;
 
 mod coalesce;
 
-use super::{BucketKey, Store, StoreError, StoreFuture, Verdicts, redact};
-use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
+use super::reservation::MAX_TTL;
+use super::{
+    BucketKey, Reservation, ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError,
+    StoreFuture, Verdicts, redact,
+};
+use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::telemetry::metrics;
 
@@ -169,11 +173,77 @@ struct Shared {
     coalesce: Option<Mutex<coalesce::Waiting>>,
 }
 
-/// One decision's part of a script call.
+/// One request's part of a script call.
 struct Request {
+    /// The buckets' keys, then a reserve's or a settle's record key.
     keys: SmallVec<[String; 4]>,
+    /// One per bucket.
     charges: SmallVec<[Charge; 4]>,
-    spend: bool,
+    kind: Kind,
+}
+
+/// What a request asks of the script.
+#[derive(Debug, Clone)]
+enum Kind {
+    Decide { spend: bool },
+    Charge,
+    Reserve { ttl: Micros, body: String },
+    Settle { actual: u64 },
+}
+
+impl Kind {
+    /// The operation letter and argument in the script's ARGV[2].
+    fn write_shape(&self, n: usize, shape: &mut String) {
+        shape.push_str(itoa::Buffer::new().format(n));
+        match self {
+            Self::Decide { spend: true } => shape.push('s'),
+            Self::Decide { spend: false } => shape.push('d'),
+            Self::Charge => shape.push('c'),
+            Self::Reserve { ttl, .. } => {
+                shape.push('v');
+                shape.push_str(itoa::Buffer::new().format(*ttl));
+            }
+            Self::Settle { actual } => {
+                shape.push('u');
+                shape.push_str(itoa::Buffer::new().format(*actual));
+            }
+        }
+    }
+}
+
+/// A request's answer.
+#[derive(Debug, Clone)]
+enum Reply {
+    Verdicts(Verdicts),
+    Settled(Settled),
+}
+
+/// A reserve's record body (see the script's header): the estimate, then
+/// per charge its limit, cost, lines and bucket key.
+fn record_body(keys: &[String], charges: &[Charge], reservation: &Reservation) -> String {
+    let mut body = format!("{}\n", reservation.estimate);
+    for ((key, charge), lines) in keys.iter().zip(charges).zip(&reservation.lines) {
+        let l = &charge.limit;
+        body.push_str(&format!(
+            "{} {} {} {} {} {} {}\n{key}",
+            algorithm_letter(l.algorithm()),
+            l.interval(),
+            l.burst(),
+            l.debt(),
+            charge.cost,
+            lines,
+            key.len()
+        ));
+    }
+    body
+}
+
+fn algorithm_letter(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::TokenBucket => "t",
+        Algorithm::FixedWindow => "f",
+        Algorithm::SlidingWindow => "s",
+    }
 }
 
 impl RedisStore {
@@ -261,7 +331,8 @@ impl RedisStore {
         &self,
         buckets: &[BucketKey],
         charges: &[Charge],
-        spend: bool,
+        op: Op,
+        reservation: Option<&Reservation>,
     ) -> Result<Verdicts, StoreError> {
         let shared = &self.shared;
         if matches!(shared.connection, Connection::Cluster(..)) {
@@ -274,17 +345,55 @@ impl RedisStore {
                 )));
             }
         }
-        let request = Request {
-            keys: buckets.iter().map(|b| shared.redis_key(b)).collect(),
-            charges: charges.iter().copied().collect(),
-            spend,
-        };
-        match &shared.coalesce {
-            Some(waiting) => coalesce::decide(shared, waiting, request).await,
-            None => {
-                let mut outcomes = shared.run(std::slice::from_ref(&request)).await?;
-                Ok(outcomes.swap_remove(0))
+        let mut keys: SmallVec<[String; 4]> = buckets.iter().map(|b| shared.redis_key(b)).collect();
+        let kind = match (op, reservation) {
+            (_, Some(r)) => {
+                if buckets.iter().any(|b| b.tenant() != r.id.tenant()) {
+                    return Err(StoreError::Unsupported(
+                        "a reservation holds one tenant's buckets; reserve each tenant's items separately"
+                            .into(),
+                    ));
+                }
+                let body = record_body(&keys, charges, r);
+                keys.push(shared.record_key(&r.id));
+                Kind::Reserve {
+                    ttl: r.ttl.min(MAX_TTL),
+                    body,
+                }
             }
+            (Op::Decide { spend }, None) => Kind::Decide { spend },
+            (Op::Charge, None) => Kind::Charge,
+            (Op::Refund { .. }, None) => {
+                return Err(StoreError::Unsupported(
+                    "refunds are made by settling a reservation".into(),
+                ));
+            }
+        };
+        let request = Request {
+            keys,
+            charges: charges.iter().copied().collect(),
+            kind,
+        };
+        match shared.send(request).await? {
+            Reply::Verdicts(v) => Ok(v),
+            Reply::Settled(_) => Err(StoreError::Protocol(
+                "token_bucket.lua answered a decision as a settle".into(),
+            )),
+        }
+    }
+
+    async fn settle_at(&self, id: &ReservationId, actual: u64) -> Result<Settled, StoreError> {
+        let shared = &self.shared;
+        let request = Request {
+            keys: smallvec::smallvec![shared.record_key(id)],
+            charges: SmallVec::new(),
+            kind: Kind::Settle { actual },
+        };
+        match shared.send(request).await? {
+            Reply::Settled(s) => Ok(s),
+            Reply::Verdicts(_) => Err(StoreError::Protocol(
+                "token_bucket.lua answered a settle as a decision".into(),
+            )),
         }
     }
 }
@@ -297,6 +406,23 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
 }
 
 impl Shared {
+    /// Sends one request, coalesced with others when coalescing is on.
+    async fn send(self: &Arc<Self>, request: Request) -> Result<Reply, StoreError> {
+        match &self.coalesce {
+            Some(waiting) => coalesce::decide(self, waiting, request).await,
+            None => {
+                let mut outcomes = self.run(std::slice::from_ref(&request)).await?;
+                Ok(outcomes.swap_remove(0))
+            }
+        }
+    }
+
+    /// The Redis key of a reservation's record: beside its tenant's
+    /// buckets, under the same hash tag.
+    fn record_key(&self, id: &ReservationId) -> String {
+        self.redis_key(&id.record_name())
+    }
+
     /// The Redis key of a bucket (see the module docs).
     fn redis_key(&self, bucket: &BucketKey) -> String {
         let (tenant, rest) = bucket
@@ -374,12 +500,12 @@ impl Shared {
     }
 
     /// Decides `requests` in one script call, in order.
-    async fn run(&self, requests: &[Request]) -> Result<Vec<Verdicts>, StoreError> {
+    async fn run(&self, requests: &[Request]) -> Result<Vec<Reply>, StoreError> {
         let refs: SmallVec<[&Request; 1]> = requests.iter().collect();
         self.run_refs(&refs).await
     }
 
-    async fn run_refs(&self, requests: &[&Request]) -> Result<Vec<Verdicts>, StoreError> {
+    async fn run_refs(&self, requests: &[&Request]) -> Result<Vec<Reply>, StoreError> {
         // The EVALSHA command is written straight into one buffer (redis-rs's
         // `ScriptInvocation` would allocate a vector per key and argument
         // first, then copy them: ~20 allocations per decision).
@@ -389,8 +515,7 @@ impl Shared {
             if !shape.is_empty() {
                 shape.push(',');
             }
-            shape.push_str(itoa::Buffer::new().format(request.keys.len()));
-            shape.push(if request.spend { 's' } else { 'd' });
+            request.kind.write_shape(request.charges.len(), &mut shape);
         }
         let now = self
             .clock
@@ -408,15 +533,22 @@ impl Shared {
             .arg(self.config.expiry_margin.as_millis() as u64);
         for c in requests.iter().flat_map(|r| &r.charges) {
             evalsha
-                .arg(match c.limit.algorithm() {
-                    Algorithm::TokenBucket => "t",
-                    Algorithm::FixedWindow => "f",
-                    Algorithm::SlidingWindow => "s",
-                })
+                .arg(algorithm_letter(c.limit.algorithm()))
                 .arg(c.limit.interval())
-                .arg(c.limit.burst())
-                .arg(c.cost)
-                .arg(if c.enforce { "1" } else { "0" });
+                .arg(c.limit.burst());
+            if c.need > c.cost {
+                evalsha.arg(format!("{}/{}", c.cost, c.need));
+            } else {
+                evalsha.arg(c.cost);
+            }
+            evalsha
+                .arg(if c.enforce { "1" } else { "0" })
+                .arg(c.limit.debt());
+        }
+        for request in requests {
+            if let Kind::Reserve { body, .. } = &request.kind {
+                evalsha.arg(body.as_str());
+            }
         }
         metrics::store_decisions("redis", requests.len());
         let script = &self.script;
@@ -436,7 +568,7 @@ impl Shared {
                 }
             })
             .await?;
-        parse_reply(&reply, requests.iter().map(|r| r.charges.len()))
+        parse_reply(&reply, requests.iter().map(|r| (&r.kind, r.charges.len())))
     }
 }
 
@@ -490,40 +622,73 @@ fn error_kind(e: &redis::RedisError) -> &'static str {
     }
 }
 
-/// Splits the script's reply: `now`, then per request its verdict and four
-/// values per bucket.
-fn parse_reply(
-    reply: &[i64],
-    sizes: impl ExactSizeIterator<Item = usize> + Clone,
-) -> Result<Vec<Verdicts>, StoreError> {
-    let expected = 1 + sizes.clone().map(|n| 1 + 4 * n).sum::<usize>();
-    if reply.len() != expected {
-        return Err(StoreError::Protocol(format!(
-            "token_bucket.lua returned {} values for {} requests over {} buckets; expected {expected}",
-            reply.len(),
-            sizes.len(),
-            sizes.clone().sum::<usize>(),
-        )));
-    }
+/// A verdict from a bucket's four reply values: allowed, balance (negative:
+/// tokens owed), retry_after (a charge: tokens forgiven) and reset_after.
+fn verdict(v: &[i64], charge: bool) -> Verdict {
     let as_micros = |v: i64| -> Micros { if v < 0 { Micros::MAX } else { v as Micros } };
-    let mut rest = &reply[1..];
-    let mut outcomes = Vec::with_capacity(sizes.len());
-    for n in sizes {
-        let (this, next) = rest.split_at(1 + 4 * n);
-        rest = next;
-        let verdicts = this[1..]
-            .chunks_exact(4)
-            .map(|v| Verdict {
-                allowed: v[0] == 1,
-                remaining: v[1].max(0) as u64,
-                retry_after: as_micros(v[2]),
-                reset_after: as_micros(v[3]),
-            })
-            .collect();
-        outcomes.push(Verdicts {
+    Verdict {
+        allowed: v[0] == 1,
+        remaining: v[1].max(0) as u64,
+        debt: v[1].min(0).unsigned_abs(),
+        forgiven: if charge { v[2].max(0) as u64 } else { 0 },
+        retry_after: if charge { 0 } else { as_micros(v[2]) },
+        reset_after: as_micros(v[3]),
+    }
+}
+
+/// Splits the script's reply: `now`, then per request its answer (see the
+/// script's header).
+fn parse_reply<'a>(
+    reply: &[i64],
+    requests: impl ExactSizeIterator<Item = (&'a Kind, usize)>,
+) -> Result<Vec<Reply>, StoreError> {
+    let short = || {
+        StoreError::Protocol(format!(
+            "token_bucket.lua returned {} values, fewer than its requests need",
+            reply.len()
+        ))
+    };
+    let mut rest = reply.get(1..).ok_or_else(short)?;
+    let mut outcomes = Vec::with_capacity(requests.len());
+    for (kind, n) in requests {
+        if let Kind::Settle { .. } = kind {
+            let [status, actual, estimate, n, ..] = *rest else {
+                return Err(short());
+            };
+            let n = usize::try_from(n).map_err(|_| short())?;
+            let this = rest.get(4..4 + 4 * n).ok_or_else(short)?;
+            rest = &rest[4 + 4 * n..];
+            let status = match status {
+                1 => SettleStatus::Settled,
+                2 => SettleStatus::AlreadySettled {
+                    actual: actual as u64,
+                },
+                3 => SettleStatus::Expired,
+                _ => SettleStatus::Unknown,
+            };
+            outcomes.push(Reply::Settled(Settled {
+                status,
+                estimate: estimate.max(0) as u64,
+                verdicts: this.chunks_exact(4).map(|v| verdict(v, true)).collect(),
+            }));
+            continue;
+        }
+        let this = rest.get(..1 + 4 * n).ok_or_else(short)?;
+        rest = &rest[1 + 4 * n..];
+        let charge = matches!(kind, Kind::Charge);
+        outcomes.push(Reply::Verdicts(Verdicts {
             allowed: this[0] == 1,
-            verdicts,
-        });
+            verdicts: this[1..]
+                .chunks_exact(4)
+                .map(|v| verdict(v, charge))
+                .collect(),
+        }));
+    }
+    if !rest.is_empty() {
+        return Err(StoreError::Protocol(format!(
+            "token_bucket.lua returned {} values more than its requests need",
+            rest.len()
+        )));
     }
     Ok(outcomes)
 }
@@ -533,9 +698,22 @@ impl Store for RedisStore {
         &'a self,
         buckets: &'a [BucketKey],
         charges: &'a [Charge],
-        spend: bool,
+        op: Op,
     ) -> StoreFuture<'a> {
-        Box::pin(self.decide(buckets, charges, spend))
+        Box::pin(self.decide(buckets, charges, op, None))
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> StoreFuture<'a> {
+        Box::pin(self.decide(buckets, charges, Op::SPEND, Some(reservation)))
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        Box::pin(self.settle_at(id, actual))
     }
 
     fn ping(&self) -> super::PingFuture<'_> {

@@ -22,8 +22,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::breaker::Breaker;
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
-use super::{BucketKey, MemoryStore, PingFuture, Store, StoreError, StoreStatus, Verdicts};
-use crate::algorithm::Charge;
+use super::{
+    BucketKey, MemoryStore, PingFuture, Reservation, ReservationId, SettleFuture, Store,
+    StoreError, StoreStatus, Verdicts,
+};
+use crate::algorithm::{Charge, Op};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
 
@@ -36,8 +39,11 @@ pub struct Request<'a> {
     pub charges: &'a [Charge],
     /// One store-unavailable policy per bucket.
     pub policies: &'a [OnStoreUnavailable],
-    /// False for a dry run.
-    pub spend: bool,
+    /// How the charges apply.
+    pub op: Op,
+    /// A reservation to record when the decision admits ([`Op::SPEND`]
+    /// only).
+    pub reserve: Option<&'a Reservation>,
 }
 
 /// What a layered store answers.
@@ -65,6 +71,10 @@ pub trait Layer: Send + Sync + 'static {
         None
     }
 
+    /// Settles a reservation (see [`Store::settle`]). No layer answers a
+    /// settle in the backend's place: while it is unavailable, settles fail.
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a>;
+
     /// Checks that the backend answers.
     fn ping(&self) -> PingFuture<'_>;
 
@@ -90,7 +100,10 @@ impl Backend {
 
 impl Layer for Backend {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
-        let inner = self.store.apply(r.buckets, r.charges, r.spend);
+        let inner = match r.reserve {
+            Some(reservation) => self.store.reserve(r.buckets, r.charges, reservation),
+            None => self.store.apply(r.buckets, r.charges, r.op),
+        };
         Box::pin(async move {
             let verdicts = inner.await;
             self.answered(&verdicts);
@@ -102,11 +115,23 @@ impl Layer for Backend {
     }
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
-        let verdicts = self.store.apply_now(r.buckets, r.charges, r.spend)?;
+        if r.reserve.is_some() {
+            return None;
+        }
+        let verdicts = self.store.apply_now(r.buckets, r.charges, r.op)?;
         Some(verdicts.map(|outcome| Applied {
             outcome,
             degraded: false,
         }))
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        let inner = self.store.settle(id, actual);
+        Box::pin(async move {
+            let settled = inner.await;
+            self.answered(&settled);
+            settled
+        })
     }
 
     fn ping(&self) -> PingFuture<'_> {

@@ -168,6 +168,7 @@ pub fn handle() -> &'static PrometheusHandle {
             "gRPC request latency, by method."
         );
         describe_connections();
+        describe_budgets();
         start_upkeep(UPKEEP_PERIOD);
         handle
     })
@@ -321,6 +322,93 @@ pub fn grpc_request(method: &'static str, took: std::time::Duration) {
 
 /// Rejections answered from the local deny cache, without the store.
 pub const DENY_CACHE_HITS: &str = "tollgate_deny_cache_hits_total";
+
+/// Reservations whose time to live passed unsettled (a sign of callers
+/// that crash between reserve and settle).
+pub const RESERVATIONS_EXPIRED: &str = "tollgate_reservations_expired_total";
+/// Reservations recorded, by API.
+pub const RESERVATIONS: &str = "tollgate_reservations_total";
+/// Tokens charged by reservations' estimates, by API.
+pub const RESERVED_TOKENS: &str = "tollgate_reserved_tokens_total";
+/// Settles, by API and status.
+pub const SETTLES: &str = "tollgate_settles_total";
+/// Tokens given back by settles that used less than the estimate, by API.
+pub const REFUNDED_TOKENS: &str = "tollgate_refunded_tokens_total";
+/// Tokens charged after the work, by API and `phase`: `settle` (what a
+/// settle charged beyond its estimate) or `charge` (usage reported after
+/// the fact).
+pub const CHARGED_TOKENS: &str = "tollgate_charged_tokens_total";
+/// Tokens of after-the-fact charges not applied because a bucket was at its
+/// debt floor, by API.
+pub const FORGIVEN_TOKENS: &str = "tollgate_forgiven_tokens_total";
+
+fn describe_budgets() {
+    describe_counter!(RESERVATIONS, "Reservations recorded, by API.");
+    describe_counter!(
+        RESERVED_TOKENS,
+        "Tokens charged as reservations' estimates, by API."
+    );
+    describe_counter!(
+        SETTLES,
+        "Settles, by API and status (settled, already_settled, expired, unknown, error)."
+    );
+    describe_counter!(
+        REFUNDED_TOKENS,
+        "Tokens given back by settles whose actual cost was below the estimate, by API."
+    );
+    describe_counter!(
+        CHARGED_TOKENS,
+        "Tokens charged after the work, by API and phase: settle (beyond the estimate) or charge (reported after the fact)."
+    );
+    describe_counter!(
+        FORGIVEN_TOKENS,
+        "Tokens of after-the-fact charges not applied because a bucket was at its debt floor, by API."
+    );
+    describe_counter!(
+        RESERVATIONS_EXPIRED,
+        "Reservations whose time to live passed unsettled; their estimates stay charged."
+    );
+}
+
+/// Counts a reservation of `tokens`.
+pub fn reserved(api: &'static str, tokens: u64) {
+    counter!(RESERVATIONS, "api" => api).increment(1);
+    counter!(RESERVED_TOKENS, "api" => api).increment(tokens);
+}
+
+/// Counts a settle by its status.
+pub fn settle_outcome(api: &'static str, status: &'static str) {
+    counter!(SETTLES, "api" => api, "status" => status).increment(1);
+}
+
+/// Counts what a settle gave back or charged beyond its estimate.
+pub fn settled(api: &'static str, refunded: u64, charged: u64) {
+    if refunded > 0 {
+        counter!(REFUNDED_TOKENS, "api" => api).increment(refunded);
+    }
+    if charged > 0 {
+        counter!(CHARGED_TOKENS, "api" => api, "phase" => "settle").increment(charged);
+    }
+}
+
+/// Counts usage charged after the fact.
+pub fn charged(api: &'static str, tokens: u64) {
+    counter!(CHARGED_TOKENS, "api" => api, "phase" => "charge").increment(tokens);
+}
+
+/// Counts tokens forgiven at a debt floor.
+pub fn forgiven(api: &'static str, tokens: u64) {
+    if tokens > 0 {
+        counter!(FORGIVEN_TOKENS, "api" => api).increment(tokens);
+    }
+}
+
+/// Counts reservations found expired unsettled.
+pub fn reservations_expired(n: u64) {
+    if n > 0 {
+        counter!(RESERVATIONS_EXPIRED).increment(n);
+    }
+}
 
 /// Counts a rejection answered from the deny cache.
 pub fn deny_cache_hit() {

@@ -166,9 +166,28 @@ struct Windows {
     keys: [SpaceSaving; 2],
 }
 
-/// Rejections per tenant and per (tenant, key), over a recent window.
+/// A tenant seen in debt: usage charged after the fact took one of its
+/// buckets below zero.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InDebt {
+    /// The tenant.
+    pub tenant: String,
+    /// The key whose bucket was deepest in debt (empty: a tenant-wide one).
+    pub key: String,
+    /// Tokens below zero when last seen.
+    pub debt: u64,
+    /// Microseconds since it was seen (the bucket refills meanwhile).
+    pub seen_ago_us: Micros,
+}
+
+/// Rejections per tenant and per (tenant, key), over a recent window; and
+/// the tenants seen in debt.
 pub struct TopLimited {
     windows: Mutex<Windows>,
+    /// Tenant → (key, debt, seen at): the deepest debt seen per tenant
+    /// within the window, at most `capacity` tenants (the deepest kept).
+    debts: Mutex<HashMap<String, (String, u64, Micros)>>,
+    capacity: usize,
     window: Micros,
     clock: Arc<dyn Clock>,
 }
@@ -183,6 +202,8 @@ impl TopLimited {
                 tenants: sketch(capacity),
                 keys: sketch(capacity * 4),
             }),
+            debts: Mutex::new(HashMap::new()),
+            capacity: capacity.max(1),
             window: window.as_micros().max(1) as Micros,
             clock,
         }
@@ -226,6 +247,60 @@ impl TopLimited {
         pair.push('\u{0}');
         pair.push_str(key);
         w.keys[0].add(&pair, weight);
+    }
+
+    /// Records that `key` of `tenant` was seen `debt` tokens below zero.
+    /// Per tenant the latest sighting within the window is kept, or a
+    /// deeper one; when `capacity` tenants are held, a new one replaces the
+    /// shallowest (or a stale one) only if it is deeper.
+    pub fn record_debt(&self, tenant: &str, key: &str, debt: u64) {
+        let (tenant, key) = (bounded(tenant), bounded(key));
+        let now = self.clock.now();
+        let stale = |seen: Micros| now.saturating_sub(seen) >= self.window;
+        let mut debts = self.debts.lock();
+        if let Some(entry) = debts.get_mut(tenant) {
+            if debt >= entry.1 || stale(entry.2) || entry.0 == key {
+                *entry = (key.to_owned(), debt, now);
+            }
+            return;
+        }
+        if debts.len() >= self.capacity {
+            debts.retain(|_, (_, _, seen)| !stale(*seen));
+        }
+        if debts.len() >= self.capacity {
+            let Some((shallowest, depth)) = debts
+                .iter()
+                .min_by_key(|(_, (_, d, _))| *d)
+                .map(|(t, (_, d, _))| (t.clone(), *d))
+            else {
+                return;
+            };
+            if depth >= debt {
+                return;
+            }
+            debts.remove(&shallowest);
+        }
+        debts.insert(tenant.to_owned(), (key.to_owned(), debt, now));
+    }
+
+    /// Up to `n` tenants seen in debt within the window, deepest first.
+    pub fn in_debt(&self, n: usize) -> Vec<InDebt> {
+        let now = self.clock.now();
+        let mut debts: Vec<InDebt> = self
+            .debts
+            .lock()
+            .iter()
+            .filter(|(_, (_, debt, seen))| *debt > 0 && now.saturating_sub(*seen) < self.window)
+            .map(|(tenant, (key, debt, seen))| InDebt {
+                tenant: tenant.clone(),
+                key: key.clone(),
+                debt: *debt,
+                seen_ago_us: now.saturating_sub(*seen),
+            })
+            .collect();
+        debts.sort_by(|a, b| b.debt.cmp(&a.debt).then_with(|| a.tenant.cmp(&b.tenant)));
+        debts.truncate(n);
+        debts
     }
 
     /// The `n` most limited tenants, each with up to `keys` of its keys.
@@ -316,6 +391,38 @@ mod tests {
         assert!(top[0].rejections >= 20_000 && top[0].rejections - top[0].error <= 20_000);
         assert_eq!(top[1].keys.len(), 2);
         assert!(top[1].keys.iter().all(|k| k.name.starts_with("client-")));
+    }
+
+    #[test]
+    fn debts_keep_the_latest_sighting_the_deepest_tenants_and_age_out() {
+        let clock = Arc::new(ManualClock::new(0));
+        let t = TopLimited::new(2, Duration::from_secs(60), clock.clone());
+        t.record_debt("a", "k1", 50);
+        t.record_debt("a", "k1", 20); // the same bucket, partly repaid
+        t.record_debt("b", "", 10);
+        t.record_debt("c", "k", 5); // shallower than both: not kept
+        let seen = |t: &TopLimited| -> Vec<(String, String, u64)> {
+            t.in_debt(10)
+                .into_iter()
+                .map(|d| (d.tenant, d.key, d.debt))
+                .collect()
+        };
+        assert_eq!(
+            seen(&t),
+            [("a".into(), "k1".into(), 20), ("b".into(), "".into(), 10)]
+        );
+        t.record_debt("c", "k", 30); // deeper than b: replaces it
+        assert_eq!(
+            seen(&t),
+            [("c".into(), "k".into(), 30), ("a".into(), "k1".into(), 20)]
+        );
+        assert_eq!(t.in_debt(1).len(), 1);
+        clock.advance(Duration::from_secs(59));
+        assert_eq!(t.in_debt(10)[0].seen_ago_us, 59_000_000);
+        clock.advance(Duration::from_secs(1));
+        assert!(t.in_debt(10).is_empty(), "older than the window");
+        t.record_debt("d", "k", 1); // stale entries make room
+        assert_eq!(seen(&t), [("d".into(), "k".into(), 1)]);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use super::LiveEnvoyConfig;
 use super::config::{EnvoyRule, Match, RuleKind};
-use crate::algorithm::{Algorithm, Limit, Rate, RateUnit};
+use crate::algorithm::{Algorithm, Limit, Op, Rate, RateUnit};
 use crate::api::{duration, status};
 use crate::engine::{
     self, Allowance, Api, DecideError, Demand, Engine, Item, Line, OverCapacity, caps,
@@ -101,15 +101,13 @@ impl RateLimitService for EnvoyRateLimitService {
         // The tenant part of bucket names, and the tenant the top-limited
         // views count rejections under: `~DOMAIN`, percent-encoded.
         let tenant = encode_domain(&req.domain);
-        let mut demand = Demand::new(Api::Envoy, true, OverCapacity::Reject);
+        let mut demand = Demand::new(Api::Envoy, Op::SPEND, OverCapacity::Reject);
         for (i, found) in matched.iter().enumerate() {
             let cost = found.as_ref().map_or(request_hits, |(_, hits)| *hits);
             let key = found.as_ref().map_or("", |(m, _)| m.counter.as_str());
-            demand.items.push(Item {
-                tenant: &tenant,
-                key: truncate(key, caps::MAX_KEY_BYTES),
-                cost,
-            });
+            demand
+                .items
+                .push(Item::new(&tenant, truncate(key, caps::MAX_KEY_BYTES), cost));
             let Some((m, _)) = found else { continue };
             let allowance = match m.rule.kind {
                 RuleKind::Unlimited => Allowance::Unlimited,

@@ -21,8 +21,8 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
-use super::{Connection, Request, Shared};
-use crate::store::{StoreError, Verdicts};
+use super::{Connection, Reply, Request, Shared};
+use crate::store::StoreError;
 use crate::telemetry::metrics;
 
 /// The coalescing state: how many script calls are in flight, and the
@@ -96,7 +96,7 @@ impl Waiting {
 /// A decision waiting for a shared script call.
 struct Queued {
     request: Request,
-    reply: oneshot::Sender<Result<Verdicts, StoreError>>,
+    reply: oneshot::Sender<Result<Reply, StoreError>>,
 }
 
 /// Script calls in flight at once when coalescing. A decision that finds a
@@ -111,7 +111,7 @@ pub(super) async fn decide(
     shared: &Arc<Shared>,
     coalesce: &Mutex<Waiting>,
     request: Request,
-) -> Result<Verdicts, StoreError> {
+) -> Result<Reply, StoreError> {
     let (reply, answer) = oneshot::channel();
     let mine = Queued { request, reply };
     let batch = {
@@ -257,12 +257,12 @@ fn hash_tag(key: &str) -> &str {
 mod tests {
     use super::*;
 
-    fn queued(key: &str) -> (Queued, oneshot::Receiver<Result<Verdicts, StoreError>>) {
+    fn queued(key: &str) -> (Queued, oneshot::Receiver<Result<Reply, StoreError>>) {
         let (reply, answer) = oneshot::channel();
         let request = Request {
             keys: smallvec::smallvec![key.to_owned()],
             charges: SmallVec::new(),
-            spend: true,
+            kind: super::super::Kind::Decide { spend: true },
         };
         (Queued { request, reply }, answer)
     }
@@ -300,7 +300,7 @@ mod tests {
     }
 
     /// A request of `n` buckets named `name`.
-    fn sized(name: &str, n: usize) -> (Queued, oneshot::Receiver<Result<Verdicts, StoreError>>) {
+    fn sized(name: &str, n: usize) -> (Queued, oneshot::Receiver<Result<Reply, StoreError>>) {
         let (mut q, answer) = queued(name);
         q.request.keys = (0..n).map(|i| format!("{name}-{i}")).collect();
         (q, answer)
