@@ -401,3 +401,188 @@ proptest! {
         }
     }
 }
+
+/// A limit that allows debt: any of [`arb_limit`]'s with a debt of up to
+/// twice its burst (where the floor still fits), or the largest debt the
+/// floor allows.
+fn arb_debt_limit() -> impl Strategy<Value = Limit> {
+    (arb_limit(), 0u64..=2, any::<bool>()).prop_map(|(limit, times, largest)| {
+        let fits = MAX_TOLERANCE / limit.interval() - limit.burst();
+        let debt = if largest {
+            fits
+        } else {
+            limit.burst().saturating_mul(times).min(fits)
+        };
+        limit.with_debt(debt).unwrap()
+    })
+}
+
+/// What a debt property does at one step.
+#[derive(Debug, Clone, Copy)]
+enum DebtStep {
+    /// Decide a cost that needs this much more than it spends.
+    Decide { extra_need: u64 },
+    /// Charge after the fact.
+    Charge,
+    /// Refund.
+    Refund,
+}
+
+fn arb_debt_steps(limit: Limit) -> impl Strategy<Value = Vec<(Micros, DebtStep, u64)>> {
+    let max_step = limit.interval().saturating_mul(3);
+    let step = prop_oneof![
+        4 => (0u64..3).prop_map(|extra_need| DebtStep::Decide { extra_need }),
+        3 => Just(DebtStep::Charge),
+        1 => Just(DebtStep::Refund),
+    ];
+    // Amounts from 0 to past burst + debt, and now and then the largest.
+    let depth = limit.burst() + limit.debt();
+    let amount = prop_oneof![
+        8 => 0..=depth.saturating_mul(2).max(1),
+        1 => Just(crate::engine::caps::MAX_COST),
+    ];
+    prop::collection::vec((0..=max_step, step, amount), 1..150)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// With debt, on a clock that only moves forward: a charge is applied
+    /// exactly once and in full down to the floor (the debt after is
+    /// `min(debt + cost × interval, floor)`), the part beyond the floor is
+    /// reported as forgiven, to the token; the balance never goes below
+    /// `-debt`; a refund never fills the bucket past its capacity; and the
+    /// reported debt is the whole tokens below zero.
+    #[test]
+    fn charges_are_applied_once_in_full_down_to_the_floor(
+        (limit, steps) in arb_debt_limit().prop_flat_map(|l| (Just(l), arb_debt_steps(l)))
+    ) {
+        let (t, i, floor) = (limit.tolerance(), limit.interval(), limit.floor());
+        let mut now = T0;
+        let mut state: Option<BucketState> = None;
+        let debt_of = |s: Option<BucketState>, now: Micros| s.map_or(0, |s| s.full_at.saturating_sub(now));
+        for (dt, step, amount) in steps {
+            now += dt;
+            let before = debt_of(state, now);
+            prop_assert!(before <= floor);
+            let (v, next) = match step {
+                DebtStep::Charge => token_bucket::charge(state, &limit, amount, now),
+                DebtStep::Refund => token_bucket::refund(state, &limit, amount, now),
+                DebtStep::Decide { extra_need } => {
+                    let need = amount.saturating_add(extra_need);
+                    match token_bucket::decide_need(state, &limit, amount, need, now) {
+                        Ok(decided) => decided,
+                        Err(_) => {
+                            prop_assert!(need > limit.burst());
+                            continue;
+                        }
+                    }
+                }
+            };
+            let after = next.full_at - now;
+            match step {
+                DebtStep::Charge => {
+                    let want = before.saturating_add(amount.saturating_mul(i)).min(floor);
+                    prop_assert_eq!(after, want);
+                    prop_assert_eq!(v.forgiven, amount - (want - before).div_ceil(i));
+                    prop_assert!(v.allowed);
+                }
+                DebtStep::Refund => {
+                    prop_assert_eq!(after, before.saturating_sub(amount.saturating_mul(i)));
+                    prop_assert_eq!(v.forgiven, 0);
+                }
+                DebtStep::Decide { .. } if v.allowed => {
+                    prop_assert_eq!(after, before + amount * i);
+                    prop_assert!(after <= t, "an admission never takes the balance below zero");
+                }
+                DebtStep::Decide { .. } => {
+                    prop_assert_eq!(next.full_at, state.map_or(now, |s| s.full_at));
+                }
+            }
+            let shown = if matches!(step, DebtStep::Decide { .. }) && !v.allowed { before } else { after };
+            prop_assert_eq!(v.debt, shown.saturating_sub(t).div_ceil(i));
+            prop_assert_eq!(v.remaining, t.saturating_sub(shown) / i);
+            prop_assert!(after <= floor);
+            if !(matches!(step, DebtStep::Decide { .. }) && !v.allowed) {
+                state = Some(next);
+            }
+        }
+    }
+
+    /// In debt, `retry_after` is exact: after waiting it the request is
+    /// admitted, one microsecond earlier it is not.
+    #[test]
+    fn retry_after_is_exact_in_debt(
+        (limit, steps) in arb_debt_limit().prop_flat_map(|l| (Just(l), arb_debt_steps(l))),
+        cost_pick in 0u64..1000,
+        ask in any::<bool>(),
+    ) {
+        let mut now = T0;
+        let mut state = None;
+        for (dt, step, amount) in steps {
+            now += dt;
+            state = Some(match step {
+                DebtStep::Charge => token_bucket::charge(state, &limit, amount, now).1,
+                DebtStep::Refund => token_bucket::refund(state, &limit, amount, now).1,
+                DebtStep::Decide { .. } => match decide(state, &limit, amount, now) {
+                    Ok((v, next)) if v.allowed => next,
+                    _ => continue,
+                },
+            });
+        }
+        // An ask (spend nothing, need one token) or a plain request.
+        let need = 1 + cost_pick % limit.burst();
+        let cost = if ask { 0 } else { need };
+        let (v, _) = token_bucket::decide_need(state, &limit, cost, need, now).unwrap();
+        if v.allowed {
+            prop_assert_eq!(v.retry_after, 0);
+        } else {
+            let at = |t| token_bucket::decide_need(state, &limit, cost, need, t).unwrap().0.allowed;
+            prop_assert!(at(now + v.retry_after));
+            prop_assert!(!at(now + v.retry_after - 1));
+        }
+    }
+
+    /// With debt and a clock that steps back: charges and decisions never
+    /// move the full-again instant back (only a refund does), and the
+    /// tokens applied stay within `burst + debt + rate × the span of clock
+    /// readings seen`.
+    #[test]
+    fn backwards_clock_creates_nothing_in_debt(
+        limit in arb_debt_limit(),
+        steps in prop::collection::vec((-5_000_000i64..5_000_000, 0u64..3, 0u64..20), 1..200),
+    ) {
+        let mut now = T0 as i64;
+        let (mut earliest, mut latest) = (T0, T0);
+        let mut state: Option<BucketState> = None;
+        let mut applied: u128 = 0;
+        for (dt, kind, amount) in steps {
+            now = (now + dt).max(0);
+            let at = now as Micros;
+            latest = latest.max(at);
+            earliest = earliest.min(at);
+            let before_full = state.map_or(at, |s| s.full_at);
+            let next = if kind == 0 {
+                let (_, next) = token_bucket::charge(state, &limit, amount, at);
+                prop_assert!(next.full_at >= before_full);
+                next
+            } else {
+                match decide(state, &limit, amount.min(limit.burst()), at) {
+                    Ok((v, next)) if v.allowed => {
+                        prop_assert!(next.full_at >= before_full);
+                        next
+                    }
+                    _ => continue,
+                }
+            };
+            // What the step added on top of the debt it found (a full
+            // bucket's debt is zero: it starts from now).
+            applied += u128::from(next.full_at - before_full.max(at));
+            state = Some(next);
+            prop_assert!(
+                applied <= u128::from(limit.floor()) + u128::from(latest - earliest),
+                "applied {} µs of tokens within {} µs", applied, latest - earliest
+            );
+        }
+    }
+}

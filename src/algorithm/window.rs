@@ -406,5 +406,57 @@ mod tests {
                 prop_assert!(sliding <= 2 * limit.burst());
             }
         }
+
+        /// A window with debt: a charge counts exactly what it reports as
+        /// applied (cost − forgiven), never past `limit + debt` in use; a
+        /// refund of tokens charged in this window uncounts them; and while
+        /// over the limit, `retry_after` is exact (to the millisecond).
+        #[test]
+        fn charges_count_once_up_to_the_debt_floor(
+            limit in arb_limit(),
+            debt in 0u64..40,
+            steps in prop::collection::vec((0u64..3_000_000, 0u64..3, 0u64..60), 1..80),
+        ) {
+            let limit = limit.with_debt(debt).unwrap();
+            let mut now = T0;
+            let mut state: Option<WindowState> = None;
+            for (dt, kind, amount) in steps {
+                now += dt;
+                let used = |s: Option<WindowState>, now| {
+                    let (v, _) = decide_need(s, &limit, 0, 0, now).unwrap();
+                    (limit.burst() + v.debt).saturating_sub(v.remaining)
+                };
+                let before = used(state, now);
+                let count_before = Counts::at(state, &limit, now).count;
+                match kind {
+                    0 => {
+                        let (v, next) = charge(state, &limit, amount, now);
+                        let counted = next.count - count_before;
+                        prop_assert_eq!(counted + v.forgiven, amount);
+                        prop_assert!(used(Some(next), now) <= (limit.burst() + debt).max(before));
+                        state = Some(next);
+                    }
+                    1 => {
+                        let (_, next) = refund(state, &limit, amount, now, now);
+                        prop_assert_eq!(next.count, count_before.saturating_sub(amount));
+                        state = Some(next);
+                    }
+                    _ => {
+                        let need = 1 + amount % limit.burst();
+                        let (v, next) = decide(state, &limit, need, now).unwrap();
+                        if v.allowed {
+                            state = Some(next);
+                        } else {
+                            let (later, _) = decide(state, &limit, need, now + v.retry_after).unwrap();
+                            prop_assert!(later.allowed);
+                            if v.retry_after > 1_000 {
+                                let (early, _) = decide(state, &limit, need, now + v.retry_after - 1_000).unwrap();
+                                prop_assert!(!early.allowed);
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
