@@ -434,19 +434,23 @@ fn stored_row() -> impl Strategy<Value = StoredRow> {
         word(&["second", "minute", "hour", "day", "week", "month", "year"]),
         word(&["enforce", "shadow"]),
         word(&["allow", "deny", "local"]),
+        prop_oneof![0i64..100, any::<i64>()],
     )
         .prop_map(
-            |(name, tenant, resource, scope, burst, rate, rate_unit, mode, policy)| StoredRow {
-                name,
-                tenant,
-                resource,
-                scope,
-                burst,
-                rate,
-                rate_unit,
-                mode,
-                on_store_unavailable: policy,
-                updated_at: String::new(),
+            |(name, tenant, resource, scope, burst, rate, rate_unit, mode, policy, debt)| {
+                StoredRow {
+                    name,
+                    tenant,
+                    resource,
+                    scope,
+                    burst,
+                    rate,
+                    rate_unit,
+                    mode,
+                    on_store_unavailable: policy,
+                    debt,
+                    updated_at: String::new(),
+                }
             },
         )
 }

@@ -12,10 +12,15 @@ use common::T0;
 use common::redis::{RedisCluster, RedisServer};
 use tollgate::algorithm::{Charge, Limit, Op, Rate};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
+use tollgate::store::{
+    BucketKey, MemoryStore, RedisConfig, RedisStore, Reservation, ReservationId, SettleStatus,
+    Store,
+};
 
 struct Harness {
     store: Arc<dyn Store>,
+    /// Another instance on the same backend (in memory: the same store).
+    other: Arc<dyn Store>,
     clock: Arc<ManualClock>,
     _redis: Option<RedisServer>,
     _cluster: Option<RedisCluster>,
@@ -24,8 +29,10 @@ struct Harness {
 impl Harness {
     fn memory() -> Self {
         let clock = Arc::new(ManualClock::new(T0));
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 10_000));
         Self {
-            store: Arc::new(MemoryStore::new(clock.clone(), 10_000)),
+            other: store.clone(),
+            store,
             clock,
             _redis: None,
             _cluster: None,
@@ -47,6 +54,7 @@ impl Harness {
         let clock = Arc::new(ManualClock::new(T0));
         Self {
             store: Self::redis_store(server.url(), &clock, coalesce),
+            other: Self::redis_store(server.url(), &clock, coalesce),
             clock,
             _redis: Some(server),
             _cluster: None,
@@ -58,6 +66,7 @@ impl Harness {
         let clock = Arc::new(ManualClock::new(T0));
         Self {
             store: Self::redis_store(cluster.url(), &clock, coalesce),
+            other: Self::redis_store(cluster.url(), &clock, coalesce),
             clock,
             _redis: None,
             _cluster: Some(cluster),
@@ -265,6 +274,158 @@ async fn fixed_and_sliding_windows(h: &Harness) {
     assert_eq!(o.verdicts[0].retry_after, 5_000_000);
 }
 
+fn with_debt(burst: u64, rate: &str, debt: u64) -> Charge {
+    Charge::new(
+        Limit::new(burst, rate.parse::<Rate>().unwrap())
+            .unwrap()
+            .with_debt(debt)
+            .unwrap(),
+        0,
+    )
+}
+
+/// Usage charged after the fact goes into debt down to the floor, the part
+/// beyond is forgiven, and while in debt a request waits exactly until the
+/// refill covers the debt and its need; an ask (cost 0, need 1) too.
+async fn charges_go_into_debt_down_to_the_floor(h: &Harness) {
+    let b = [key("llm", "carol")];
+    let rule = with_debt(10, "1/second", 5);
+    let c = |cost| {
+        [Charge {
+            cost,
+            need: cost,
+            ..rule
+        }]
+    };
+    let o = h.store.apply(&b, &c(12), Op::Charge).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(
+        (
+            o.verdicts[0].remaining,
+            o.verdicts[0].debt,
+            o.verdicts[0].forgiven
+        ),
+        (0, 2, 0)
+    );
+    assert_eq!(o.verdicts[0].reset_after, 12_000_000);
+    // Past the floor of -5: 3 of 6 are applied, 3 forgiven.
+    let o = h.store.apply(&b, &c(6), Op::Charge).await.unwrap();
+    assert_eq!((o.verdicts[0].debt, o.verdicts[0].forgiven), (5, 3));
+    // In debt every request waits: an ask needs one token, 6 s away.
+    let ask = [Charge {
+        cost: 0,
+        need: 1,
+        ..rule
+    }];
+    let o = h.store.apply(&b, &ask, Op::SPEND).await.unwrap();
+    assert!(!o.allowed);
+    assert_eq!(
+        (o.verdicts[0].debt, o.verdicts[0].retry_after),
+        (5, 6_000_000)
+    );
+    h.clock.advance(Duration::from_micros(5_999_999));
+    assert!(!h.store.apply(&b, &ask, Op::SPEND).await.unwrap().allowed);
+    h.clock.advance(Duration::from_micros(1));
+    let o = h.store.apply(&b, &ask, Op::SPEND).await.unwrap();
+    assert!(o.allowed, "one token back");
+    assert_eq!(o.verdicts[0].remaining, 1, "and the ask spent none of it");
+    // Another instance sees the same balance.
+    let o = h.other.apply(&b, &c(1), Op::SPEND).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(o.verdicts[0].remaining, 0);
+}
+
+/// Reserve charges the estimate on every bucket and records it; a settle
+/// from another instance refunds the difference or charges the excess on
+/// all of them; a second settle changes nothing and says so; an unknown
+/// reservation and an expired one are told apart, and an expired one keeps
+/// its estimate charged.
+async fn reserve_and_settle_across_instances(h: &Harness) {
+    let b = [key("llm", "dave"), BucketKey::new("llm", "t", "", "")];
+    let rules = [with_debt(100, "1/hour", 50), with_debt(1000, "1/hour", 0)];
+    let c = |estimate| {
+        rules.map(|r| Charge {
+            cost: estimate,
+            need: estimate,
+            ..r
+        })
+    };
+    let reservation = |estimate, ttl| Reservation {
+        id: ReservationId::new("llm"),
+        estimate,
+        lines: vec![1, 1],
+        ttl,
+    };
+    let held = |o: &tollgate::store::Verdicts| (o.verdicts[0].remaining, o.verdicts[1].remaining);
+    // Reserve 40 with a minute to live: both buckets are charged 40.
+    let r1 = reservation(40, 60_000_000);
+    let o = h.store.reserve(&b, &c(40), &r1).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(held(&o), (60, 960));
+    // It used 10: the other instance gives 30 back to both.
+    let s = h.other.settle(&r1.id, 10).await.unwrap();
+    assert_eq!(s.status, SettleStatus::Settled);
+    assert_eq!(s.estimate, 40);
+    assert_eq!(
+        s.verdicts.iter().map(|v| v.remaining).collect::<Vec<_>>(),
+        [90, 990]
+    );
+    // Settling again changes nothing, and says what counted.
+    let again = h.store.settle(&r1.id, 500).await.unwrap();
+    assert_eq!(again.status, SettleStatus::AlreadySettled { actual: 10 });
+    assert!(again.verdicts.is_empty());
+    let o = h.store.apply(&b, &c(0), Op::DRY).await.unwrap();
+    assert_eq!(held(&o), (90, 990));
+    // Reserve 50 and use 150: the excess of 100 takes the first bucket from
+    // 40 to its floor of -50 (10 forgiven), the second from 940 to 840.
+    let r2 = reservation(50, 60_000_000);
+    assert!(h.store.reserve(&b, &c(50), &r2).await.unwrap().allowed);
+    let s = h.other.settle(&r2.id, 150).await.unwrap();
+    assert_eq!(s.status, SettleStatus::Settled);
+    assert_eq!(
+        s.verdicts
+            .iter()
+            .map(|v| (v.remaining, v.debt, v.forgiven))
+            .collect::<Vec<_>>(),
+        [(0, 50, 10), (840, 0, 0)]
+    );
+    // In debt: a reserve is refused and records nothing.
+    let r3 = reservation(1, 60_000_000);
+    assert!(!h.store.reserve(&b, &c(1), &r3).await.unwrap().allowed);
+    assert_eq!(
+        h.store.settle(&r3.id, 0).await.unwrap().status,
+        SettleStatus::Unknown
+    );
+    // Unknown tokens, and a reservation past its time to live.
+    assert_eq!(
+        h.other
+            .settle(&ReservationId::new("llm"), 1)
+            .await
+            .unwrap()
+            .status,
+        SettleStatus::Unknown
+    );
+    let erin = [key("llm", "erin")];
+    let one = |estimate| {
+        [Charge {
+            cost: estimate,
+            need: estimate,
+            ..rules[0]
+        }]
+    };
+    let r4 = Reservation {
+        lines: vec![1],
+        ..reservation(70, 1_000_000)
+    };
+    assert!(h.store.reserve(&erin, &one(70), &r4).await.unwrap().allowed);
+    h.clock.advance(Duration::from_secs(1));
+    let late = h.other.settle(&r4.id, 0).await.unwrap();
+    assert_eq!(late.status, SettleStatus::Expired);
+    assert_eq!(late.estimate, 70);
+    let o = h.store.apply(&erin, &one(0), Op::DRY).await.unwrap();
+    assert_eq!(o.verdicts[0].remaining, 30, "the estimate stays charged");
+}
+
 macro_rules! contract {
     ($($test:ident),* $(,)?) => {
         mod memory {
@@ -300,4 +461,6 @@ contract!(
     five_hundred_racers_admit_exactly_one_hundred,
     tenants_and_keys_are_separate_buckets,
     fixed_and_sliding_windows,
+    charges_go_into_debt_down_to_the_floor,
+    reserve_and_settle_across_instances,
 );

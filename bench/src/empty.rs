@@ -70,6 +70,33 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
             },
         ))
     }
+
+    async fn reserve(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::ReserveRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::ReserveResponse>, tonic::Status> {
+        Ok(tonic::Response::new(tollgate::proto::v1::ReserveResponse {
+            decision: Some(ShouldAllowResponse {
+                allowed: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn settle(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::SettleRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::SettleResponse>, tonic::Status> {
+        Ok(tonic::Response::new(Default::default()))
+    }
+
+    async fn charge(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::ChargeRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::ChargeResponse>, tonic::Status> {
+        Ok(tonic::Response::new(Default::default()))
+    }
 }
 
 /// Envoy's `RateLimitService` whose handler does nothing: every descriptor

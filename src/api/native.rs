@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use super::{duration, status};
-use crate::algorithm::Op;
+use crate::algorithm::{Micros, Op};
 use crate::engine::{
     self, Allowance, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line, OverCapacity, caps,
 };
@@ -19,10 +19,11 @@ use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
 use crate::proto::v1::rate_limiter_server::RateLimiter;
 use crate::proto::v1::{
-    BatchItem, Degraded, ShouldAllowBatchRequest, ShouldAllowBatchResponse, ShouldAllowRequest,
-    ShouldAllowResponse, StreamDecision,
+    BatchItem, ChargeRequest, ChargeResponse, Degraded, ReserveRequest, ReserveResponse,
+    SettleRequest, SettleResponse, SettleStatus as ProtoSettleStatus, ShouldAllowBatchRequest,
+    ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
-use crate::store::BucketKey;
+use crate::store::{BucketKey, ReservationId, SettleStatus, reservation};
 use crate::telemetry::traces;
 
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
@@ -111,34 +112,40 @@ impl RateLimiterService {
         self
     }
 
-    /// Decides the items of one request (one item, or a batch's) and
-    /// returns each item's answer with the rule that decided it.
+    /// Decides the items of one request (one item, or a batch's) with `op`
+    /// and returns each item's answer with the rule that decided it; with
+    /// `reserve` (one item), records a reservation of that time to live.
     async fn decide(
         &self,
         items: &[Asked<'_>],
         batch: bool,
-        dry_run: bool,
+        op: Op,
+        reserve: Option<Micros>,
         span: &tracing::Span,
-    ) -> Result<(engine::Answer, Deciders), Status> {
+    ) -> Result<(engine::Answer, Deciders, Option<ReservationId>), Status> {
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
         let mut demand = self
-            .demand(&rules, items, batch, dry_run, &mut line_rules)
+            .demand(&rules, items, batch, op, &mut line_rules)
             .map_err(|err| {
                 engine::refused(Api::Native, items.len(), span);
                 status::from_decide_error(err)
             })?;
-        let answer = self
-            .engine
-            .decide(&mut demand, span)
-            .await
-            .map_err(status::from_decide_error)?;
+        let (answer, reservation) = match reserve {
+            Some(ttl) => self.engine.reserve(&mut demand, ttl, span).await,
+            None => self
+                .engine
+                .decide(&mut demand, span)
+                .await
+                .map(|a| (a, None)),
+        }
+        .map_err(status::from_decide_error)?;
         let deciders = answer
             .items
             .iter()
             .map(|a| a.line.map(|l| line_rules[l].clone()))
             .collect();
-        Ok((answer, deciders))
+        Ok((answer, deciders, reservation))
     }
 
     /// The demand: per item, a line for each rule that applies, in the
@@ -148,7 +155,7 @@ impl RateLimiterService {
         rules: &'a RuleSet,
         items: &[Asked<'a>],
         batch: bool,
-        dry_run: bool,
+        op: Op,
         line_rules: &mut LineRules,
     ) -> Result<Demand<'a>, DecideError> {
         let field = |i: usize, name: &str| {
@@ -159,11 +166,7 @@ impl RateLimiterService {
             }
         };
         caps::check_items("items", items.len())?;
-        let mut demand = Demand::new(
-            Api::Native,
-            Op::Decide { spend: !dry_run },
-            OverCapacity::Invalid,
-        );
+        let mut demand = Demand::new(Api::Native, op, OverCapacity::Invalid);
         for (i, req) in items.iter().enumerate() {
             if req.key.is_empty() {
                 return Err(DecideError::InvalidField(format!(
@@ -176,9 +179,13 @@ impl RateLimiterService {
                 .map_err(DecideError::InvalidField)?;
             check_label_named(req.resource, || field(i, "resource"))
                 .map_err(DecideError::InvalidField)?;
-            demand
-                .items
-                .push(Item::new(req.tenant, req.key, req.cost.max(1)));
+            // A decision costs at least one token; a charge after the fact
+            // may be of nothing.
+            let cost = match op {
+                Op::Decide { .. } => req.cost.max(1),
+                _ => req.cost,
+            };
+            demand.items.push(Item::new(req.tenant, req.key, cost));
             let mut matched = false;
             for rule in rules.applicable(req.tenant, req.resource) {
                 matched = true;
@@ -214,15 +221,95 @@ impl RateLimiterService {
     ) -> Result<ShouldAllowResponse, Status> {
         let span = traces::decision_span("ShouldAllow", metadata, &req.tenant, req.cost.max(1));
         let asked = [Asked::from(req)];
-        let decided = self.decide(&asked, false, req.dry_run, &span);
+        let op = Op::Decide {
+            spend: !req.dry_run,
+        };
+        let decided = self.decide(&asked, false, op, None, &span);
         // Log events inside belong to the decision's span when it is traced.
-        let (answer, rules) = if span.is_disabled() {
+        let (answer, rules, _) = if span.is_disabled() {
             decided.await?
         } else {
             decided.instrument(span.clone()).await?
         };
         Ok(to_response(&answer.items[0], rules[0].as_deref()))
     }
+
+    async fn reserve_one(
+        &self,
+        req: &ReserveRequest,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<ReserveResponse, Status> {
+        let ttl = match &req.ttl {
+            None => DEFAULT_RESERVATION_TTL,
+            Some(d) => ttl_micros(d)?,
+        };
+        let span = traces::decision_span("Reserve", metadata, &req.tenant, req.estimate.max(1));
+        let asked = [Asked {
+            key: &req.key,
+            cost: req.estimate,
+            tenant: &req.tenant,
+            resource: &req.resource,
+        }];
+        let decided = self.decide(&asked, false, Op::SPEND, Some(ttl), &span);
+        let (answer, rules, reservation) = if span.is_disabled() {
+            decided.await?
+        } else {
+            decided.instrument(span.clone()).await?
+        };
+        Ok(ReserveResponse {
+            decision: Some(to_response(&answer.items[0], rules[0].as_deref())),
+            ttl: reservation.as_ref().map(|_| duration(ttl)),
+            reservation: reservation.map(|r| r.to_string()).unwrap_or_default(),
+        })
+    }
+
+    async fn charge_one(
+        &self,
+        req: &ChargeRequest,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<ChargeResponse, Status> {
+        let span = traces::decision_span("Charge", metadata, &req.tenant, req.cost);
+        let asked = [Asked {
+            key: &req.key,
+            cost: req.cost,
+            tenant: &req.tenant,
+            resource: &req.resource,
+        }];
+        let decided = self.decide(&asked, false, Op::Charge, None, &span);
+        let (answer, rules, _) = if span.is_disabled() {
+            decided.await?
+        } else {
+            decided.instrument(span.clone()).await?
+        };
+        let item = &answer.items[0];
+        Ok(ChargeResponse {
+            remaining: item.remaining,
+            debt: item.debt,
+            forgiven: answer.lines.iter().map(|v| v.forgiven).sum(),
+            reset_after: Some(duration(item.reset_after)),
+            limit_name: rules[0]
+                .as_ref()
+                .map(|r| r.name.clone())
+                .unwrap_or_default(),
+            degraded: degraded(item) as i32,
+        })
+    }
+}
+
+/// A reservation's time to live when the request names none.
+pub const DEFAULT_RESERVATION_TTL: Micros = 60_000_000;
+
+/// A requested time to live, checked: above zero and at most
+/// [`reservation::MAX_TTL`].
+fn ttl_micros(d: &prost_types::Duration) -> Result<Micros, Status> {
+    let us = i128::from(d.seconds) * 1_000_000 + i128::from(d.nanos) / 1_000;
+    if us <= 0 || us > i128::from(reservation::MAX_TTL) {
+        return Err(Status::invalid_argument(format!(
+            "ttl is {}.{:09} s; a reservation lives from 1 µs to one hour (3600 s)",
+            d.seconds, d.nanos
+        )));
+    }
+    Ok(us as Micros)
 }
 
 #[tonic::async_trait]
@@ -311,8 +398,11 @@ impl RateLimiter for RateLimiterService {
             req.items.len() as u64,
         );
         let items: Vec<Asked<'_>> = req.items.iter().map(Asked::from).collect();
-        let decided = self.decide(&items, true, req.dry_run, &span);
-        let (answer, rules) = if span.is_disabled() {
+        let op = Op::Decide {
+            spend: !req.dry_run,
+        };
+        let decided = self.decide(&items, true, op, None, &span);
+        let (answer, rules, _) = if span.is_disabled() {
             decided.await?
         } else {
             decided.instrument(span.clone()).await?
@@ -328,6 +418,74 @@ impl RateLimiter for RateLimiterService {
             retry_after: Some(duration(answer.retry_after)),
         }))
     }
+
+    async fn reserve(
+        &self,
+        request: Request<ReserveRequest>,
+    ) -> Result<Response<ReserveResponse>, Status> {
+        self.reserve_one(request.get_ref(), request.metadata())
+            .await
+            .map(Response::new)
+    }
+
+    async fn settle(
+        &self,
+        request: Request<SettleRequest>,
+    ) -> Result<Response<SettleResponse>, Status> {
+        let req = request.get_ref();
+        let id = ReservationId::parse(&req.reservation).ok_or_else(|| {
+            engine::refused(Api::Native, 1, &tracing::Span::none());
+            Status::invalid_argument(format!(
+                "reservation {:?} is not a token Reserve returned (they start with \"r1.\")",
+                truncate_for_message(&req.reservation)
+            ))
+        })?;
+        let settled = self
+            .engine
+            .settle(Api::Native, &id, req.actual)
+            .await
+            .map_err(status::from_decide_error)?;
+        let (status, actual) = match settled.status {
+            SettleStatus::AlreadySettled { actual } => (ProtoSettleStatus::AlreadySettled, actual),
+            _ => (ProtoSettleStatus::Settled, req.actual),
+        };
+        let tightest = settled.tightest.unwrap_or(crate::algorithm::Verdict {
+            allowed: true,
+            remaining: 0,
+            debt: 0,
+            forgiven: 0,
+            retry_after: 0,
+            reset_after: 0,
+        });
+        Ok(Response::new(SettleResponse {
+            status: status as i32,
+            estimate: settled.estimate,
+            actual,
+            refunded: settled.estimate.saturating_sub(actual),
+            charged: actual.saturating_sub(settled.estimate),
+            remaining: tightest.remaining,
+            debt: tightest.debt,
+            forgiven: settled.forgiven,
+        }))
+    }
+
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeResponse>, Status> {
+        self.charge_one(request.get_ref(), request.metadata())
+            .await
+            .map(Response::new)
+    }
+}
+
+/// At most 64 bytes of a caller's string, for an error message.
+fn truncate_for_message(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 fn degraded(answer: &ItemAnswer) -> Degraded {
@@ -364,5 +522,6 @@ pub fn to_response(answer: &ItemAnswer, rule: Option<&Rule>) -> ShouldAllowRespo
             .unwrap_or_default(),
         rate: rule.rate_text.clone(),
         degraded: degraded(answer) as i32,
+        debt: answer.debt,
     }
 }

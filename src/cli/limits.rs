@@ -59,6 +59,10 @@ pub struct SetArgs {
     /// When the shared store is down: `allow`, `deny` or `local`.
     #[arg(long, default_value = "allow")]
     pub on_store_unavailable: String,
+    /// Tokens below zero that usage charged after the work (Charge,
+    /// Settle) may take a bucket; 0 for none.
+    #[arg(long, default_value_t = 0)]
+    pub debt: i64,
     /// The row's name (default: TENANT-RESOURCE-SCOPE, plus -shadow).
     #[arg(long)]
     pub name: Option<String>,
@@ -90,6 +94,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                 &args.rate,
                 &args.mode,
                 &args.on_store_unavailable,
+                args.debt,
                 args.name,
             )
             .map_err(anyhow::Error::msg)?;
@@ -120,6 +125,7 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
         "RATE".into(),
         "MODE".into(),
         "STORE_DOWN".into(),
+        "DEBT".into(),
         "UPDATED_AT".into(),
     ]];
     let or = |s: &str, d: &str| {
@@ -139,6 +145,7 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
             format!("{}/{}", r.rate, r.rate_unit),
             r.mode.clone(),
             r.on_store_unavailable.clone(),
+            r.debt.to_string(),
             r.updated_at.clone(),
         ]);
     }

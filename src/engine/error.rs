@@ -53,6 +53,23 @@ pub enum DecideError {
         /// The resource.
         resource: String,
     },
+    /// A settle named a reservation the store does not hold.
+    #[error(
+        "reservation {0} is unknown: it was never made (a reserve answered while the store was \
+         unavailable reserves nothing), or it expired more than ten minutes ago"
+    )]
+    UnknownReservation(String),
+    /// A settle came after the reservation's time to live.
+    #[error(
+        "reservation {id} expired unsettled, so its estimate of {estimate} stays charged; \
+         settle before the ttl ends, or reserve with a longer ttl (at most one hour)"
+    )]
+    ExpiredReservation {
+        /// The token.
+        id: String,
+        /// The estimate that stays charged.
+        estimate: u64,
+    },
     /// The store failed and no fallback covered it.
     #[error(transparent)]
     Store(#[from] StoreError),

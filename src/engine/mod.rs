@@ -167,6 +167,8 @@ pub struct SettleAnswer {
     pub estimate: u64,
     /// The tightest bucket after the settle (settled now only).
     pub tightest: Option<Verdict>,
+    /// Tokens of the excess not charged at debt floors (settled now only).
+    pub forgiven: u64,
 }
 
 /// The engine's answer for one item.
@@ -288,6 +290,16 @@ impl Engine {
             DecideError::from(e)
         })?;
         metrics::settle_outcome(api.label(), settled.status_label());
+        match settled.status {
+            SettleStatus::Unknown => return Err(DecideError::UnknownReservation(id.to_string())),
+            SettleStatus::Expired => {
+                return Err(DecideError::ExpiredReservation {
+                    id: id.to_string(),
+                    estimate: settled.estimate,
+                });
+            }
+            SettleStatus::Settled | SettleStatus::AlreadySettled { .. } => {}
+        }
         let mut tightest: Option<Verdict> = None;
         for v in &settled.verdicts {
             if tightest.is_none_or(|t| summary::tighter(true, v, true, &t)) {
@@ -311,6 +323,7 @@ impl Engine {
             status: settled.status,
             estimate: settled.estimate,
             tightest,
+            forgiven: settled.verdicts.iter().map(|v| v.forgiven).sum(),
         })
     }
 

@@ -132,6 +132,10 @@ pub struct StoredRow {
     pub mode: String,
     /// `allow`, `deny` or `local`.
     pub on_store_unavailable: String,
+    /// How many tokens below zero usage charged after the work (Charge,
+    /// Settle) may take a bucket; 0 for none.
+    #[serde(default)]
+    pub debt: i64,
     /// When the row last changed (set by the table).
     #[serde(default)]
     pub updated_at: String,
@@ -158,6 +162,8 @@ pub struct LimitRow {
     pub mode: Mode,
     /// Behaviour when the shared store is down.
     pub on_store_unavailable: OnStoreUnavailable,
+    /// Tokens below zero that charges after the work may reach.
+    pub debt: u64,
 }
 
 impl std::str::FromStr for Scope {
@@ -214,9 +220,12 @@ impl LimitRow {
         rate: &str,
         mode: &str,
         on_store_unavailable: &str,
+        debt: i64,
         name: Option<String>,
     ) -> Result<Self, String> {
         let rate: Rate = rate.parse()?;
+        let debt = u64::try_from(debt)
+            .map_err(|_| format!("debt is {debt}; it must be 0 (no debt) or more"))?;
         let scope: Scope = scope.parse()?;
         let mode: Mode = mode.parse()?;
         let on_store_unavailable = on_store_unavailable.parse()?;
@@ -247,6 +256,7 @@ impl LimitRow {
             rate,
             mode,
             on_store_unavailable,
+            debt,
         })
     }
 
@@ -262,6 +272,7 @@ impl LimitRow {
             rate_unit: self.rate.unit.as_str().into(),
             mode: self.mode.as_str().into(),
             on_store_unavailable: policy_str(self.on_store_unavailable).into(),
+            debt: i64::try_from(self.debt).unwrap_or(i64::MAX),
             updated_at: String::new(),
         }
     }
@@ -280,7 +291,9 @@ impl LimitRow {
         }
         check_label("tenant", &self.tenant)?;
         check_label("resource", &self.resource)?;
-        let limit = Limit::new(self.burst, self.rate).map_err(|e| e.to_string())?;
+        let limit = Limit::new(self.burst, self.rate)
+            .and_then(|l| l.with_debt(self.debt))
+            .map_err(|e| e.to_string())?;
         Ok(Rule {
             name: self.name.clone(),
             tenant: self.tenant.clone(),
@@ -320,6 +333,8 @@ impl TryFrom<&StoredRow> for LimitRow {
             },
             mode: row.mode.parse()?,
             on_store_unavailable: row.on_store_unavailable.parse()?,
+            debt: u64::try_from(row.debt)
+                .map_err(|_| format!("debt is {}; it must be 0 (no debt) or more", row.debt))?,
         })
     }
 }
@@ -510,11 +525,15 @@ impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} (burst {}, {})",
+            "{} (burst {}, {}",
             self.name,
             self.limit.burst(),
             self.rate
-        )
+        )?;
+        if self.limit.debt() > 0 {
+            write!(f, ", debt {}", self.limit.debt())?;
+        }
+        f.write_str(")")
     }
 }
 

@@ -12,9 +12,12 @@ CREATE TABLE IF NOT EXISTS limits (
     rate_unit            TEXT        NOT NULL DEFAULT 'second',
     mode                 TEXT        NOT NULL DEFAULT 'enforce',
     on_store_unavailable TEXT        NOT NULL DEFAULT 'allow',
+    debt                 BIGINT      NOT NULL DEFAULT 0,
     updated_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
     UNIQUE (tenant, resource, scope, mode)
 );
+-- Tables made before the debt column get it.
+ALTER TABLE limits ADD COLUMN IF NOT EXISTS debt BIGINT NOT NULL DEFAULT 0;
 
 -- Plain SQL edits keep updated_at honest too.
 CREATE OR REPLACE FUNCTION tollgate_limits_touch() RETURNS trigger LANGUAGE plpgsql AS $$

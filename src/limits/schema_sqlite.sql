@@ -10,6 +10,7 @@ CREATE TABLE IF NOT EXISTS limits (
     rate_unit            TEXT    NOT NULL DEFAULT 'second',
     mode                 TEXT    NOT NULL DEFAULT 'enforce',
     on_store_unavailable TEXT    NOT NULL DEFAULT 'allow',
+    debt                 INTEGER NOT NULL DEFAULT 0,
     updated_at           TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     UNIQUE (tenant, resource, scope, mode)
 );

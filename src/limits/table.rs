@@ -44,6 +44,7 @@ pub fn default_row() -> LimitRow {
         },
         mode: Mode::Enforce,
         on_store_unavailable: OnStoreUnavailable::Allow,
+        debt: 0,
     }
 }
 
@@ -162,6 +163,18 @@ impl LimitsTable {
                 .await?
                 .try_get(0)?;
                 tx.execute(SCHEMA).await?;
+                // Tables made before the debt column get it (SQLite has no
+                // ADD COLUMN IF NOT EXISTS).
+                let has_debt: i64 = sqlx::query(
+                    "SELECT count(*) FROM pragma_table_info('limits') WHERE name = 'debt'",
+                )
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+                if has_debt == 0 {
+                    tx.execute("ALTER TABLE limits ADD COLUMN debt INTEGER NOT NULL DEFAULT 0")
+                        .await?;
+                }
                 tx.commit().await?;
                 if exists == 0 {
                     self.insert(&default_row()).await?;
@@ -216,8 +229,7 @@ impl LimitsTable {
 
     /// Every row, in id order.
     pub async fn rows(&self) -> Result<Vec<StoredRow>, TableError> {
-        const COLUMNS: &str =
-            "name, tenant, resource, scope, burst, rate, rate_unit, mode, on_store_unavailable";
+        const COLUMNS: &str = "name, tenant, resource, scope, burst, rate, rate_unit, mode, on_store_unavailable, debt";
         match &self.pool {
             Pool::Sqlite(pool) => {
                 let sql = format!("SELECT {COLUMNS}, updated_at FROM limits ORDER BY id");
@@ -278,7 +290,8 @@ impl LimitsTable {
         let sql = format!(
             "{INSERT} ON CONFLICT (tenant, resource, scope, mode) DO UPDATE SET name = excluded.name, \
              burst = excluded.burst, rate = excluded.rate, rate_unit = excluded.rate_unit, \
-             on_store_unavailable = excluded.on_store_unavailable, updated_at = {now}"
+             on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, \
+             updated_at = {now}"
         );
         self.execute(&sql, &insert_binds(row)).await?;
         Ok(())
@@ -324,7 +337,7 @@ impl LimitsTable {
 }
 
 const INSERT: &str = "INSERT INTO limits (name, tenant, resource, scope, burst, rate, rate_unit, mode, \
-                      on_store_unavailable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)";
+                      on_store_unavailable, debt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
 const CLASH: &str = "SELECT tenant, resource, scope FROM limits WHERE name = ? \
                      AND NOT (tenant = ? AND resource = ? AND scope = ? AND mode = ?)";
@@ -340,6 +353,7 @@ fn insert_binds(row: &StoredRow) -> Vec<Bind<'_>> {
         Bind::Text(&row.rate_unit),
         Bind::Text(&row.mode),
         Bind::Text(&row.on_store_unavailable),
+        Bind::Int(row.debt),
     ]
 }
 
@@ -392,6 +406,7 @@ where
         rate_unit: r.try_get("rate_unit")?,
         mode: r.try_get("mode")?,
         on_store_unavailable: r.try_get("on_store_unavailable")?,
+        debt: r.try_get("debt")?,
         updated_at: r.try_get("updated_at")?,
     })
 }

@@ -21,6 +21,7 @@ pub(crate) fn row(
         rate_unit: unit.into(),
         mode: "enforce".into(),
         on_store_unavailable: "allow".into(),
+        debt: 0,
         updated_at: String::new(),
     }
 }

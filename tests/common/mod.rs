@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod envoy;
+pub mod envoy_proxy;
 pub mod postgres;
 pub mod process;
 pub mod raw;
@@ -56,6 +57,7 @@ pub fn row(
         rate,
         "enforce",
         "allow",
+        0,
         Some(name.into()),
     )
     .unwrap()

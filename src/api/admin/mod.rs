@@ -205,6 +205,8 @@ struct RowRequest {
     mode: String,
     #[serde(default = "default_policy")]
     on_store_unavailable: String,
+    #[serde(default)]
+    debt: i64,
     name: Option<String>,
 }
 
@@ -232,6 +234,7 @@ async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes
         &req.rate,
         &req.mode,
         &req.on_store_unavailable,
+        req.debt,
         req.name,
     ) {
         Ok(row) => row,
@@ -404,6 +407,7 @@ async fn limits(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
                 "rate": r.rate.to_string(),
                 "mode": r.mode,
                 "on_store_unavailable": r.on_store_unavailable,
+                "debt": r.limit.debt(),
             })
         })
         .collect();

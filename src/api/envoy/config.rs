@@ -23,8 +23,9 @@
 //! Tollgate adds, inside `rate_limit`: `algorithm` (`fixed_window`, the
 //! default here as in envoyproxy/ratelimit; `token_bucket`;
 //! `sliding_window`), `burst` (token bucket capacity, default
-//! `requests_per_unit`) and `on_store_unavailable` (`allow`, `deny`,
-//! `local`; default `allow`).
+//! `requests_per_unit`), `on_store_unavailable` (`allow`, `deny`,
+//! `local`; default `allow`) and `debt` (how many tokens below zero usage
+//! charged after the stream may take the bucket; default 0).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -53,6 +54,7 @@ const VALID_KEYS: &[&str] = &[
     "algorithm",
     "burst",
     "on_store_unavailable",
+    "debt",
 ];
 
 /// A configuration error, `FILE: what is wrong`.
@@ -374,6 +376,16 @@ fn load_rule(
             ));
         }
     };
+    let debt = match &y["debt"] {
+        Yaml::Null | Yaml::BadValue => 0,
+        Yaml::Integer(n) if *n >= 0 => *n as u64,
+        other => {
+            return Err(format!(
+                "debt must be a whole number of 0 or more, got {}",
+                show(other)
+            ));
+        }
+    };
     let kind = if unlimited {
         RuleKind::Unlimited
     } else if requests_per_unit == 0 {
@@ -387,6 +399,7 @@ fn load_rule(
             Some(burst) => Limit::new(burst, rate),
             None => Limit::window(algorithm, rate),
         }
+        .and_then(|limit| limit.with_debt(debt))
         .map_err(|e| format!("rate limit {full_key}: {e}"))?;
         RuleKind::Limited(limit)
     };
@@ -551,6 +564,14 @@ mod tests {
             (
                 "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 5}\n",
                 "config/edge.yaml: burst is only for algorithm token_bucket",
+            ),
+            (
+                "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, debt: -1}\n",
+                "config/edge.yaml: debt must be a whole number of 0 or more, got -1",
+            ),
+            (
+                "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: year, requests_per_unit: 1, algorithm: token_bucket, debt: 1000}\n",
+                "config/edge.yaml: rate limit x.a: a debt of 1000 below a burst of 1 takes too long to refill; lower the debt",
             ),
         ];
         for (text, expected) in cases {

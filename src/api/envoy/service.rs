@@ -5,6 +5,19 @@
 //! it matches; the engine decides them together in one atomic call. Unlike
 //! envoyproxy/ratelimit, a request over the limit of one descriptor spends
 //! nothing from the others.
+//!
+//! Two Tollgate extensions serve costs known only after the response (LLM
+//! tokens), through a stock Envoy:
+//!
+//! - a descriptor whose `hits_addend` is an explicit 0 and whose rule
+//!   allows debt *asks without spending*: it is admitted while the bucket
+//!   holds at least one token (envoyproxy/ratelimit answers such an ask OK
+//!   even at zero; so does Tollgate for rules without debt);
+//! - a descriptor carrying the entry [`CHARGE_ENTRY`] (Envoy's
+//!   `generic_key` action with that `descriptor_key`, on the rate limit
+//!   applied `apply_on_stream_done`) is *charged after the fact*: its
+//!   `hits_addend` is applied in full, into debt where the rule allows it,
+//!   whatever the balance. The entry is dropped before matching.
 
 use std::sync::Arc;
 
@@ -34,6 +47,9 @@ pub use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::
 /// The metric label of every limit sent in a request (`limit` override):
 /// request values never become label values.
 pub const OVERRIDE_LABEL: &str = "override";
+
+/// The descriptor entry key that marks usage to charge after the fact.
+pub const CHARGE_ENTRY: &str = "tollgate.charge";
 
 /// Service-wide options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +90,9 @@ impl EnvoyRateLimitService {
     }
 }
 
-/// The rule each descriptor matched, after `replaces`.
-type Matched = Vec<Option<(Match, u64)>>;
+/// The rule each descriptor matched, after `replaces`, with its hits and
+/// whether they were an explicit 0 (an ask).
+type Matched = Vec<Option<(Match, u64, bool)>>;
 
 #[tonic::async_trait]
 impl RateLimitService for EnvoyRateLimitService {
@@ -97,18 +114,26 @@ impl RateLimitService for EnvoyRateLimitService {
             status::from_decide_error(err)
         };
         check(req).map_err(refuse)?;
+        let charging = charging(req).map_err(refuse)?;
         let matched = self.matched(req, request_hits).map_err(refuse)?;
         // The tenant part of bucket names, and the tenant the top-limited
         // views count rejections under: `~DOMAIN`, percent-encoded.
         let tenant = encode_domain(&req.domain);
-        let mut demand = Demand::new(Api::Envoy, Op::SPEND, OverCapacity::Reject);
+        let op = if charging { Op::Charge } else { Op::SPEND };
+        let mut demand = Demand::new(Api::Envoy, op, OverCapacity::Reject);
         for (i, found) in matched.iter().enumerate() {
-            let cost = found.as_ref().map_or(request_hits, |(_, hits)| *hits);
-            let key = found.as_ref().map_or("", |(m, _)| m.counter.as_str());
-            demand
-                .items
-                .push(Item::new(&tenant, truncate(key, caps::MAX_KEY_BYTES), cost));
-            let Some((m, _)) = found else { continue };
+            let cost = found.as_ref().map_or(request_hits, |(_, hits, _)| *hits);
+            let key = found.as_ref().map_or("", |(m, _, _)| m.counter.as_str());
+            let mut item = Item::new(&tenant, truncate(key, caps::MAX_KEY_BYTES), cost);
+            // An ask on a rule with debt needs one token and spends none.
+            if let Some((m, _, true)) = found
+                && !charging
+                && matches!(m.rule.kind, RuleKind::Limited(l) if l.debt() > 0)
+            {
+                item.need = 1;
+            }
+            demand.items.push(item);
+            let Some((m, _, _)) = found else { continue };
             let allowance = match m.rule.kind {
                 RuleKind::Unlimited => Allowance::Unlimited,
                 RuleKind::Block => Allowance::Blocked {
@@ -148,7 +173,7 @@ impl RateLimitService for EnvoyRateLimitService {
             .iter()
             .zip(&matched)
             .map(|(a, found)| {
-                let Some((m, _)) = found else {
+                let Some((m, _, _)) = found else {
                     return DescriptorStatus {
                         code: Code::Ok as i32,
                         ..Default::default()
@@ -212,9 +237,11 @@ impl EnvoyRateLimitService {
             let entries: Vec<(&str, &str)> = d
                 .entries
                 .iter()
+                .filter(|e| e.key != CHARGE_ENTRY)
                 .map(|e| (e.key.as_str(), e.value.as_str()))
                 .collect();
             let hits = d.hits_addend.unwrap_or(request_hits);
+            let ask = d.hits_addend == Some(0);
             let found = match &d.limit {
                 Some(over) => Some(override_rule(
                     i,
@@ -224,12 +251,12 @@ impl EnvoyRateLimitService {
                 )?),
                 None => config.find(&req.domain, &entries),
             };
-            matched.push(found.map(|m| (m, hits)));
+            matched.push(found.map(|m| (m, hits, ask)));
         }
         let replaced: Vec<String> = matched
             .iter()
             .flatten()
-            .flat_map(|(m, _)| m.rule.replaces.iter().cloned())
+            .flat_map(|(m, _, _)| m.rule.replaces.iter().cloned())
             .collect();
         if replaced.is_empty() {
             return Ok(matched);
@@ -237,7 +264,7 @@ impl EnvoyRateLimitService {
         for found in &mut matched {
             if found
                 .as_ref()
-                .is_some_and(|(m, _)| !m.rule.name.is_empty() && replaced.contains(&m.rule.name))
+                .is_some_and(|(m, _, _)| !m.rule.name.is_empty() && replaced.contains(&m.rule.name))
             {
                 *found = None;
             }
@@ -285,6 +312,22 @@ fn check_descriptor(i: usize, d: &RateLimitDescriptor) -> Result<(), DecideError
         caps::check_key(|| format!("descriptors[{i}].entries[{j}].value"), &e.value)?;
     }
     Ok(())
+}
+
+/// Whether the request charges usage after the fact: every descriptor
+/// carries [`CHARGE_ENTRY`], or none does.
+fn charging(req: &RateLimitRequest) -> Result<bool, DecideError> {
+    let marked = |d: &RateLimitDescriptor| d.entries.iter().any(|e| e.key == CHARGE_ENTRY);
+    let n = req.descriptors.iter().filter(|d| marked(d)).count();
+    if n != 0 && n != req.descriptors.len() {
+        return Err(DecideError::InvalidBatch(format!(
+            "{n} of {} descriptors carry the {CHARGE_ENTRY} entry: a request either charges usage \
+             after the fact (every descriptor carries it, as the rate limit applied on stream done) \
+             or is decided (none does), not both",
+            req.descriptors.len()
+        )));
+    }
+    Ok(n != 0)
 }
 
 /// `s` cut to at most `max` bytes, at a character boundary.

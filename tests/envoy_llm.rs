@@ -1,0 +1,265 @@
+//! Token budgets for LLM traffic through a stock Envoy: a real Envoy with
+//! `deploy/envoy/llm/envoy.yaml` in front of a fake LLM upstream that
+//! reports each response's usage in `x-usage-tokens`, three Tollgate
+//! instances behind it sharing one real Redis. The request phase asks
+//! without spending; the stream-done phase charges the reported usage.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, HeaderValue};
+use common::TestServer;
+use common::envoy_proxy::{Envoy, HttpResponse, get};
+use common::redis::RedisServer;
+use parking_lot::Mutex;
+use tollgate::server::StoreSpec;
+
+/// The rules of this test: `user` is slow to refill (1 000 tokens a day:
+/// one every 86.4 s), so what the store holds can be read back exactly;
+/// `user=tiny` refills 10 a second, to watch a debt being paid off.
+const RULES: &str = "\
+domain: llm
+descriptors:
+  - key: user
+    rate_limit: {algorithm: token_bucket, unit: day, requests_per_unit: 1000, burst: 5000, debt: 50000}
+  - key: user
+    value: tiny
+    rate_limit: {algorithm: token_bucket, unit: second, requests_per_unit: 10, burst: 10, debt: 100}
+";
+
+/// Microseconds per token of the `user` rule.
+const SLOW_INTERVAL: u64 = 86_400_000;
+const SLOW_BURST: u64 = 5000;
+
+/// The fake LLM: answers with the usage the request asks for
+/// (`x-want-tokens`) in `x-usage-tokens`, and records what it reported.
+async fn llm_upstream() -> (u16, Arc<Mutex<Vec<(String, u64)>>>) {
+    let reported: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let seen = reported.clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let app = axum::Router::new().fallback(move |headers: HeaderMap| {
+        let seen = seen.clone();
+        async move {
+            let text = |name: &str| {
+                headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            let tokens: u64 = text("x-want-tokens").parse().unwrap_or(1);
+            seen.lock().push((text("x-user"), tokens));
+            let mut out = HeaderMap::new();
+            out.insert("x-usage-tokens", HeaderValue::from(tokens));
+            (out, "a completion")
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (port, reported)
+}
+
+/// Tokens charged after the fact by the three instances. (They run in this
+/// test's process, which has one metrics registry: any instance's
+/// `/metrics` counts all three.)
+async fn charged(servers: &[TestServer]) -> u64 {
+    let (_, metrics) = servers[0].http_get("/metrics").await.unwrap();
+    common::envoy::sample(
+        &metrics,
+        "tollgate_charged_tokens_total{api=\"envoy\",phase=\"charge\"}",
+    )
+    .unwrap_or(0)
+}
+
+/// Waits until the instances have recorded `want` charged tokens (Envoy
+/// sends the charge after the response, so it may land a moment later).
+async fn charges_landed(servers: &[TestServer], want: u64) {
+    for _ in 0..400 {
+        if charged(servers).await == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "the instances recorded {} charged tokens, not {want}",
+        charged(servers).await
+    );
+}
+
+/// Redis's clock, in µs.
+fn redis_now(conn: &mut redis::Connection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query(conn).unwrap();
+    s * 1_000_000 + us
+}
+
+/// The instant a user's bucket is full again, from its Redis key.
+fn full_at(conn: &mut redis::Connection, user: &str) -> u64 {
+    let value: String = redis::cmd("GET")
+        .arg(format!("tollgate:{{~llm}}:e:token_bucket:user_{user}"))
+        .query(conn)
+        .unwrap();
+    value.split(':').next().unwrap().parse().unwrap()
+}
+
+async fn ask(port: u16, user: &str, tokens: u64) -> HttpResponse {
+    get(
+        port,
+        "/v1/chat/completions",
+        &[("x-user", user), ("x-want-tokens", &tokens.to_string())],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_charges_reported_usage_exactly_across_three_instances() {
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/llm");
+    // The documented rules load, with their debt.
+    let documented = std::fs::read_to_string(format!("{deploy}/ratelimit/llm.yaml")).unwrap();
+    let loaded =
+        tollgate::api::envoy::config::EnvoyConfig::load(&[("llm.yaml".into(), documented)])
+            .unwrap();
+    assert_eq!(loaded.rules(), 2);
+
+    let redis = RedisServer::start();
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
+    let mut servers = Vec::new();
+    for _ in 0..3 {
+        let (url, dir) = (redis.url(), rules.path().to_owned());
+        servers.push(
+            TestServer::launch(None, move |c| {
+                c.store = StoreSpec::Redis(url);
+                c.envoy_config = Some(dir);
+            })
+            .await,
+        );
+    }
+    let (upstream_port, reported) = llm_upstream().await;
+    let endpoints: String = servers
+        .iter()
+        .map(|s| {
+            format!(
+                "\n              - endpoint:\n                  address:\n                    \
+                 socket_address: {{ address: 127.0.0.1, port_value: {} }}",
+                s.grpc.port()
+            )
+        })
+        .collect();
+    let template = std::fs::read_to_string(format!("{deploy}/envoy.yaml")).unwrap();
+    let one_endpoint = "\n              - endpoint:\n                  address:\n                    \
+                        socket_address: { address: 127.0.0.1, port_value: 50051 }";
+    assert!(
+        template.contains(one_endpoint),
+        "the Tollgate endpoint moved"
+    );
+    let envoy = Envoy::start(1, |listeners, admin| {
+        template
+            .replace(one_endpoint, &endpoints)
+            .replace(
+                "port_value: 10000",
+                &format!("port_value: {}", listeners[0]),
+            )
+            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+    })
+    .await;
+    let port = envoy.listeners[0];
+    let mut conn = redis::Client::open(redis.url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+
+    // Carol works until her budget runs out: each request is admitted
+    // while her bucket holds a token, and each response's usage is charged
+    // in full when its stream ends, even past zero.
+    let usage = [250, 731, 1200, 64, 999, 480, 1500, 333, 87, 2048, 640, 17];
+    let (mut served, mut refused) = (0u64, None);
+    for &tokens in &usage {
+        let before = redis_now(&mut conn);
+        let r = ask(port, "carol", tokens).await;
+        let after = redis_now(&mut conn);
+        if r.status == 200 {
+            assert_eq!(r.body, "a completion");
+            served += tokens;
+            charges_landed(&servers, served).await;
+            continue;
+        }
+        assert_eq!(r.status, 429, "{:?}", r.headers);
+        refused = Some((r, before, after));
+        break;
+    }
+    // She went over her burst of 5 000 with the request that was admitted
+    // last (1 500 tokens, taking her from 3 724 to 5 224), into debt.
+    assert_eq!(served, 250 + 731 + 1200 + 64 + 999 + 480 + 1500);
+    let (r, before, after) = refused.expect("carol is refused once her budget is spent");
+    // Every token the upstream reported is recorded in Redis, exactly: the
+    // bucket is full again `served` tokens' refill after the first charge
+    // (less than one token's refill has passed since).
+    let full = full_at(&mut conn, "carol");
+    let now = redis_now(&mut conn);
+    assert_eq!((full - now).div_ceil(SLOW_INTERVAL), served);
+    let upstream_total: u64 = reported
+        .lock()
+        .iter()
+        .filter(|(u, _)| u == "carol")
+        .map(|(_, t)| t)
+        .sum();
+    assert_eq!(
+        upstream_total, served,
+        "the refused request never reached the upstream"
+    );
+    // The 429's Retry-After is when her balance is back to one token: the
+    // debt plus one token's refill, rounded up to whole seconds, as of the
+    // instant Tollgate decided (between `before` and `after`).
+    let wait_from =
+        |t: u64| (full - t - SLOW_BURST * SLOW_INTERVAL + SLOW_INTERVAL).div_ceil(1_000_000);
+    let retry: u64 = r
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
+    assert!(
+        (wait_from(after)..=wait_from(before)).contains(&retry),
+        "Retry-After {retry} s, not within {}..={}",
+        wait_from(after),
+        wait_from(before)
+    );
+    assert_eq!(r.header("ratelimit-remaining"), Some("0"));
+    assert_eq!(r.header("x-envoy-ratelimited"), Some("true"));
+
+    // Every instance took part: Envoy spread the calls round robin (its
+    // admin port counts the requests each endpoint served).
+    let clusters = common::envoy_proxy::get(envoy.admin, "/clusters", &[])
+        .await
+        .body;
+    for s in &servers {
+        let served = format!("tollgate::127.0.0.1:{}::rq_total::", s.grpc.port());
+        let calls: u64 = clusters
+            .lines()
+            .find_map(|l| l.strip_prefix(&served))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0);
+        assert!(
+            calls >= 3,
+            "instance {} served {calls} calls:\n{clusters}",
+            s.grpc.port()
+        );
+    }
+
+    // A user in debt recovers once the refill covers it: 25 tokens on a
+    // bucket of 10 leave a debt of 15; one token more (16 at 10 a second)
+    // is 1.6 s away, which Retry-After rounds up to 2.
+    assert_eq!(ask(port, "tiny", 25).await.status, 200);
+    charges_landed(&servers, served + 25).await;
+    let r = ask(port, "tiny", 1).await;
+    assert_eq!(r.status, 429);
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!(retry == 1 || retry == 2, "Retry-After {retry}");
+    tokio::time::sleep(Duration::from_secs(retry)).await;
+    let r = ask(port, "tiny", 3).await;
+    assert_eq!(r.status, 200, "the debt is paid off after Retry-After");
+    charges_landed(&servers, served + 25 + 3).await;
+    drop(envoy);
+}
