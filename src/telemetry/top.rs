@@ -345,13 +345,7 @@ pub fn render_metric(top: &[TopTenant]) -> String {
          # TYPE tollgate_top_limited_rejections gauge\n",
     );
     for (rank, t) in top.iter().enumerate() {
-        // The exposition format's label escaping: backslash, double quote
-        // and line feed (a raw newline would start a forged sample line).
-        let tenant = t
-            .tenant
-            .replace('\\', "\\\\")
-            .replace('"', "\\\"")
-            .replace('\n', "\\n");
+        let tenant = escape_label(&t.tenant);
         out.push_str(&format!(
             "tollgate_top_limited_rejections{{tenant=\"{tenant}\",rank=\"{}\"}} {}\n",
             rank + 1,
@@ -359,6 +353,33 @@ pub fn render_metric(top: &[TopTenant]) -> String {
         ));
     }
     out
+}
+
+/// The Prometheus text of the in-debt family: the deepest `n` tenants seen
+/// in debt within the window, so its series never grow beyond `n`.
+pub fn render_debt_metric(in_debt: &[InDebt]) -> String {
+    let mut out = String::from(
+        "# HELP tollgate_tenant_debt_tokens Tokens below zero of the tenants seen deepest in debt over the recent window, as last seen (top K only).\n\
+         # TYPE tollgate_tenant_debt_tokens gauge\n",
+    );
+    for d in in_debt {
+        out.push_str(&format!(
+            "tollgate_tenant_debt_tokens{{tenant=\"{}\"}} {}\n",
+            escape_label(&d.tenant),
+            d.debt
+        ));
+    }
+    out
+}
+
+/// A label value escaped as the exposition format wants: backslash,
+/// double quote and line feed (a raw newline would start a forged sample
+/// line).
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]

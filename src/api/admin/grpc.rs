@@ -6,7 +6,9 @@ use tonic::{Request, Response, Status};
 
 use crate::algorithm::Micros;
 use crate::api::duration;
-use crate::proto::v1::{LimitedKey, LimitedTenant, TopLimitedRequest, TopLimitedResponse};
+use crate::proto::v1::{
+    LimitedKey, LimitedTenant, TenantInDebt, TopLimitedRequest, TopLimitedResponse,
+};
 use crate::telemetry::top::TopLimited;
 
 pub use crate::proto::v1::admin_server::AdminServer;
@@ -38,7 +40,19 @@ impl crate::proto::v1::admin_server::Admin for AdminService {
             }
         };
         let tenants = self.top.top(pick(r.tenants, 10), pick(r.keys, 5));
+        let in_debt = self
+            .top
+            .in_debt(pick(r.tenants, 10))
+            .into_iter()
+            .map(|d| TenantInDebt {
+                tenant: d.tenant,
+                key: d.key,
+                debt: d.debt,
+                seen_ago: Some(duration(d.seen_ago_us)),
+            })
+            .collect();
         Ok(Response::new(TopLimitedResponse {
+            in_debt,
             window: Some(duration(self.top.window().as_micros() as Micros)),
             tenants: tenants
                 .into_iter()

@@ -11,7 +11,7 @@
 //! | `/metrics`    | Prometheus text format                                 |
 //! | `/v1/limits`  | JSON: the rules in force and the last reload's status  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
-//! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`) |
+//! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), and the tenants seen in debt |
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 
 use std::sync::Arc;
@@ -367,6 +367,9 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     metrics::grpc_in_flight(state.grpc_in_flight.in_flight());
     let mut text = metrics::handle().render();
     text.push_str(&crate::telemetry::top::render_metric(&state.top.top(10, 0)));
+    text.push_str(&crate::telemetry::top::render_debt_metric(
+        &state.top.in_debt(10),
+    ));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -384,7 +387,12 @@ async fn top_limited(
         q.tenants.unwrap_or(10).min(100),
         q.keys.unwrap_or(5).min(100),
     );
-    Json(json!({ "window_seconds": state.top.window().as_secs(), "tenants": tenants }))
+    let in_debt = state.top.in_debt(q.tenants.unwrap_or(10).min(100));
+    Json(json!({
+        "window_seconds": state.top.window().as_secs(),
+        "tenants": tenants,
+        "in_debt": in_debt,
+    }))
 }
 
 async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {

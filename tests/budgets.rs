@@ -1,0 +1,271 @@
+//! Costs known only after the work, through the native API and a real
+//! server: Reserve, Settle and Charge, debt, their errors, their metrics
+//! and the in-debt views; and a reservation settled on another instance
+//! sharing a real Redis.
+
+mod common;
+
+use std::time::Duration;
+
+use common::redis::RedisServer;
+use common::{TestServer, ask, micros, req, row};
+use tollgate::proto::v1::{ChargeRequest, ReserveRequest, SettleRequest, SettleStatus};
+use tollgate::server::StoreSpec;
+
+/// Tenant `llm`: per key 1 000 tokens, 1 000 an hour (one every 3.6 s),
+/// up to 500 below zero; a tenant-wide ceiling of 5 000 without debt.
+fn rules() -> Vec<tollgate::limits::LimitRow> {
+    let mut per_key = row("llm-key", "llm", "", "key", 1000, "1000/hour");
+    per_key.debt = 500;
+    vec![
+        per_key,
+        row("llm-tenant", "llm", "", "tenant", 5000, "5000/hour"),
+    ]
+}
+
+fn reserve(key: &str, estimate: u64, ttl: Option<Duration>) -> ReserveRequest {
+    ReserveRequest {
+        key: key.into(),
+        estimate,
+        tenant: "llm".into(),
+        resource: String::new(),
+        ttl: ttl.map(|d| prost_types::Duration {
+            seconds: d.as_secs() as i64,
+            nanos: d.subsec_nanos() as i32,
+        }),
+    }
+}
+
+fn settle(reservation: &str, actual: u64) -> SettleRequest {
+    SettleRequest {
+        reservation: reservation.into(),
+        actual,
+    }
+}
+
+/// A metric's value, 0 when absent.
+fn sample(metrics: &str, series: &str) -> u64 {
+    common::envoy::sample(metrics, series).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_settle_charge_and_debt_through_the_native_api() {
+    let server = TestServer::launch(Some(&rules()), |c| {
+        c.sweep_interval = Duration::from_millis(20)
+    })
+    .await;
+    let mut client = server.client().await;
+
+    // Reserve 300: both buckets are charged; the key's is the tightest.
+    let r = client
+        .reserve(reserve("carol", 300, None))
+        .await
+        .unwrap()
+        .into_inner();
+    let decision = r.decision.unwrap();
+    assert!(decision.allowed);
+    assert_eq!(
+        (decision.remaining, decision.limit_name.as_str()),
+        (700, "llm-key")
+    );
+    assert!(r.reservation.starts_with("r1."), "{}", r.reservation);
+    assert_eq!(micros(&r.ttl), 60_000_000, "one minute unless asked");
+
+    // It cost 120: 180 come back to both buckets.
+    let s = client
+        .settle(settle(&r.reservation, 120))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.status, SettleStatus::Settled as i32);
+    assert_eq!(
+        (
+            s.estimate,
+            s.actual,
+            s.refunded,
+            s.charged,
+            s.remaining,
+            s.debt
+        ),
+        (300, 120, 180, 0, 880, 0)
+    );
+    // A retried settle changes nothing and says which one counted.
+    let again = client
+        .settle(settle(&r.reservation, 999))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.status, SettleStatus::AlreadySettled as i32);
+    assert_eq!((again.actual, again.refunded, again.charged), (120, 180, 0));
+    assert_eq!(ask(&mut client, req("llm", "carol")).await.remaining, 879);
+
+    // 1 500 used after the fact: the key's bucket goes from 879 to its
+    // floor of -500 (121 forgiven); the ceiling, without debt, to 3 379.
+    let c = client
+        .charge(ChargeRequest {
+            key: "carol".into(),
+            cost: 1500,
+            tenant: "llm".into(),
+            resource: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (c.remaining, c.debt, c.forgiven, c.limit_name.as_str()),
+        (0, 500, 121, "llm-key")
+    );
+    assert_eq!(micros(&c.reset_after), 1500 * 3_600_000);
+
+    // In debt, requests wait until the refill has covered the debt and the
+    // token they need: 501 tokens at 3.6 s, exactly (the clock stands still).
+    let refused = ask(&mut client, req("llm", "carol")).await;
+    assert!(!refused.allowed);
+    assert_eq!(refused.debt, 500);
+    assert_eq!(micros(&refused.retry_after), 501 * 3_600_000);
+    assert_eq!(refused.headers["Retry-After"], "1804");
+    let r = client
+        .reserve(reserve("carol", 10, None))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!r.decision.unwrap().allowed);
+    assert_eq!(r.reservation, "", "nothing reserved, nothing to settle");
+    // Other keys are untouched.
+    assert!(ask(&mut client, req("llm", "dave")).await.allowed);
+
+    // The in-debt views name her.
+    let (_, top) = server.http_get("/v1/top-limited").await.unwrap();
+    let top: serde_json::Value = serde_json::from_str(&top).unwrap();
+    assert_eq!(top["in_debt"][0]["tenant"], "llm");
+    assert_eq!(top["in_debt"][0]["key"], "carol");
+    assert_eq!(top["in_debt"][0]["debt"], 500);
+
+    // Bad settles get statuses that say what happened.
+    let bad = client.settle(settle("not-a-token", 1)).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(
+        bad.message().contains("not a token Reserve returned"),
+        "{bad:?}"
+    );
+    let unknown = format!("r1.{}.6c6c6d", "0".repeat(32));
+    let bad = client.settle(settle(&unknown, 1)).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::NotFound);
+    assert!(bad.message().contains("is unknown"), "{bad:?}");
+    let bad = client
+        .reserve(reserve("erin", 10, Some(Duration::from_secs(7200))))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(
+        bad.message().contains("at most") || bad.message().contains("one hour"),
+        "{bad:?}"
+    );
+    let bad = client
+        .reserve(reserve("erin", 5000, None))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        bad.code(),
+        tonic::Code::InvalidArgument,
+        "above the burst: {bad:?}"
+    );
+
+    // A reservation past its time to live keeps its estimate charged.
+    let r = client
+        .reserve(reserve("erin", 40, Some(Duration::from_secs(1))))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.decision.unwrap().remaining, 960);
+    server.clock.advance(Duration::from_secs(1));
+    let late = client.settle(settle(&r.reservation, 0)).await.unwrap_err();
+    assert_eq!(late.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        late.message().contains("estimate of 40 stays charged"),
+        "{late:?}"
+    );
+    assert_eq!(ask(&mut client, req("llm", "erin")).await.remaining, 959);
+
+    // What happened, counted. (This test runs in a process of its own.)
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = server.http_get("/metrics").await.unwrap().1;
+        if sample(&metrics, "tollgate_reservations_expired_total") == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for (series, want) in [
+        ("tollgate_reservations_total{api=\"native\"}", 2),
+        ("tollgate_reserved_tokens_total{api=\"native\"}", 340),
+        ("tollgate_refunded_tokens_total{api=\"native\"}", 180),
+        (
+            "tollgate_charged_tokens_total{api=\"native\",phase=\"charge\"}",
+            1500,
+        ),
+        ("tollgate_forgiven_tokens_total{api=\"native\"}", 121),
+        (
+            "tollgate_settles_total{api=\"native\",status=\"settled\"}",
+            1,
+        ),
+        (
+            "tollgate_settles_total{api=\"native\",status=\"already_settled\"}",
+            1,
+        ),
+        (
+            "tollgate_settles_total{api=\"native\",status=\"unknown\"}",
+            1,
+        ),
+        (
+            "tollgate_settles_total{api=\"native\",status=\"expired\"}",
+            1,
+        ),
+        ("tollgate_reservations_expired_total", 1),
+        ("tollgate_tenant_debt_tokens{tenant=\"llm\"}", 500),
+    ] {
+        assert_eq!(sample(&metrics, series), want, "{series}\n{metrics}");
+    }
+    common::assert_promtool_accepts(&metrics);
+}
+
+/// On Redis, a reservation made through one instance is settled exactly
+/// through another: the refund is seen by both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_settles_on_another_instance() {
+    let redis = RedisServer::start();
+    let rules = rules();
+    let launch = || {
+        let url = redis.url();
+        TestServer::launch(Some(&rules), move |c| {
+            c.store = StoreSpec::Redis(url);
+            c.redis_uses_clock = true;
+        })
+    };
+    let (a, b) = (launch().await, launch().await);
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let r = ca
+        .reserve(reserve("carol", 400, Some(Duration::from_secs(600))))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.decision.unwrap().remaining, 600);
+    let s = cb
+        .settle(settle(&r.reservation, 650))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.status, SettleStatus::Settled as i32);
+    assert_eq!((s.charged, s.remaining, s.debt), (250, 350, 0));
+    let again = ca
+        .settle(settle(&r.reservation, 1))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.status, SettleStatus::AlreadySettled as i32);
+    assert_eq!(again.actual, 650);
+    let mut asked = req("llm", "carol");
+    asked.dry_run = true;
+    assert_eq!(ask(&mut ca, asked.clone()).await.remaining, 349);
+    assert_eq!(ask(&mut cb, asked).await.remaining, 349);
+}
