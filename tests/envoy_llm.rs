@@ -263,3 +263,88 @@ async fn envoy_charges_reported_usage_exactly_across_three_instances() {
     charges_landed(&servers, served + 25 + 3).await;
     drop(envoy);
 }
+
+/// An upstream that streams its answer (chunked) and reports the usage in
+/// a trailer, as streamed LLM responses do: `x-want-tokens` says how much.
+async fn streaming_upstream() -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let mut head = String::new();
+                while !head.contains("\r\n\r\n") {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    head.push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+                let tokens = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("x-want-tokens")
+                            .then(|| v.trim().to_owned())
+                    })
+                    .unwrap_or_else(|| "1".into());
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-usage-tokens\r\n\r\n\
+                     6\r\nstream\r\n0\r\nx-usage-tokens: {tokens}\r\n\r\n"
+                );
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_charges_usage_reported_in_a_trailer() {
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/llm");
+    let redis = RedisServer::start();
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
+    let (url, dir) = (redis.url(), rules.path().to_owned());
+    let server = TestServer::launch(None, move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.envoy_config = Some(dir);
+    })
+    .await;
+    let upstream_port = streaming_upstream().await;
+    let template = std::fs::read_to_string(format!("{deploy}/envoy.yaml")).unwrap();
+    let grpc = server.grpc.port();
+    let envoy = Envoy::start(1, |listeners, admin| {
+        template
+            .replace(
+                "port_value: 10000",
+                &format!("port_value: {}", listeners[0]),
+            )
+            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 50051", &format!("port_value: {grpc}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+    })
+    .await;
+    let servers = [server];
+    let mut total = 0;
+    for tokens in [321, 45, 1000] {
+        let r = ask(envoy.listeners[0], "frank", tokens).await;
+        assert_eq!(r.status, 200);
+        total += tokens;
+        charges_landed(&servers, total).await;
+    }
+    let mut conn = redis::Client::open(redis.url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let full = full_at(&mut conn, "frank");
+    assert_eq!((full - redis_now(&mut conn)).div_ceil(SLOW_INTERVAL), total);
+}
