@@ -20,10 +20,18 @@ impl Drop for App {
 }
 
 fn get(port: u16, key: &str) -> (u16, String) {
+    get_with(port, key, &[])
+}
+
+fn get_with(port: u16, key: &str, headers: &[(&str, &str)]) -> (u16, String) {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         s,
-        "GET / HTTP/1.1\r\nHost: app\r\nx-api-key: {key}\r\nConnection: close\r\n\r\n"
+        "GET / HTTP/1.1\r\nHost: app\r\nx-api-key: {key}\r\n{extra}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut r = String::new();
@@ -37,7 +45,39 @@ fn get(port: u16, key: &str) -> (u16, String) {
     )
 }
 
-fn check(mut command: Command) {
+/// Starts the example `command` for `tenant` against `server` (with
+/// `extra` arguments after the timeout) and waits until it listens.
+fn start_app(
+    mut command: Command,
+    server: &ServeProcess,
+    tenant: &str,
+    extra: &[&str],
+) -> (App, u16) {
+    let port = free_port(false);
+    let mut child = command
+        // A generous deadline: on a loaded machine the first call (which
+        // also connects) can take longer than the examples' default 50 ms,
+        // and they would then let the request through unlimited.
+        .args([
+            port.to_string(),
+            server.grpc.clone(),
+            tenant.into(),
+            "5000".into(),
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the example starts (scripts/test installs its dependencies)");
+    let stdout = child.stdout.take().unwrap();
+    let app = App(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), format!("listening on 127.0.0.1:{port}"));
+    (app, port)
+}
+
+fn check(command: Command) {
     let dir = tempfile::tempdir().unwrap();
     let out = tollgate(
         dir.path(),
@@ -47,26 +87,7 @@ fn check(mut command: Command) {
     );
     assert!(out.status.success());
     let server = ServeProcess::start(dir.path(), &[]);
-    let port = free_port(false);
-    let mut child = command
-        // A generous deadline: on a loaded machine the first call (which
-        // also connects) can take longer than the examples' default 50 ms,
-        // and they would then let the request through unlimited.
-        .args([
-            port.to_string(),
-            server.grpc.clone(),
-            "shop".into(),
-            "5000".into(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the example starts (scripts/test installs its dependencies)");
-    let stdout = child.stdout.take().unwrap();
-    let _app = App(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), format!("listening on 127.0.0.1:{port}"));
+    let (_app, port) = start_app(command, &server, "shop", &[]);
 
     for left in ["1", "0"] {
         let (status, response) = get(port, "customer-1");
@@ -87,6 +108,118 @@ fn check(mut command: Command) {
         200,
         "another key has its own budget"
     );
+}
+
+/// The reserve -> call -> settle helper: a key of 1 000 tokens (1 000 a
+/// day, one every 86.4 s) that may go 500 below zero.
+fn check_budget(command: Command) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tollgate(
+        dir.path(),
+        &[
+            "limits", "set", "--tenant", "llm", "--burst", "1000", "--rate", "1000/day", "--debt",
+            "500",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let server = ServeProcess::start(dir.path(), &[]);
+    let (_app, port) = start_app(command, &server, "llm", &["budget"]);
+    let call = |max: &str, used: &str, fail: bool| {
+        let mut headers = vec![("x-max-tokens", max), ("x-want-tokens", used)];
+        if fail {
+            headers.push(("x-fail", "1"));
+        }
+        get_with(port, "ada", &headers)
+    };
+    let remaining = |response: &str| -> u64 {
+        response
+            .lines()
+            .find_map(|l| l.strip_prefix("ratelimit-remaining: "))
+            .unwrap_or_else(|| panic!("no RateLimit-Remaining in {response}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    // Reserve 300, use 120: 700 left while it runs.
+    let (status, response) = call("300", "120", false);
+    assert_eq!(status, 200, "{response}");
+    assert!(response.contains("a completion"));
+    assert_eq!(remaining(&response), 700);
+    // The 180 came back: reserving all 880 that are left passes, with
+    // nothing to spare (a settle lands after the response; wait for it).
+    let mut settled = false;
+    for _ in 0..200 {
+        let (status, response) = call("1", "0", false);
+        assert_eq!(status, 200, "{response}");
+        if remaining(&response) == 879 {
+            settled = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(settled, "the settle of 120 refunded 180");
+    // A failed call refunds its whole estimate. (WSGI's own error page
+    // carries no headers of the application's; Node's answer does.)
+    let (status, response) = call("500", "0", true);
+    assert_eq!(status, 500, "{response}");
+    if response.contains("ratelimit-remaining") {
+        assert_eq!(remaining(&response), 380);
+    }
+    // 880 reserved, 1 500 used: 620 over, into debt down to -500.
+    let mut refunded = false;
+    for _ in 0..200 {
+        let (status, response) = call("880", "1500", false);
+        if status == 200 {
+            assert_eq!(remaining(&response), 0);
+            refunded = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(refunded, "the failed call's 500 came back");
+    // In debt: refused, with a wait of 501 tokens at 86.4 s each, less
+    // the few seconds this test has run.
+    let mut retry = 0;
+    for _ in 0..200 {
+        let (status, response) = call("1", "1", false);
+        if status == 429 {
+            retry = response
+                .lines()
+                .find_map(|l| l.strip_prefix("retry-after: "))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            break;
+        }
+        assert_eq!(status, 200, "{response}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let exact = (501 * 86_400_000_u64).div_ceil(1_000_000);
+    assert!(
+        (exact - 60..=exact).contains(&retry),
+        "Retry-After {retry}, expected just under {exact}"
+    );
+}
+
+#[test]
+fn python_budget_helper_reserves_and_settles() {
+    let mut c = Command::new("python3");
+    c.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/python/tollgate_middleware.py"
+    ));
+    check_budget(c);
+}
+
+#[test]
+fn node_budget_helper_reserves_and_settles() {
+    let mut c = Command::new("node");
+    c.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/node/server.js"
+    ));
+    check_budget(c);
 }
 
 #[test]

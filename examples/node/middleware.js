@@ -53,4 +53,64 @@ function tollgate({ target, tenant = "", resource = "", key, cost = () => 1, tim
   };
 }
 
-module.exports = { tollgate };
+// For work whose cost is known only afterwards (LLM tokens): Reserve the
+// estimate, let the handler run, and Settle with the usage the handler set
+// in the `usageHeader` response header once the response is done, or 0 if
+// it set none (a failure), which refunds the whole estimate.
+//
+//   const budget = tollgateBudget({ target, tenant: "llm", key: (req) => req.headers["x-api-key"],
+//                                   estimate: (req) => Number(req.headers["x-max-tokens"] || 1) });
+function tollgateBudget({
+  target,
+  tenant = "",
+  resource = "",
+  key,
+  estimate = () => 1,
+  usageHeader = "x-usage-tokens",
+  ttlSeconds = 60,
+  timeoutMs = 50,
+}) {
+  const rpc = client(target);
+  return function budget(req, res, next) {
+    const apiKey = key(req);
+    if (!apiKey) {
+      res.writeHead(400, { "Content-Type": "text/plain" });
+      res.end("missing API key\n");
+      return;
+    }
+    const request = { key: apiKey, tenant, resource, estimate: estimate(req), ttl: { seconds: ttlSeconds, nanos: 0 } };
+    rpc.Reserve(request, { deadline: Date.now() + timeoutMs }, (err, reserved) => {
+      if (err) {
+        console.warn(`tollgate unavailable (${err.code}); letting the request through`);
+        next();
+        return;
+      }
+      const decision = reserved.decision;
+      for (const [name, value] of Object.entries(decision.headers)) res.setHeader(name, value);
+      if (!decision.allowed) {
+        res.writeHead(429, { "Content-Type": "text/plain" });
+        res.end("over budget; retry after the Retry-After header\n");
+        return;
+      }
+      let settled = false;
+      const settle = () => {
+        if (settled || !reserved.reservation) return;
+        settled = true;
+        const used = Number(res.getHeader(usageHeader)) || 0;
+        rpc.Settle({ reservation: reserved.reservation, actual: used }, { deadline: Date.now() + timeoutMs }, (e) => {
+          if (e) console.warn(`settle failed (${e.code}); the estimate stays charged`);
+        });
+      };
+      res.on("finish", settle);
+      res.on("close", settle);
+      try {
+        next();
+      } catch (e) {
+        settle();
+        throw e;
+      }
+    });
+  };
+}
+
+module.exports = { tollgate, tollgateBudget };

@@ -1,24 +1,42 @@
-// node examples/node/server.js PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS]
+// node examples/node/server.js PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS] [budget]
 // (TIMEOUT_MS: how long to wait for Tollgate before letting the request
-// through; 50 by default)
+// through; 50 by default. "budget": the reserve -> call -> settle middleware
+// around a stand-in LLM: estimate from x-max-tokens, usage from
+// x-want-tokens, a failure when x-fail is set.)
 "use strict";
 
 const http = require("http");
-const { tollgate } = require("./middleware");
+const { tollgate, tollgateBudget } = require("./middleware");
 
-const [port, target, tenant, timeout] = process.argv.slice(2);
-const limit = tollgate({
+const [port, target, tenant, timeout, mode] = process.argv.slice(2);
+const options = {
   target,
   tenant,
   key: (req) => req.headers["x-api-key"],
   timeoutMs: timeout === undefined ? undefined : Number(timeout),
-});
+};
+
+function hello(req, res) {
+  res.writeHead(200, { "Content-Type": "text/plain" });
+  res.end("hello from the application\n");
+}
+
+function completion(req, res) {
+  if (req.headers["x-fail"]) {
+    res.writeHead(500, { "Content-Type": "text/plain" });
+    res.end("the model failed\n");
+    return;
+  }
+  res.setHeader("X-Usage-Tokens", req.headers["x-want-tokens"] || "1");
+  res.writeHead(200, { "Content-Type": "text/plain" });
+  res.end("a completion\n");
+}
+
+const [guard, handler] =
+  mode === "budget"
+    ? [tollgateBudget({ ...options, estimate: (req) => Number(req.headers["x-max-tokens"] || 1) }), completion]
+    : [tollgate(options), hello];
 
 http
-  .createServer((req, res) =>
-    limit(req, res, () => {
-      res.writeHead(200, { "Content-Type": "text/plain" });
-      res.end("hello from the application\n");
-    }),
-  )
+  .createServer((req, res) => guard(req, res, () => handler(req, res)))
   .listen(Number(port), "127.0.0.1", () => console.log(`listening on 127.0.0.1:${port}`));

@@ -1,7 +1,16 @@
-"""A WSGI middleware that asks Tollgate before letting a request through.
+"""WSGI middlewares that ask Tollgate before letting a request through.
 
     app = TollgateMiddleware(app, target="127.0.0.1:50051", tenant="acme",
                              key=lambda environ: environ.get("HTTP_X_API_KEY", ""))
+
+For work whose cost is known only afterwards (LLM tokens), the budget
+middleware reserves an estimate, calls the application, and settles with the
+usage the application reports in a response header; it settles in a
+`finally`, so a request that fails refunds its estimate:
+
+    app = TollgateBudgetMiddleware(app, target="127.0.0.1:50051", tenant="llm",
+                                   key=lambda environ: environ.get("HTTP_X_API_KEY", ""),
+                                   estimate=lambda environ: int(environ.get("HTTP_X_MAX_TOKENS", "1")))
 
 Allowed requests get the RateLimit-* headers Tollgate returns; rejected ones
 get an honest 429 with Retry-After and never reach the application. If
@@ -75,13 +84,99 @@ class TollgateMiddleware:
         return self.app(environ, start_with_headers)
 
 
+class TollgateBudgetMiddleware:
+    """WSGI middleware: Reserve the estimate, call the application, Settle
+    with the usage it reported in `usage_header` (0 when it reported none or
+    failed, which refunds the whole estimate)."""
+
+    def __init__(self, app, target, tenant="", key=None, estimate=None, resource="",
+                 usage_header="X-Usage-Tokens", ttl_seconds=60, timeout=0.05):
+        self.app = app
+        self.tenant = tenant
+        self.key = key or (lambda environ: environ.get("REMOTE_ADDR", "unknown"))
+        self.estimate = estimate or (lambda environ: 1)
+        self.resource = resource
+        self.usage_header = usage_header.lower()
+        self.ttl_seconds = ttl_seconds
+        self.timeout = timeout
+        self.pb, rpc = generate_stubs()
+        self.stub = rpc.RateLimiterStub(grpc.insecure_channel(target))
+
+    def __call__(self, environ, start_response):
+        key = self.key(environ)
+        if not key:
+            start_response("400 Bad Request", [("Content-Type", "text/plain")])
+            return [b"missing API key\n"]
+        try:
+            reserved = self.stub.Reserve(
+                self.pb.ReserveRequest(key=key, tenant=self.tenant, resource=self.resource,
+                                       estimate=self.estimate(environ),
+                                       ttl={"seconds": self.ttl_seconds}),
+                timeout=self.timeout,
+            )
+        except grpc.RpcError as err:
+            logging.warning("tollgate unavailable (%s); letting the request through", err.code())
+            return self.app(environ, start_response)
+        headers = sorted(reserved.decision.headers.items())
+        if not reserved.decision.allowed:
+            start_response("429 Too Many Requests", [("Content-Type", "text/plain"), *headers])
+            return [b"over budget; retry after the Retry-After header\n"]
+        usage = {"tokens": 0}
+
+        def start_and_read_usage(status, response_headers, exc_info=None):
+            for name, value in response_headers:
+                if name.lower() == self.usage_header and value.isdigit():
+                    usage["tokens"] = int(value)
+            return start_response(status, list(response_headers) + headers, exc_info)
+
+        try:
+            body = self.app(environ, start_and_read_usage)
+        except BaseException:
+            self.settle(reserved.reservation, usage["tokens"])
+            raise
+        return self._settle_after(body, reserved.reservation, usage)
+
+    def _settle_after(self, body, reservation, usage):
+        # The body may still be streaming: settle once it is done, or fails.
+        try:
+            yield from body
+        finally:
+            close = getattr(body, "close", None)
+            if close:
+                close()
+            self.settle(reservation, usage["tokens"])
+
+    def settle(self, reservation, actual):
+        """Settles; a settle that fails is logged (the reservation then
+        expires with its estimate charged)."""
+        if not reservation:
+            return
+        try:
+            self.stub.Settle(self.pb.SettleRequest(reservation=reservation, actual=actual),
+                             timeout=self.timeout)
+        except grpc.RpcError as err:
+            logging.warning("settle failed (%s); the estimate stays charged", err.code())
+
+
 def hello(environ, start_response):
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"hello from the application\n"]
 
 
+def completion(environ, start_response):
+    """A stand-in for an LLM call: reports the usage `x-want-tokens` asks
+    for, and fails when `x-fail` is set."""
+    if environ.get("HTTP_X_FAIL"):
+        raise RuntimeError("the model failed")
+    tokens = environ.get("HTTP_X_WANT_TOKENS", "1")
+    start_response("200 OK", [("Content-Type", "text/plain"), ("X-Usage-Tokens", tokens)])
+    return [b"a completion\n"]
+
+
 if __name__ == "__main__":
-    # python3 examples/python/tollgate_middleware.py PORT TOLLGATE_ADDR TENANT
+    # python3 examples/python/tollgate_middleware.py PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS] [budget]
+    # "budget": the reserve -> call -> settle middleware around a stand-in
+    # LLM (estimate from x-max-tokens, usage from x-want-tokens).
     from wsgiref.simple_server import make_server, WSGIRequestHandler
 
     class Quiet(WSGIRequestHandler):
@@ -92,8 +187,13 @@ if __name__ == "__main__":
     # before letting the request through (50 ms by default).
     port, target, tenant = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     timeout = float(sys.argv[4]) / 1000 if len(sys.argv) > 4 else 0.05
-    app = TollgateMiddleware(hello, target, tenant=tenant, timeout=timeout,
-                             key=lambda environ: environ.get("HTTP_X_API_KEY", ""))
+    api_key = lambda environ: environ.get("HTTP_X_API_KEY", "")  # noqa: E731
+    if len(sys.argv) > 5 and sys.argv[5] == "budget":
+        app = TollgateBudgetMiddleware(
+            completion, target, tenant=tenant, timeout=timeout, key=api_key,
+            estimate=lambda environ: int(environ.get("HTTP_X_MAX_TOKENS", "1")))
+    else:
+        app = TollgateMiddleware(hello, target, tenant=tenant, timeout=timeout, key=api_key)
     with make_server("127.0.0.1", port, app, handler_class=Quiet) as server:
         print(f"listening on 127.0.0.1:{port}", flush=True)
         server.serve_forever()
