@@ -373,6 +373,7 @@ pub async fn run(
         local_fraction: config.local_fraction,
         deny_retry_after: config.breaker_cooldown.as_micros() as u64,
     };
+    let mut redis_store = None;
     let (backend, breaker): (Arc<dyn Store>, _) = match &config.store {
         // At its cap the in-process store refuses new buckets, and the
         // fallback answers by each rule's policy.
@@ -386,8 +387,10 @@ pub async fn run(
                 ..RedisConfig::new(url.clone())
             };
             let pinned = config.redis_uses_clock.then(|| clock.clone());
+            let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
+            redis_store = Some(redis.clone());
             (
-                Arc::new(RedisStore::new(redis_config, pinned)?),
+                redis as Arc<dyn Store>,
                 Some((config.breaker_threshold, config.breaker_cooldown)),
             )
         }
@@ -434,6 +437,7 @@ pub async fn run(
         config.reload_interval,
         stopped(),
     ));
+    // Drops idle buckets (and counts reservations that expired unsettled).
     let sweeper = {
         let (memory, stop, every) = (memory.clone(), stopped(), config.sweep_interval);
         tokio::spawn(async move {
@@ -442,7 +446,15 @@ pub async fn run(
             loop {
                 tokio::select! {
                     _ = &mut stop => return,
-                    _ = tick.tick() => { memory.sweep_idle(); }
+                    _ = tick.tick() => {
+                        memory.sweep_idle();
+                        if let Some(redis) = &redis_store {
+                            tokio::select! {
+                                _ = &mut stop => return,
+                                _ = redis.count_expired() => {}
+                            }
+                        }
+                    }
                 }
             }
         })

@@ -240,6 +240,7 @@ async fn a_reservation_settles_on_another_instance() {
         TestServer::launch(Some(&rules), move |c| {
             c.store = StoreSpec::Redis(url);
             c.redis_uses_clock = true;
+            c.sweep_interval = Duration::from_millis(50);
         })
     };
     let (a, b) = (launch().await, launch().await);
@@ -268,4 +269,34 @@ async fn a_reservation_settles_on_another_instance() {
     asked.dry_run = true;
     assert_eq!(ask(&mut ca, asked.clone()).await.remaining, 349);
     assert_eq!(ask(&mut cb, asked).await.remaining, 349);
+
+    // Reservations that reach their time to live unsettled are counted by
+    // the instance that made them (a second after, by its own clock); a
+    // settled one is not.
+    let ttl = Some(Duration::from_millis(100));
+    let abandoned = ca
+        .reserve(reserve("erin", 5, ttl))
+        .await
+        .unwrap()
+        .into_inner();
+    let finished = ca
+        .reserve(reserve("erin", 5, ttl))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!abandoned.reservation.is_empty() && !finished.reservation.is_empty());
+    cb.settle(settle(&finished.reservation, 5)).await.unwrap();
+    let expired = || async {
+        let (_, metrics) = a.http_get("/metrics").await.unwrap();
+        sample(&metrics, "tollgate_reservations_expired_total")
+    };
+    for _ in 0..300 {
+        if expired().await > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Past both checks (each instance sweeps every 50 ms): still one.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(expired().await, 1);
 }

@@ -32,6 +32,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use parking_lot::Mutex;
 use redis::IntoConnectionInfo;
 use redis::aio::ConnectionManager;
@@ -171,7 +174,17 @@ struct Shared {
     /// Decisions waiting for a shared script call; `None` when coalescing
     /// is off.
     coalesce: Option<Mutex<coalesce::Waiting>>,
+    /// Reservations this instance made, by when they expire: checked by
+    /// [`RedisStore::count_expired`].
+    expiring: Mutex<BinaryHeap<Reverse<(tokio::time::Instant, String)>>>,
 }
+
+/// Most reservations one instance tracks for `tollgate_reservations_expired_total`;
+/// past this, new ones are not tracked (the metric then undercounts).
+const MAX_TRACKED_RESERVATIONS: usize = 100_000;
+
+/// Most expired reservations checked per [`RedisStore::count_expired`].
+const EXPIRY_CHECKS_PER_CALL: usize = 1_000;
 
 /// One request's part of a script call.
 struct Request {
@@ -304,6 +317,7 @@ impl RedisStore {
             connection,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
             coalesce: (config.coalesce > 1).then(Mutex::default),
+            expiring: Mutex::default(),
             config,
             clock,
         };
@@ -369,13 +383,22 @@ impl RedisStore {
                 ));
             }
         };
+        let tracked = match (&kind, keys.last()) {
+            (Kind::Reserve { ttl, .. }, Some(record)) => Some((*ttl, record.clone())),
+            _ => None,
+        };
         let request = Request {
             keys,
             charges: charges.iter().copied().collect(),
             kind,
         };
         match shared.send(request).await? {
-            Reply::Verdicts(v) => Ok(v),
+            Reply::Verdicts(v) => {
+                if let (true, Some((ttl, record))) = (v.allowed, tracked) {
+                    shared.track(ttl, record);
+                }
+                Ok(v)
+            }
             Reply::Settled(_) => Err(StoreError::Protocol(
                 "token_bucket.lua answered a decision as a settle".into(),
             )),
@@ -405,7 +428,56 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
+impl RedisStore {
+    /// Counts, in `tollgate_reservations_expired_total`, the reservations
+    /// this instance made whose time to live has passed (by a second, so
+    /// that Redis's clock agrees) and whose record is still unsettled; at
+    /// most [`EXPIRY_CHECKS_PER_CALL`] per call. The server calls it on its
+    /// sweep interval. Returns how many it found expired.
+    pub async fn count_expired(&self) -> u64 {
+        let now = tokio::time::Instant::now();
+        let due: Vec<String> = {
+            let mut expiring = self.shared.expiring.lock();
+            let mut due = Vec::new();
+            while due.len() < EXPIRY_CHECKS_PER_CALL
+                && expiring.peek().is_some_and(|Reverse((at, _))| *at <= now)
+            {
+                if let Some(Reverse((_, record))) = expiring.pop() {
+                    due.push(record);
+                }
+            }
+            due
+        };
+        let shared = &self.shared;
+        let checks = due.iter().map(|record| {
+            shared.call("reservation_expiry", move |mut conn| async move {
+                redis::cmd("GET")
+                    .arg(record)
+                    .query_async::<Option<String>>(&mut conn)
+                    .await
+            })
+        });
+        let expired = futures_util::future::join_all(checks)
+            .await
+            .into_iter()
+            .filter(|r| matches!(r, Ok(Some(value)) if value.starts_with("P ")))
+            .count() as u64;
+        metrics::reservations_expired(expired);
+        expired
+    }
+}
+
 impl Shared {
+    /// Remembers a reservation to check once its time to live has passed.
+    fn track(&self, ttl: Micros, record: String) {
+        let mut expiring = self.expiring.lock();
+        if expiring.len() < MAX_TRACKED_RESERVATIONS {
+            let at =
+                tokio::time::Instant::now() + Duration::from_micros(ttl) + Duration::from_secs(1);
+            expiring.push(Reverse((at, record)));
+        }
+    }
+
     /// Sends one request, coalesced with others when coalescing is on.
     async fn send(self: &Arc<Self>, request: Request) -> Result<Reply, StoreError> {
         match &self.coalesce {
