@@ -300,3 +300,78 @@ async fn a_reservation_settles_on_another_instance() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(expired().await, 1);
 }
+
+/// Hostile or careless inputs to Reserve, Settle and Charge get a status
+/// that says what to fix, and change nothing; extreme amounts are clamped,
+/// never wrapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_budget_requests_get_clear_errors_and_extremes_are_clamped() {
+    let server = TestServer::launch(Some(&rules()), |_| {}).await;
+    let mut client = server.client().await;
+    let empty_key = client.reserve(reserve("", 1, None)).await.unwrap_err();
+    assert_eq!(empty_key.code(), tonic::Code::InvalidArgument);
+    assert!(
+        empty_key.message().contains("key is empty"),
+        "{empty_key:?}"
+    );
+    let huge = client
+        .reserve(reserve("k", u64::MAX, None))
+        .await
+        .unwrap_err();
+    assert_eq!(huge.code(), tonic::Code::InvalidArgument);
+    assert!(huge.message().contains("exceeds the capacity"), "{huge:?}");
+    let mut negative = reserve("k", 1, None);
+    negative.ttl = Some(prost_types::Duration {
+        seconds: -5,
+        nanos: 0,
+    });
+    let negative = client.reserve(negative).await.unwrap_err();
+    assert_eq!(negative.code(), tonic::Code::InvalidArgument);
+    for token in [
+        String::new(),
+        "r1.".into(),
+        format!("r1.{}.3a", "0".repeat(32)),
+        format!("r1.{}.{}", "f".repeat(32), "61".repeat(300)),
+        "r1.".repeat(10_000),
+    ] {
+        let bad = client.settle(settle(&token, 1)).await.unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{token:.40}");
+        assert!(
+            bad.message().len() < 300,
+            "the message quotes at most 64 bytes"
+        );
+    }
+    // Nothing above was charged.
+    assert_eq!(ask(&mut client, req("llm", "k")).await.remaining, 999);
+
+    // The largest amounts are clamped to 2^53: a settle of u64::MAX charges
+    // the excess into debt down to the floor (the ceiling, without debt,
+    // down to zero); a charge of u64::MAX likewise, the rest forgiven.
+    let r = client
+        .reserve(reserve("j", 10, None))
+        .await
+        .unwrap()
+        .into_inner();
+    let s = client
+        .settle(settle(&r.reservation, u64::MAX))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((s.remaining, s.debt, s.actual), (0, 500, 1 << 53));
+    assert_eq!(
+        s.forgiven,
+        ((1u64 << 53) - 10 - 1490) + ((1u64 << 53) - 10 - 4989)
+    );
+    let c = client
+        .charge(ChargeRequest {
+            key: "k".into(),
+            cost: u64::MAX,
+            tenant: "llm".into(),
+            resource: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((c.remaining, c.debt), (0, 500));
+    assert_eq!(c.forgiven, ((1u64 << 53) - 1499) + (1u64 << 53));
+}

@@ -447,7 +447,7 @@ impl RateLimiter for RateLimiterService {
             .map_err(status::from_decide_error)?;
         let (status, actual) = match settled.status {
             SettleStatus::AlreadySettled { actual } => (ProtoSettleStatus::AlreadySettled, actual),
-            _ => (ProtoSettleStatus::Settled, req.actual),
+            _ => (ProtoSettleStatus::Settled, req.actual.min(caps::MAX_COST)),
         };
         let tightest = settled.tightest.unwrap_or(crate::algorithm::Verdict {
             allowed: true,
