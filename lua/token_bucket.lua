@@ -34,17 +34,17 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
                       at ACTUAL per line
           For example "2s,1d,1s" is three decisions over 4 keys.
 ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
-then six per bucket, for the i-th bucket of the call (record keys do not
-count) at ARGV[4 + 6(i-1)] ...:
+then five per bucket, for the i-th bucket of the call (record keys do not
+count) at ARGV[4 + 5(i-1)] ...:
           algorithm "t" token bucket, "f" fixed window, "s" sliding window
           interval  token bucket: µs to refill one token; windows: the
                     window length in µs (a whole number of milliseconds)
           burst     token bucket: capacity; windows: requests per window
           cost      tokens to spend, or "COST/NEED" when the bucket must
                     hold more than the request spends (an ask: "0/1")
-          enforce   "1" for an enforced rule, "0" for a shadow rule
-          debt      how far below zero charges after the fact may take the
-                    balance, in tokens ("0": not at all)
+          enforce   "1" for an enforced rule, "0" for a shadow rule, followed
+                    by ":DEBT" when charges after the fact may take the
+                    balance DEBT tokens below zero ("1:500")
 then one extra argument per reserve, in request order: the record body, per
 bucket "ALG INTERVAL BURST DEBT COST LINES KEYLEN\nKEY" (the charge it
 spends and how many lines it merges).
@@ -251,6 +251,16 @@ local function apply(stored, now, alg, interval, burst, debt_max, cost, need, op
   return apply_window(stored, now, alg == 's', interval, burst, debt_max, cost, need, op, since)
 end
 
+-- The enforce field, "1", "0", "1:DEBT" or "0:DEBT": whether the rule is
+-- enforced, and its debt.
+local function read_enforce(s)
+  if #s == 1 then
+    return s == '1', 0
+  end
+  local e, d = string.match(s, '^([01]):(%d+)$')
+  return e == '1', tonumber(d)
+end
+
 -- A cost from ARGV, "COST" or "COST/NEED": "1" is by far the most common,
 -- and comparing interned strings is cheaper than converting.
 local function read_cost(s)
@@ -347,8 +357,9 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written)
   for i = 1, n do
     local k = first + i - 1
     stored[i] = current(KEYS[k], k, snapshot, written)
-    local a = 4 + (b + i - 2) * 6
-    local interval, burst, debt_max = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 5])
+    local a = 4 + (b + i - 2) * 5
+    local interval, burst = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    local enforced, debt_max = read_enforce(ARGV[a + 4])
     local limit = ARGV[a + 1] .. ':' .. ARGV[a + 2]
     local cost, need = read_cost(ARGV[a + 3])
     if op == 'd' and need > burst then
@@ -359,7 +370,7 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written)
       allowed[i], balance[i], third[i], reset[i], value[i], ttl[i] =
         apply(stored[i], now, ARGV[a], interval, burst, debt_max, cost, need, op, 0, limit)
     end
-    if not allowed[i] and ARGV[a + 4] == '1' then
+    if not allowed[i] and enforced then
       all_allowed = false
     end
   end
@@ -376,9 +387,10 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written)
     -- Nothing is spent: report what the admitting buckets hold now.
     for i = 1, n do
       if allowed[i] then
-        local a = 4 + (b + i - 2) * 6
+        local a = 4 + (b + i - 2) * 5
+        local _, debt_max = read_enforce(ARGV[a + 4])
         local _, bal, _, rst = apply(stored[i], now, ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
-          tonumber(ARGV[a + 5]), 0, 0, 'd', 0, ARGV[a + 1] .. ':' .. ARGV[a + 2])
+          debt_max, 0, 0, 'd', 0, ARGV[a + 1] .. ':' .. ARGV[a + 2])
         balance[i], reset[i] = bal, rst
       end
     end
@@ -478,7 +490,7 @@ end
 
 local snapshot, written = read_all(), {}
 local out = { now }
-local first, b, extra = 1, 1, 4 + buckets * 6
+local first, b, extra = 1, 1, 4 + buckets * 5
 for _, r in ipairs(requests) do
   local n, mode = r[1], r[2]
   if mode == 'u' then

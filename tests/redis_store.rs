@@ -686,7 +686,7 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
             .arg("1s")
             .arg(1000);
         for _ in 0..2 {
-            inv.arg("t").arg(1_000_000).arg(10).arg(1).arg("1").arg(0);
+            inv.arg("t").arg(1_000_000).arg(10).arg(1).arg("1");
         }
     };
     let mut inv = script.prepare_invoke();
@@ -762,8 +762,7 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
             .arg(1_000_000)
             .arg(2)
             .arg(1)
-            .arg("1")
-            .arg(0);
+            .arg("1");
     }
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
     // [now, then per request: allowed, then per key: allowed, remaining, retry, reset]
@@ -804,8 +803,7 @@ async fn a_call_larger_than_one_mget_reads_every_bucket() {
             .arg(1_000_000)
             .arg(1)
             .arg(1)
-            .arg("1")
-            .arg(0);
+            .arg("1");
     }
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
     assert_eq!(reply.len(), 2 + 4500 * 4);

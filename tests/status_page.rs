@@ -1,6 +1,7 @@
 //! The admin port's status page, loaded in headless Chromium (Debian's
 //! `chromium`): after its scripts ran, the page shows the store's health,
-//! decisions by outcome, the most limited tenants and the limits in force.
+//! decisions by outcome, the most limited tenants, the tenants in debt and
+//! the limits in force.
 
 mod common;
 
@@ -10,9 +11,12 @@ use common::{TestServer, ask, req, row};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
+    let mut llm = row("llm", "llm", "", "key", 10, "1/hour");
+    llm.debt = 50;
     let server = TestServer::with_rows(&[
         row("per-key", "", "", "key", 2, "1/hour"),
         row("exports", "", "exports", "key", 1, "1/day"),
+        llm,
     ])
     .await;
     let mut client = server.client().await;
@@ -20,6 +24,16 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         ask(&mut client, req("scraper", "bot-1")).await;
     }
     ask(&mut client, req("calm", "k")).await;
+    // Usage charged after the fact: 30 tokens on a bucket of 10.
+    client
+        .charge(tollgate::proto::v1::ChargeRequest {
+            key: "carol".into(),
+            cost: 30,
+            tenant: "llm".into(),
+            resource: String::new(),
+        })
+        .await
+        .unwrap();
 
     let profile = tempfile::tempdir().unwrap();
     let url = format!("http://{}/", server.admin);
@@ -103,14 +117,23 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
     let top = section("top");
     assert!(top.contains("scraper 5 bot-1 (5)"), "{top}");
     assert!(!top.contains("calm"), "{top}");
-    let limits = section("limits");
-    assert!(limits.contains("Limits in force (2)"), "{limits}");
+    let debt = section("debt");
     assert!(
-        limits.contains("per-key (default) (any) key 2 1/hour enforce allow"),
+        debt.contains("tenant key tokens below zero seen llm carol 20"),
+        "{debt}"
+    );
+    let limits = section("limits");
+    assert!(limits.contains("Limits in force (3)"), "{limits}");
+    assert!(
+        limits.contains("per-key (default) (any) key 2 1/hour 0 enforce allow"),
         "{limits}"
     );
     assert!(
-        limits.contains("exports (default) exports key 1 1/day enforce allow"),
+        limits.contains("exports (default) exports key 1 1/day 0 enforce allow"),
+        "{limits}"
+    );
+    assert!(
+        limits.contains("llm llm (any) key 10 1/hour 50 enforce allow"),
         "{limits}"
     );
     server.stop().await;

@@ -21,7 +21,10 @@ use tollgate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use tollgate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
-use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision};
+use tollgate::proto::v1::{
+    BatchItem, ChargeRequest, ChargeResponse, ReserveRequest, ReserveResponse, SettleRequest,
+    SettleResponse, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision,
+};
 
 use crate::verdicts::{self, BatchVerdicts, Verdict};
 
@@ -37,6 +40,11 @@ pub enum Api {
     /// `tollgate.v1.RateLimiter/ShouldAllowStream`: one long-lived stream per
     /// worker, one decision per message.
     Stream,
+    /// `tollgate.v1.RateLimiter/Reserve` then `Settle` of what it reserved
+    /// (at half the estimate): two calls per unit, each counted.
+    Budget,
+    /// `tollgate.v1.RateLimiter/Charge`: usage charged after the fact.
+    Charge,
 }
 
 /// How keys are drawn.
@@ -198,9 +206,14 @@ impl Keys {
 /// One worker's connection to the API under test.
 const SHOULD_ALLOW: &str = "/tollgate.v1.RateLimiter/ShouldAllow";
 const SHOULD_ALLOW_BATCH: &str = "/tollgate.v1.RateLimiter/ShouldAllowBatch";
+const RESERVE: &str = "/tollgate.v1.RateLimiter/Reserve";
+const SETTLE: &str = "/tollgate.v1.RateLimiter/Settle";
+const CHARGE: &str = "/tollgate.v1.RateLimiter/Charge";
 
 enum Client {
     Native(tonic::client::Grpc<Channel>),
+    Budget(tonic::client::Grpc<Channel>),
+    Charge(tonic::client::Grpc<Channel>),
     /// With the items per call.
     Batch(tonic::client::Grpc<Channel>, usize),
     Envoy(RateLimitServiceClient<Channel>),
@@ -216,6 +229,8 @@ impl Client {
     async fn open(api: Api, channel: Channel, batch: usize) -> Result<Self, String> {
         Ok(match api {
             Api::Native => Self::Native(tonic::client::Grpc::new(channel)),
+            Api::Budget => Self::Budget(tonic::client::Grpc::new(channel)),
+            Api::Charge => Self::Charge(tonic::client::Grpc::new(channel)),
             Api::Batch => Self::Batch(tonic::client::Grpc::new(channel), batch),
             Api::Envoy => Self::Envoy(RateLimitServiceClient::new(channel)),
             Api::Stream => {
@@ -253,6 +268,40 @@ impl Client {
             Self::Native(c) => {
                 let r: Verdict = verdicts::unary(c, SHOULD_ALLOW, request(keys)).await?;
                 Ok(tally(r.allowed, r.degraded))
+            }
+            Self::Budget(c) => {
+                let reserve = ReserveRequest {
+                    key: format!("k{}", keys.next()),
+                    estimate: 2,
+                    tenant: tenant.to_owned(),
+                    resource: resource.to_owned(),
+                    ttl: None,
+                };
+                let r: ReserveResponse = verdicts::unary(c, RESERVE, reserve).await?;
+                let allowed = r.decision.as_ref().is_some_and(|d| d.allowed);
+                if r.reservation.is_empty() {
+                    return Ok(tally(allowed, 0));
+                }
+                let settle = SettleRequest {
+                    reservation: r.reservation,
+                    actual: 1,
+                };
+                let _: SettleResponse = verdicts::unary(c, SETTLE, settle).await?;
+                Ok(Tally {
+                    decisions: 2,
+                    allowed: 2 * u64::from(allowed),
+                    degraded: 0,
+                })
+            }
+            Self::Charge(c) => {
+                let charge = ChargeRequest {
+                    key: format!("k{}", keys.next()),
+                    cost: 1,
+                    tenant: tenant.to_owned(),
+                    resource: resource.to_owned(),
+                };
+                let _: ChargeResponse = verdicts::unary(c, CHARGE, charge).await?;
+                Ok(tally(true, 0))
             }
             Self::Batch(c, batch) => {
                 let items = (0..*batch)

@@ -613,9 +613,11 @@ impl Shared {
             } else {
                 evalsha.arg(c.cost);
             }
-            evalsha
-                .arg(if c.enforce { "1" } else { "0" })
-                .arg(c.limit.debt());
+            match (c.enforce, c.limit.debt()) {
+                (true, 0) => evalsha.arg("1"),
+                (false, 0) => evalsha.arg("0"),
+                (enforce, debt) => evalsha.arg(format!("{}:{debt}", u8::from(enforce))),
+            };
         }
         for request in requests {
             if let Kind::Reserve { body, .. } = &request.kind {
