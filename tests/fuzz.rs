@@ -79,6 +79,7 @@ fn acceptable(code: Code) -> bool {
         code,
         Code::Ok
             | Code::InvalidArgument
+            | Code::NotFound
             | Code::FailedPrecondition
             | Code::OutOfRange
             | Code::ResourceExhausted
@@ -198,11 +199,14 @@ fn arbitrary_bytes_as_native_and_envoy_messages() {
     let (runtime, _) = server();
     let bytes = prop::collection::vec(any::<u8>(), 0..2048);
     runner()
-        .run(&(bytes, 0usize..3), |(body, target)| {
+        .run(&(bytes, 0usize..6), |(body, target)| {
             let path = [
                 "/tollgate.v1.RateLimiter/ShouldAllow",
                 "/tollgate.v1.RateLimiter/ShouldAllowBatch",
                 "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                "/tollgate.v1.RateLimiter/Reserve",
+                "/tollgate.v1.RateLimiter/Settle",
+                "/tollgate.v1.RateLimiter/Charge",
             ][target];
             let len = body.len();
             let code = bounded(path, len, || runtime.block_on(raw_unary(path, body)));
@@ -307,6 +311,99 @@ fn arbitrary_well_formed_native_requests() {
                     })
                 });
                 prop_assert!(acceptable(code), "ShouldAllowBatch: {code:?}");
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// Reserve, Settle and Charge with arbitrary fields: a reservation of
+/// whatever the request says, a settle of it (or of arbitrary text) at any
+/// amount, and a charge of any cost. Every answer is one a caller can act
+/// on, and a settled reservation settles once.
+#[test]
+fn arbitrary_well_formed_budget_requests() {
+    use tollgate::proto::v1::{ChargeRequest, ReserveRequest, SettleRequest};
+    let (runtime, server) = server();
+    let ttl = prop_oneof![
+        Just(None),
+        (any::<i64>(), any::<i32>())
+            .prop_map(|(seconds, nanos)| Some(prost_types::Duration { seconds, nanos })),
+        (0i64..4000).prop_map(|seconds| Some(prost_types::Duration { seconds, nanos: 0 })),
+    ];
+    runner()
+        .run(
+            &(native_request(), ttl, any::<u64>(), nasty_text()),
+            |(r, ttl, actual, token)| {
+                let len = r.key.len() + r.tenant.len() + r.resource.len() + token.len();
+                let codes = bounded("Reserve/Settle/Charge", len, || {
+                    runtime.block_on(async {
+                        let mut client = server.client().await;
+                        let code = |s: tonic::Status| s.code();
+                        let reserved = client
+                            .reserve(ReserveRequest {
+                                key: r.key.clone(),
+                                estimate: r.cost,
+                                tenant: r.tenant.clone(),
+                                resource: r.resource.clone(),
+                                ttl,
+                            })
+                            .await;
+                        let mut codes =
+                            vec![reserved.as_ref().map_or_else(|s| s.code(), |_| Code::Ok)];
+                        let reservation = reserved
+                            .map(|r| r.into_inner().reservation)
+                            .unwrap_or_default();
+                        for t in [reservation.clone(), token] {
+                            codes.push(
+                                client
+                                    .settle(SettleRequest {
+                                        reservation: t,
+                                        actual,
+                                    })
+                                    .await
+                                    .map_or_else(code, |_| Code::Ok),
+                            );
+                        }
+                        if !reservation.is_empty() {
+                            let again = client
+                                .settle(SettleRequest {
+                                    reservation,
+                                    actual: 0,
+                                })
+                                .await
+                                .map(|r| r.into_inner());
+                            codes.push(match again {
+                                // Settled once: the second answers what the
+                                // first did.
+                                Ok(a) if a.status == 2 && a.actual == actual.min(1 << 53) => {
+                                    Code::Ok
+                                }
+                                Ok(a) => {
+                                    panic!(
+                                        "a second settle answered {a:?} after a settle at {actual}"
+                                    )
+                                }
+                                Err(s) => s.code(),
+                            });
+                        }
+                        codes.push(
+                            client
+                                .charge(ChargeRequest {
+                                    key: r.key,
+                                    cost: r.cost,
+                                    tenant: r.tenant,
+                                    resource: r.resource,
+                                })
+                                .await
+                                .map_or_else(code, |_| Code::Ok),
+                        );
+                        codes
+                    })
+                });
+                for c in codes {
+                    prop_assert!(acceptable(c), "{c:?}");
+                }
                 Ok(())
             },
         )
