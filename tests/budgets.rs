@@ -241,6 +241,7 @@ async fn a_reservation_settles_on_another_instance() {
             c.store = StoreSpec::Redis(url);
             c.redis_uses_clock = true;
             c.sweep_interval = Duration::from_millis(50);
+            c.store_timeout = Duration::from_secs(2);
         })
     };
     let (a, b) = (launch().await, launch().await);

@@ -132,6 +132,9 @@ async fn envoy_charges_reported_usage_exactly_across_three_instances() {
             TestServer::launch(None, move |c| {
                 c.store = StoreSpec::Redis(url);
                 c.envoy_config = Some(dir);
+                // Every charge must reach Redis: a stall of a loaded machine
+                // must not leave one to a policy.
+                c.store_timeout = Duration::from_secs(2);
             })
             .await,
         );
@@ -317,6 +320,7 @@ async fn envoy_charges_usage_reported_in_a_trailer() {
     let server = TestServer::launch(None, move |c| {
         c.store = StoreSpec::Redis(url);
         c.envoy_config = Some(dir);
+        c.store_timeout = Duration::from_secs(2);
     })
     .await;
     let upstream_port = streaming_upstream().await;

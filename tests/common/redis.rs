@@ -45,6 +45,7 @@ pub struct RedisServer {
     child: Option<Child>,
     dir: tempfile::TempDir,
     extra: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl RedisServer {
@@ -59,6 +60,7 @@ impl RedisServer {
             child: None,
             dir: tempfile::tempdir().unwrap(),
             extra: Vec::new(),
+            env: Vec::new(),
         };
         server.spawn();
         server
@@ -68,6 +70,11 @@ impl RedisServer {
     /// someone else between choosing and binding it makes redis-server exit
     /// at once: then another port is tried.
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_with_env(extra, &[])
+    }
+
+    /// As `start_with`, with extra environment variables.
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut last = String::new();
         for _ in 0..5 {
             let mut server = Self {
@@ -75,6 +82,10 @@ impl RedisServer {
                 child: None,
                 dir: tempfile::tempdir().unwrap(),
                 extra: extra.iter().map(|s| s.to_string()).collect(),
+                env: env
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
             };
             match server.try_spawn() {
                 Ok(()) => return server,
@@ -96,6 +107,7 @@ impl RedisServer {
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
             .args(&self.extra)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -151,6 +163,62 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();
+    }
+}
+
+/// A redis-server whose wall clock the test moves: `tests/fixtures/clockshift.c`,
+/// compiled here with the system's `cc` and preloaded into it, adds the
+/// offset written by [`ShiftedRedis::shift`] to every reading of the real
+/// time (so to `TIME`, inside scripts too).
+pub struct ShiftedRedis {
+    pub server: RedisServer,
+    offset_file: PathBuf,
+    _shim: tempfile::TempDir,
+}
+
+impl ShiftedRedis {
+    pub fn start() -> Self {
+        let shim = tempfile::tempdir().unwrap();
+        let library = shim.path().join("clockshift.so");
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/clockshift.c");
+        let built = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&library)
+            .arg(source)
+            .output()
+            .expect("cc runs (the Rust toolchain's linker)");
+        assert!(
+            built.status.success(),
+            "{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let offset_file = shim.path().join("offset");
+        std::fs::write(&offset_file, "0").unwrap();
+        let server = RedisServer::start_with_env(
+            &[],
+            &[
+                ("LD_PRELOAD", library.to_str().unwrap()),
+                ("TOLLGATE_CLOCK_OFFSET_FILE", offset_file.to_str().unwrap()),
+            ],
+        );
+        Self {
+            server,
+            offset_file,
+            _shim: shim,
+        }
+    }
+
+    /// Sets Redis's clock `micros` µs away from the real time (negative:
+    /// behind it).
+    pub fn shift(&self, micros: i64) {
+        std::fs::write(&self.offset_file, micros.to_string()).unwrap();
+    }
+
+    /// Redis's clock now, from `TIME`, in µs.
+    pub fn time(&self) -> u64 {
+        let time = redis_cli(self.server.port, &["TIME"]);
+        let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+        parts.next().unwrap() * 1_000_000 + parts.next().unwrap()
     }
 }
 
