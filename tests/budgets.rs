@@ -376,3 +376,107 @@ async fn bad_budget_requests_get_clear_errors_and_extremes_are_clamped() {
     assert_eq!((c.remaining, c.debt), (0, 500));
     assert_eq!(c.forgiven, ((1u64 << 53) - 1499) + (1u64 << 53));
 }
+
+/// While Redis does not answer, budgets behave as the README's table says:
+/// a reserve is answered by the rule's policy and reserves nothing (an
+/// empty token); a charge under `local` lands in the instance's own bucket,
+/// under `allow` it is not recorded (reported all forgiven, degraded); a
+/// settle fails with UNAVAILABLE and succeeds when retried once Redis is
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budgets_while_redis_does_not_answer() {
+    use tollgate::proto::v1::Degraded;
+    let redis = RedisServer::start();
+    let mut open = row("open-key", "open", "", "key", 1000, "1000/hour");
+    open.debt = 500;
+    let mut local = row("local-key", "local", "", "key", 1000, "1000/hour");
+    local.debt = 500;
+    local.on_store_unavailable = "local".parse().unwrap();
+    let rules = [open, local];
+    let url = redis.url();
+    let server = TestServer::launch(Some(&rules), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.redis_uses_clock = true;
+        c.store_timeout = Duration::from_millis(200);
+        c.breaker_threshold = 1000;
+    })
+    .await;
+    let mut client = server.client().await;
+    let charge = |tenant: &str, cost| ChargeRequest {
+        key: "k".into(),
+        cost,
+        tenant: tenant.into(),
+        resource: String::new(),
+    };
+    // Reserved while Redis answers.
+    let mut early = None;
+    for attempt in 0..20 {
+        let mut request = reserve(
+            &format!("early-{attempt}"),
+            100,
+            Some(Duration::from_secs(600)),
+        );
+        request.tenant = "open".into();
+        let r = client.reserve(request).await.unwrap().into_inner();
+        if !r.reservation.is_empty() {
+            early = Some((r.reservation, format!("early-{attempt}")));
+            break;
+        }
+    }
+    let (early, early_key) = early.expect("Redis answered a reserve");
+
+    redis.freeze();
+    let mut open_reserve = reserve("k", 10, None);
+    open_reserve.tenant = "open".into();
+    let r = client.reserve(open_reserve).await.unwrap().into_inner();
+    let decision = r.decision.unwrap();
+    assert!(decision.allowed, "fail open");
+    assert_eq!(decision.degraded(), Degraded::FailedOpen);
+    assert_eq!(r.reservation, "", "nothing reserved, nothing to settle");
+
+    let c = client
+        .charge(charge("open", 40))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((c.degraded(), c.forgiven), (Degraded::FailedOpen, 40));
+    let c = client
+        .charge(charge("local", 1200))
+        .await
+        .unwrap()
+        .into_inner();
+    // This instance's own bucket of 1 000 takes it, 200 into its debt.
+    assert_eq!(
+        (c.degraded(), c.forgiven, c.remaining, c.debt),
+        (Degraded::Local, 0, 0, 200)
+    );
+
+    let failed = client.settle(settle(&early, 30)).await.unwrap_err();
+    assert_eq!(failed.code(), tonic::Code::Unavailable);
+
+    redis.thaw();
+    let mut settled = None;
+    for _ in 0..50 {
+        match client.settle(settle(&early, 30)).await {
+            Ok(s) => {
+                settled = Some(s.into_inner());
+                break;
+            }
+            Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let s = settled.expect("the settle went through once Redis was back");
+    // The settle that timed out may have run when Redis came back (it was
+    // sent before the freeze was noticed): then the retry finds it settled.
+    // Either way it counted once, at 30.
+    assert!(
+        s.status == SettleStatus::Settled as i32 || s.status == SettleStatus::AlreadySettled as i32,
+        "{s:?}"
+    );
+    assert_eq!((s.estimate, s.actual, s.refunded), (100, 30, 70));
+    let mut asked = req("open", &early_key);
+    asked.dry_run = true;
+    let r = ask(&mut client, asked).await;
+    assert_eq!(r.remaining, 1000 - 30 - 1, "refunded once: 970 held");
+}
