@@ -46,24 +46,36 @@ def generate_stubs():
     return tollgate_pb2, tollgate_pb2_grpc
 
 
-class TollgateMiddleware:
-    """WSGI middleware: one ShouldAllow call per request."""
+class _Middleware:
+    """What both middlewares share: the application, the stub, and how a
+    request names its key."""
 
-    def __init__(self, app, target, tenant="", key=None, cost=None, resource="", timeout=0.05):
+    def __init__(self, app, target, tenant, key, resource, timeout):
         self.app = app
         self.tenant = tenant
         self.key = key or (lambda environ: environ.get("REMOTE_ADDR", "unknown"))
-        self.cost = cost or (lambda environ: 1)
         self.resource = resource
         self.timeout = timeout
         self.pb, rpc = generate_stubs()
         self.stub = rpc.RateLimiterStub(grpc.insecure_channel(target))
 
+    @staticmethod
+    def missing_key(start_response):
+        start_response("400 Bad Request", [("Content-Type", "text/plain")])
+        return [b"missing API key\n"]
+
+
+class TollgateMiddleware(_Middleware):
+    """WSGI middleware: one ShouldAllow call per request."""
+
+    def __init__(self, app, target, tenant="", key=None, cost=None, resource="", timeout=0.05):
+        super().__init__(app, target, tenant, key, resource, timeout)
+        self.cost = cost or (lambda environ: 1)
+
     def __call__(self, environ, start_response):
         key = self.key(environ)
         if not key:
-            start_response("400 Bad Request", [("Content-Type", "text/plain")])
-            return [b"missing API key\n"]
+            return self.missing_key(start_response)
         try:
             decision = self.stub.ShouldAllow(
                 self.pb.ShouldAllowRequest(key=key, tenant=self.tenant, resource=self.resource,
@@ -84,29 +96,22 @@ class TollgateMiddleware:
         return self.app(environ, start_with_headers)
 
 
-class TollgateBudgetMiddleware:
+class TollgateBudgetMiddleware(_Middleware):
     """WSGI middleware: Reserve the estimate, call the application, Settle
     with the usage it reported in `usage_header` (0 when it reported none or
     failed, which refunds the whole estimate)."""
 
     def __init__(self, app, target, tenant="", key=None, estimate=None, resource="",
                  usage_header="X-Usage-Tokens", ttl_seconds=60, timeout=0.05):
-        self.app = app
-        self.tenant = tenant
-        self.key = key or (lambda environ: environ.get("REMOTE_ADDR", "unknown"))
+        super().__init__(app, target, tenant, key, resource, timeout)
         self.estimate = estimate or (lambda environ: 1)
-        self.resource = resource
         self.usage_header = usage_header.lower()
         self.ttl_seconds = ttl_seconds
-        self.timeout = timeout
-        self.pb, rpc = generate_stubs()
-        self.stub = rpc.RateLimiterStub(grpc.insecure_channel(target))
 
     def __call__(self, environ, start_response):
         key = self.key(environ)
         if not key:
-            start_response("400 Bad Request", [("Content-Type", "text/plain")])
-            return [b"missing API key\n"]
+            return self.missing_key(start_response)
         try:
             reserved = self.stub.Reserve(
                 self.pb.ReserveRequest(key=key, tenant=self.tenant, resource=self.resource,

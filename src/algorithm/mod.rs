@@ -381,6 +381,18 @@ pub struct Verdict {
 }
 
 impl Verdict {
+    /// An admission that reports nothing held: every figure zero.
+    pub const fn admitted() -> Self {
+        Self {
+            allowed: true,
+            remaining: 0,
+            debt: 0,
+            forgiven: 0,
+            retry_after: 0,
+            reset_after: 0,
+        }
+    }
+
     /// `retry_after` as a [`Duration`].
     pub fn retry_after(&self) -> Duration {
         Duration::from_micros(self.retry_after)

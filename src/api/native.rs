@@ -449,14 +449,9 @@ impl RateLimiter for RateLimiterService {
             SettleStatus::AlreadySettled { actual } => (ProtoSettleStatus::AlreadySettled, actual),
             _ => (ProtoSettleStatus::Settled, req.actual.min(caps::MAX_COST)),
         };
-        let tightest = settled.tightest.unwrap_or(crate::algorithm::Verdict {
-            allowed: true,
-            remaining: 0,
-            debt: 0,
-            forgiven: 0,
-            retry_after: 0,
-            reset_after: 0,
-        });
+        let tightest = settled
+            .tightest
+            .unwrap_or(crate::algorithm::Verdict::admitted());
         Ok(Response::new(SettleResponse {
             status: status as i32,
             estimate: settled.estimate,

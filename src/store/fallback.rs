@@ -74,14 +74,7 @@ impl Fallback {
                 }
                 OnStoreUnavailable::Local => {
                     local.push(i);
-                    Verdict {
-                        allowed: true,
-                        remaining: 0,
-                        debt: 0,
-                        forgiven: 0,
-                        retry_after: 0,
-                        reset_after: 0,
-                    }
+                    Verdict::admitted()
                 }
             };
             verdicts.push(verdict);
@@ -158,12 +151,8 @@ impl Fallback {
             .charges
             .iter()
             .map(|c| Verdict {
-                allowed: true,
-                remaining: 0,
-                debt: 0,
                 forgiven: if charge { c.cost } else { 0 },
-                retry_after: 0,
-                reset_after: 0,
+                ..Verdict::admitted()
             })
             .collect();
         let local: Vec<usize> = (0..r.charges.len())
