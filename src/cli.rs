@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-pub use client::{CheckArgs, TopArgs, check, health, top};
+pub use client::{ChargeArgs, CheckArgs, TopArgs, charge, check, health, top};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use serve::{Process, Serve, ServeArgs};
 
@@ -55,6 +55,9 @@ pub enum Command {
     Limits(LimitsCommand),
     /// Ask a running server for a decision and print it.
     Check(CheckArgs),
+    /// Record usage known after the work on a running server (charged in
+    /// full, into debt where the rule allows it).
+    Charge(ChargeArgs),
     /// Show the most limited tenants of a running server, refreshing in place.
     Top(TopArgs),
     /// Ask a running server's gRPC health service; exit 0 when serving (for

@@ -74,6 +74,7 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
             cli::limits(command).await?;
         }
         Command::Check(args) => cli::check(args).await?,
+        Command::Charge(args) => cli::charge(args).await?,
         Command::Top(args) => cli::top(args).await?,
         Command::Health { server, service } => cli::health(server, service).await?,
     }

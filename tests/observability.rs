@@ -103,6 +103,14 @@ fn tollgate_top_prints_a_table() {
         ],
     );
     assert!(out.status.success());
+    let out = tollgate(
+        dir.path(),
+        &[
+            "limits", "set", "--tenant", "llm", "--burst", "100", "--rate", "100/day", "--debt",
+            "1000",
+        ],
+    );
+    assert!(out.status.success());
     let server = ServeProcess::start(dir.path(), &[]);
     let url = format!("http://{}", server.grpc);
     let out = tollgate(
@@ -112,6 +120,18 @@ fn tollgate_top_prints_a_table() {
         ],
     );
     assert!(out.status.success());
+    // Usage after the fact: 250 tokens on a bucket of 100.
+    let out = tollgate(
+        dir.path(),
+        &[
+            "charge", "--server", &url, "--tenant", "llm", "--key", "ada", "--cost", "250",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        stdout(&out).trim(),
+        "CHARGED   remaining 0  debt 150  forgiven 0  rule llm-any-key"
+    );
     let out = tollgate(
         dir.path(),
         &[
@@ -143,6 +163,15 @@ fn tollgate_top_prints_a_table() {
     assert_eq!(
         lines[2].split_whitespace().collect::<Vec<_>>(),
         ["1", "scraper", "3", "bot", "(3)"]
+    );
+    assert_eq!(lines[3], "Tenants in debt (usage charged after the work)");
+    assert_eq!(
+        lines[4].split_whitespace().collect::<Vec<_>>(),
+        ["TENANT", "KEY", "DEBT", "SEEN"]
+    );
+    assert_eq!(
+        lines[5].split_whitespace().take(3).collect::<Vec<_>>(),
+        ["llm", "ada", "150"]
     );
 }
 

@@ -1,5 +1,5 @@
-//! The commands that talk to a running server over gRPC: `check`, `top`,
-//! `health`.
+//! The commands that talk to a running server over gRPC: `check`,
+//! `charge`, `top`, `health`.
 
 use std::time::Duration;
 
@@ -63,6 +63,64 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
         };
         outln!("{prefix}{}", describe(&response));
     }
+    Ok(())
+}
+
+/// `tollgate charge`.
+#[derive(Debug, Args)]
+pub struct ChargeArgs {
+    /// The server's gRPC address.
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Tenant.
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// Key.
+    #[arg(long)]
+    pub key: String,
+    /// Tokens used, charged in full (into debt where the rule allows it).
+    #[arg(long)]
+    pub cost: u64,
+    /// Resource.
+    #[arg(long, default_value = "")]
+    pub resource: String,
+}
+
+/// Runs `charge`: records usage after the fact and prints what is left.
+pub async fn charge(args: ChargeArgs) -> anyhow::Result<()> {
+    let mut client = RateLimiterClient::connect(args.server.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let r = client
+        .charge(crate::proto::v1::ChargeRequest {
+            key: args.key,
+            cost: args.cost,
+            tenant: args.tenant,
+            resource: args.resource,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    if r.limit_name.is_empty() {
+        outln!("CHARGED   (no rule applies: nothing recorded)");
+        return Ok(());
+    }
+    outln!(
+        "CHARGED   remaining {}  debt {}  forgiven {}  rule {}{}",
+        r.remaining,
+        r.debt,
+        r.forgiven,
+        r.limit_name,
+        if r.degraded == 0 {
+            ""
+        } else {
+            "  (store unavailable: recorded by the rule's policy)"
+        }
+    );
     Ok(())
 }
 
@@ -184,6 +242,32 @@ pub async fn top(args: TopArgs) -> anyhow::Result<()> {
         if response.tenants.is_empty() {
             out.push_str("no rejections in the window\n");
         } else {
+            out.push_str(&super::aligned(&rows));
+        }
+        if !response.in_debt.is_empty() {
+            out.push_str("Tenants in debt (usage charged after the work)\n");
+            let mut rows = vec![[
+                "TENANT".to_owned(),
+                "KEY".into(),
+                "DEBT".into(),
+                "SEEN".into(),
+            ]];
+            for d in &response.in_debt {
+                rows.push([
+                    if d.tenant.is_empty() {
+                        "(default)".to_owned()
+                    } else {
+                        d.tenant.clone()
+                    },
+                    if d.key.is_empty() {
+                        "(tenant-wide)".to_owned()
+                    } else {
+                        d.key.clone()
+                    },
+                    d.debt.to_string(),
+                    format!("{} s ago", d.seen_ago.map_or(0, |s| s.seconds)),
+                ]);
+            }
             out.push_str(&super::aligned(&rows));
         }
         out!("{out}");
