@@ -262,13 +262,28 @@ fn out_of_file_descriptors_the_accept_loop_backs_off_logs_once_and_recovers() {
     assert!(failures >= 1);
     let (_, rest) = server.terminate();
     seen.extend(rest);
+    // Logged once per burst of failures, not once per failure: a burst's
+    // first failure and its recovery, with the count. (While the 80
+    // connections are being taken, a descriptor the server frees, such as
+    // the readiness probe's, can end a burst early and start another: so
+    // bursts are counted, not assumed to be one.)
     let said = |text: &str| seen.iter().filter(|l| l.contains(text)).count();
-    assert_eq!(said("accepting a connection failed"), 1, "{seen:#?}");
-    assert_eq!(said("accepting connections again"), 1, "{seen:#?}");
+    let bursts = said("accepting a connection failed");
+    assert_eq!(bursts, said("accepting connections again"), "{seen:#?}");
+    assert!((1..=3).contains(&bursts), "{seen:#?}");
+    let counted: u64 = seen
+        .iter()
+        .filter(|l| l.contains("accepting connections again"))
+        .filter_map(|l| l.split("failures=").nth(1))
+        .map(|n| n.trim().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(
+        counted, failures,
+        "the recovery lines count all {failures} failures: {seen:#?}"
+    );
     assert!(
-        seen.iter()
-            .any(|l| l.contains(&format!("failures={failures}"))),
-        "the recovery line counts the {failures} failures: {seen:#?}"
+        failures > 2 * bursts as u64,
+        "fewer lines than failures ({failures} failures, {bursts} bursts)"
     );
 }
 
