@@ -9,9 +9,9 @@ use super::parse_duration;
 use crate::proto::v1::ShouldAllowRequest;
 use crate::proto::v1::rate_limiter_client::RateLimiterClient;
 
-/// `tollgate check`.
+/// Which server, and whose budget: what `check` and `charge` share.
 #[derive(Debug, Args)]
-pub struct CheckArgs {
+pub struct Asking {
     /// The server's gRPC address.
     #[arg(
         long,
@@ -25,12 +25,28 @@ pub struct CheckArgs {
     /// Key.
     #[arg(long)]
     pub key: String,
-    /// Cost in tokens.
-    #[arg(long, default_value_t = 1)]
-    pub cost: u64,
     /// Resource.
     #[arg(long, default_value = "")]
     pub resource: String,
+}
+
+impl Asking {
+    async fn client(&self) -> anyhow::Result<RateLimiterClient<tonic::transport::Channel>> {
+        RateLimiterClient::connect(self.server.clone())
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", self.server))
+    }
+}
+
+/// `tollgate check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Which server, and whose budget.
+    #[command(flatten)]
+    pub asking: Asking,
+    /// Cost in tokens.
+    #[arg(long, default_value_t = 1)]
+    pub cost: u64,
     /// Decide without spending.
     #[arg(long)]
     pub dry_run: bool,
@@ -41,16 +57,15 @@ pub struct CheckArgs {
 
 /// Runs `check`: prints one line per decision.
 pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
-    let mut client = RateLimiterClient::connect(args.server.clone())
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let mut client = args.asking.client().await?;
+    let asking = &args.asking;
     for i in 1..=args.repeat.max(1) {
         let response = client
             .should_allow(ShouldAllowRequest {
-                key: args.key.clone(),
+                key: asking.key.clone(),
                 cost: args.cost,
-                tenant: args.tenant.clone(),
-                resource: args.resource.clone(),
+                tenant: asking.tenant.clone(),
+                resource: asking.resource.clone(),
                 dry_run: args.dry_run,
             })
             .await
@@ -69,38 +84,23 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
 /// `tollgate charge`.
 #[derive(Debug, Args)]
 pub struct ChargeArgs {
-    /// The server's gRPC address.
-    #[arg(
-        long,
-        env = "TOLLGATE_SERVER",
-        default_value = "http://127.0.0.1:50051"
-    )]
-    pub server: String,
-    /// Tenant.
-    #[arg(long, default_value = "")]
-    pub tenant: String,
-    /// Key.
-    #[arg(long)]
-    pub key: String,
+    /// Which server, and whose budget.
+    #[command(flatten)]
+    pub asking: Asking,
     /// Tokens used, charged in full (into debt where the rule allows it).
     #[arg(long)]
     pub cost: u64,
-    /// Resource.
-    #[arg(long, default_value = "")]
-    pub resource: String,
 }
 
 /// Runs `charge`: records usage after the fact and prints what is left.
 pub async fn charge(args: ChargeArgs) -> anyhow::Result<()> {
-    let mut client = RateLimiterClient::connect(args.server.clone())
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let mut client = args.asking.client().await?;
     let r = client
         .charge(crate::proto::v1::ChargeRequest {
-            key: args.key,
+            key: args.asking.key,
             cost: args.cost,
-            tenant: args.tenant,
-            resource: args.resource,
+            tenant: args.asking.tenant,
+            resource: args.asking.resource,
         })
         .await
         .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
