@@ -889,3 +889,42 @@ async fn ready_means_the_script_is_loaded() {
     );
     served.stop().await;
 }
+
+/// A reservation's record lives beside its tenant's buckets, under the same
+/// hash tag, and expires by itself: its time to live, plus the ten minutes
+/// in which a late settle is answered "expired", plus the margin. Settling
+/// it keeps that expiry.
+#[tokio::test]
+async fn reservation_records_expire_by_themselves() {
+    let server = RedisServer::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let store = store(server.url(), &clock, Duration::from_secs(1));
+    let charge = Charge::new(Limit::new(10, "1/hour".parse().unwrap()).unwrap(), 2);
+    let id = ReservationId::new("acme");
+    let reservation = Reservation {
+        id: id.clone(),
+        estimate: 2,
+        lines: vec![1],
+        ttl: 30_000_000,
+    };
+    let bucket = [BucketKey::new("acme", "k", "", "alice")];
+    assert!(
+        store
+            .reserve(&bucket, &[charge], &reservation)
+            .await
+            .unwrap()
+            .allowed
+    );
+    let record = store.redis_key(&id.record_name());
+    assert!(record.starts_with("tollgate:{acme}:r::"), "{record}");
+    let pttl = |port| -> i64 { redis_cli(port, &["PTTL", &record]).trim().parse().unwrap() };
+    let lives = 30_000 + 600_000 + 1_000;
+    let left = pttl(server.port);
+    assert!(left > lives - 5_000 && left <= lives, "{left} ms");
+    store.settle(&id, 1).await.unwrap();
+    let left = pttl(server.port);
+    assert!(
+        left > lives - 5_000 && left <= lives,
+        "kept by the settle: {left} ms"
+    );
+}
