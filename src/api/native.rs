@@ -115,7 +115,24 @@ impl RateLimiterService {
     /// Decides the items of one request (one item, or a batch's) with `op`
     /// and returns each item's answer with the rule that decided it; with
     /// `reserve` (one item), records a reservation of that time to live.
+    /// Log events inside belong to `span` when it is traced.
     async fn decide(
+        &self,
+        items: &[Asked<'_>],
+        batch: bool,
+        op: Op,
+        reserve: Option<Micros>,
+        span: &tracing::Span,
+    ) -> Result<(engine::Answer, Deciders, Option<ReservationId>), Status> {
+        let decided = self.decide_untraced(items, batch, op, reserve, span);
+        if span.is_disabled() {
+            decided.await
+        } else {
+            decided.instrument(span.clone()).await
+        }
+    }
+
+    async fn decide_untraced(
         &self,
         items: &[Asked<'_>],
         batch: bool,
@@ -224,13 +241,7 @@ impl RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let decided = self.decide(&asked, false, op, None, &span);
-        // Log events inside belong to the decision's span when it is traced.
-        let (answer, rules, _) = if span.is_disabled() {
-            decided.await?
-        } else {
-            decided.instrument(span.clone()).await?
-        };
+        let (answer, rules, _) = self.decide(&asked, false, op, None, &span).await?;
         Ok(to_response(&answer.items[0], rules[0].as_deref()))
     }
 
@@ -250,12 +261,9 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let decided = self.decide(&asked, false, Op::SPEND, Some(ttl), &span);
-        let (answer, rules, reservation) = if span.is_disabled() {
-            decided.await?
-        } else {
-            decided.instrument(span.clone()).await?
-        };
+        let (answer, rules, reservation) = self
+            .decide(&asked, false, Op::SPEND, Some(ttl), &span)
+            .await?;
         Ok(ReserveResponse {
             decision: Some(to_response(&answer.items[0], rules[0].as_deref())),
             ttl: reservation.as_ref().map(|_| duration(ttl)),
@@ -275,12 +283,7 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let decided = self.decide(&asked, false, Op::Charge, None, &span);
-        let (answer, rules, _) = if span.is_disabled() {
-            decided.await?
-        } else {
-            decided.instrument(span.clone()).await?
-        };
+        let (answer, rules, _) = self.decide(&asked, false, Op::Charge, None, &span).await?;
         let item = &answer.items[0];
         Ok(ChargeResponse {
             remaining: item.remaining,
@@ -401,12 +404,7 @@ impl RateLimiter for RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let decided = self.decide(&items, true, op, None, &span);
-        let (answer, rules, _) = if span.is_disabled() {
-            decided.await?
-        } else {
-            decided.instrument(span.clone()).await?
-        };
+        let (answer, rules, _) = self.decide(&items, true, op, None, &span).await?;
         Ok(Response::new(ShouldAllowBatchResponse {
             allowed: answer.allowed,
             results: answer
