@@ -32,22 +32,32 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
                       record's body is this request's extra argument
             0uACTUAL  settle the record (its key is the request's only key)
                       at ACTUAL per line
+            NaTTL     acquire a lease: decide and spend like Ns and, when
+                      allowed, add the lease (its member is this request's
+                      extra argument) to every admitting concurrency set,
+                      scored by its expiry TTL µs from now, and write its
+                      record (its key follows the N buckets)
+            0x        release the lease whose record is the only key
+            0eTTL     renew it: it expires TTL µs from now
           For example "2s,1d,1s" is three decisions over 4 keys.
 ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
 then five per bucket, for the i-th bucket of the call (record keys do not
 count) at ARGV[4 + 5(i-1)] ...:
-          algorithm "t" token bucket, "f" fixed window, "s" sliding window
+          algorithm "t" token bucket, "f" fixed window, "s" sliding window,
+                    "l" concurrency cap (a sorted set of leases)
           interval  token bucket: µs to refill one token; windows: the
                     window length in µs (a whole number of milliseconds)
-          burst     token bucket: capacity; windows: requests per window
+          burst     token bucket: capacity; windows: requests per window;
+                    a concurrency cap: the most leases held at once
           cost      tokens to spend, or "COST/NEED" when the bucket must
                     hold more than the request spends (an ask: "0/1")
           enforce   "1" for an enforced rule, "0" for a shadow rule, followed
                     by ":DEBT" when charges after the fact may take the
                     balance DEBT tokens below zero ("1:500")
-then one extra argument per reserve, in request order: the record body, per
-bucket "ALG INTERVAL BURST DEBT COST LINES KEYLEN\nKEY" (the charge it
-spends and how many lines it merges).
+then one extra argument per reserve or acquire, in request order: a
+reserve's record body, per bucket "ALG INTERVAL BURST DEBT COST LINES
+KEYLEN\nKEY" (the charge it spends and how many lines it merges); an
+acquire's lease member (32 hex digits).
 
 Stored value per bucket: for a token bucket "FULL_AT:INTERVAL:BURST", the
 instant (µs) the bucket is full again and the limit it was written under;
@@ -58,6 +68,16 @@ key expires (SET ... PX) when its state no longer matters (the bucket is full,
 the window is over), plus the margin, so Redis holds only active buckets.
 A token bucket in debt is full again later than a full refill: its balance
 is below zero.
+
+Stored per concurrency cap: a sorted set of lease members scored by their
+expiry (µs); leases expired at now are removed (ZREMRANGEBYSCORE) whenever
+the set is read, and the set expires with its last lease, plus the margin.
+A lease is held while its expiry is after now.
+
+Stored value per lease: "L EXPIRES_AT MEMBER\n" then per set it holds
+"KEYLEN\nKEY"; once released, "R" (kept with the record's TTL, so a second
+release answers "already released"). The record lives until the lease
+expires plus the grace period.
 
 Stored value per reservation: "P RESERVED_AT EXPIRES_AT MASK\n" and the
 body, MASK marking with 1 the buckets the reserve spent; once settled,
@@ -71,6 +91,13 @@ Returns an array: { now, then per request ... }:
           microseconds; retry_after is -1 when the need exceeds the
           capacity (it can never pass). For a charge, the third value is
           the tokens forgiven at the debt floor instead.
+  release, renew: status (1 released or renewed, 2 already released,
+          3 expired, 4 unknown), and for a renew the µs until the lease
+          expires now (0 otherwise).
+  A concurrency cap's four values: allowed, leases that could still be
+          taken (after this one when granted), retry_after (when refused:
+          until enough held leases expire for one to fit, an upper bound),
+          reset_after (until every held lease has expired).
   settle: status (1 settled, 2 already settled, 3 expired, 4 unknown),
           the actual cost settled (now, or by the settle that counted), the
           estimate, the number of buckets settled, then four per bucket as
@@ -342,14 +369,56 @@ local function push(out, allowed, balance, third, reset)
   out[o + 4] = reset
 end
 
+-- A concurrency cap's set at `now`, pruned: leases held, when one more fits
+-- under `cap` (now if one fits already), and when the last one expires.
+local function occupancy(key, cap)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now))
+  local held = redis.call('ZCARD', key)
+  if held == 0 then
+    return 0, now, now
+  end
+  local free_at = now
+  if held >= cap then
+    free_at = tonumber(redis.call('ZRANGE', key, held - cap, held - cap, 'WITHSCORES')[2])
+  end
+  local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+  return held, free_at, last
+end
+
+-- Decides a lease of `need` slots on a concurrency cap (src/algorithm/
+-- concurrency.rs, `decide`); `grant` is the new lease's expiry when the
+-- decision takes one. Returns allowed, slots left, retry_after,
+-- reset_after, and when granting the instant the set's last lease expires.
+local function apply_leases(key, cap, need, grant)
+  local held, free_at, last = occupancy(key, cap)
+  if need > cap then
+    return false, math.max(cap - held, 0), -1, last - now
+  end
+  if held + need > cap then
+    return false, math.max(cap - held, 0), math.max(free_at - now, 1), last - now
+  end
+  local taken, all_free = 0, last
+  if grant then
+    taken, all_free = math.min(1, need), math.max(last, grant)
+  end
+  return true, cap - held - taken, 0, all_free - now, all_free
+end
+
+-- A PX/PEXPIRE argument for `us` µs from now, plus the margin.
+local function px(us)
+  return string.format('%d', math.max(ceil_div(us, 1000) + margin_ms, 1))
+end
+
 -- Decides (op 'd') or charges (op 'c') the request whose keys are
 -- KEYS[first .. first + n - 1] and whose fields start at bucket `b`, and
 -- appends its answer to `out`. `snapshot` is read_all()'s and `written`
 -- what earlier requests of this call stored since (key -> value), which
--- this one must see. Returns whether it was allowed. (Plain arrays and no
+-- this one must see. An acquire passes `grant`, its lease's expiry, and
+-- `member`: the lease is added to every admitting concurrency set.
+-- Returns whether it was allowed. (Plain arrays and no
 -- table per key: a batch call decides thousands of keys, and each table is
 -- garbage to collect.)
-local function decide_request(first, n, b, op, spend, out, snapshot, written)
+local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member)
   local allowed, balance, third, reset, value, ttl = {}, {}, {}, {}, {}, {}
   local stored = {}
   local all_allowed = true
@@ -362,7 +431,14 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written)
     local enforced, debt_max = read_enforce(ARGV[a + 4])
     local limit = ARGV[a + 1] .. ':' .. ARGV[a + 2]
     local cost, need = read_cost(ARGV[a + 3])
-    if op == 'd' and need > burst then
+    if ARGV[a] == 'l' then
+      -- A concurrency cap: only an acquire takes a slot; a charge only
+      -- reports.
+      if op == 'c' then
+        need = 0
+      end
+      allowed[i], balance[i], third[i], reset[i], ttl[i] = apply_leases(KEYS[k], burst, need, grant)
+    elseif op == 'd' and need > burst then
       -- It can never pass: report what the bucket holds, and "never".
       local _, bal, _, rst = apply(stored[i], now, ARGV[a], interval, burst, debt_max, 0, 0, 'd', 0, limit)
       allowed[i], balance[i], third[i], reset[i] = false, bal, -1, rst
@@ -379,8 +455,15 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written)
     for i = 1, n do
       if allowed[i] then
         local key = KEYS[first + i - 1]
-        store(key, value[i], ttl[i])
-        written[key] = value[i]
+        if ARGV[4 + (b + i - 2) * 5] == 'l' then
+          if grant then
+            redis.call('ZADD', key, string.format('%d', grant), member)
+            redis.call('PEXPIRE', key, px(ttl[i] - now))
+          end
+        else
+          store(key, value[i], ttl[i])
+          written[key] = value[i]
+        end
       end
     end
   elseif not all_allowed then
@@ -389,8 +472,13 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written)
       if allowed[i] then
         local a = 4 + (b + i - 2) * 5
         local _, debt_max = read_enforce(ARGV[a + 4])
-        local _, bal, _, rst = apply(stored[i], now, ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
-          debt_max, 0, 0, 'd', 0, ARGV[a + 1] .. ':' .. ARGV[a + 2])
+        local bal, rst
+        if ARGV[a] == 'l' then
+          _, bal, _, rst = apply_leases(KEYS[first + i - 1], tonumber(ARGV[a + 2]), 0, nil)
+        else
+          _, bal, _, rst = apply(stored[i], now, ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
+            debt_max, 0, 0, 'd', 0, ARGV[a + 1] .. ':' .. ARGV[a + 2])
+        end
         balance[i], reset[i] = bal, rst
       end
     end
@@ -471,15 +559,71 @@ local function settle(key, actual, out, written)
   written[key] = value
 end
 
+-- Releases (mode 'x') or renews for `ttl` µs (mode 'e') the lease whose
+-- record is `key`. Appends status (1 done, 2 already released, 3 expired,
+-- 4 unknown) and, renewed, the µs until it expires. Returns an error reply
+-- for an unreadable record, before changing anything.
+local function lease_op(key, mode, ttl, out, written)
+  local record = current(key, nil, nil, written)
+  local o = #out
+  out[o + 2] = 0
+  if not record then
+    out[o + 1] = 4
+    return
+  end
+  if record == 'R' then
+    out[o + 1] = 2
+    return
+  end
+  local unreadable = redis.error_reply('token_bucket.lua: lease ' .. key .. ' holds an unreadable record')
+  local expires_at, member, pos = string.match(record, '^L (%d+) (%x+)\n()')
+  if not expires_at then
+    return unreadable
+  end
+  if now >= tonumber(expires_at) then
+    out[o + 1] = 3
+    return
+  end
+  local body = string.sub(record, pos)
+  local sets = {}
+  while pos <= #record do
+    local len, at = string.match(record, '^(%d+)\n()', pos)
+    if not len then
+      return unreadable
+    end
+    sets[#sets + 1] = string.sub(record, at, at + tonumber(len) - 1)
+    pos = at + tonumber(len)
+  end
+  out[o + 1] = 1
+  if mode == 'x' then
+    for _, set in ipairs(sets) do
+      redis.call('ZREM', set, member)
+    end
+    redis.call('SET', key, 'R', 'KEEPTTL')
+    written[key] = 'R'
+    return
+  end
+  local expires = now + ttl
+  for _, set in ipairs(sets) do
+    redis.call('ZADD', set, string.format('%d', expires), member)
+    local last = tonumber(redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')[2])
+    redis.call('PEXPIRE', set, px(last - now))
+  end
+  local value = string.format('L %d %s\n', expires, member) .. body
+  store(key, value, ttl + EXPIRED_GRACE)
+  written[key] = value
+  out[o + 2] = ttl
+end
+
 -- Read the whole request list before deciding anything, so a malformed
 -- call writes nothing.
 local requests, keys, buckets = {}, 0, 0
-for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvu])(%d*)') do
+for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvuaxe])(%d*)') do
   n = tonumber(n)
   requests[#requests + 1] = { n, mode, tonumber(arg) }
   keys = keys + n
   buckets = buckets + n
-  if mode == 'v' or mode == 'u' then
+  if mode ~= 's' and mode ~= 'd' and mode ~= 'c' then
     keys = keys + 1
   end
 end
@@ -493,14 +637,24 @@ local out = { now }
 local first, b, extra = 1, 1, 4 + buckets * 5
 for _, r in ipairs(requests) do
   local n, mode = r[1], r[2]
-  if mode == 'u' then
-    local err = settle(KEYS[first], r[3], out, written)
+  if mode == 'u' or mode == 'x' or mode == 'e' then
+    local err
+    if mode == 'u' then
+      err = settle(KEYS[first], r[3], out, written)
+    else
+      err = lease_op(KEYS[first], mode, r[3], out, written)
+    end
     if err then
       return err
     end
     first = first + 1
   else
-    local allowed = decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot, written)
+    local grant, member
+    if mode == 'a' then
+      grant, member = now + r[3], ARGV[extra]
+    end
+    local allowed = decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot, written,
+      grant, member)
     first, b = first + n, b + n
     if mode == 'v' then
       if allowed then
@@ -510,6 +664,21 @@ for _, r in ipairs(requests) do
         end
         local record = KEYS[first]
         local value = string.format('P %d %d %s\n', now, now + r[3], table.concat(mask)) .. ARGV[extra]
+        store(record, value, r[3] + EXPIRED_GRACE)
+        written[record] = value
+      end
+      first, extra = first + 1, extra + 1
+    elseif mode == 'a' then
+      if allowed then
+        local sets = {}
+        for i = 1, n do
+          local key = KEYS[first - n + i - 1]
+          if ARGV[4 + (b - n + i - 2) * 5] == 'l' and out[#out - 4 * (n - i) - 3] == 1 then
+            sets[#sets + 1] = string.format('%d\n', #key) .. key
+          end
+        end
+        local record = KEYS[first]
+        local value = string.format('L %d %s\n', grant, member) .. table.concat(sets)
         store(record, value, r[3] + EXPIRED_GRACE)
         written[record] = value
       end

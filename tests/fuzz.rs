@@ -532,9 +532,10 @@ fn stored_row() -> impl Strategy<Value = StoredRow> {
         word(&["enforce", "shadow"]),
         word(&["allow", "deny", "local"]),
         prop_oneof![0i64..100, any::<i64>()],
+        word(&["rate", "concurrency"]),
     )
         .prop_map(
-            |(name, tenant, resource, scope, burst, rate, rate_unit, mode, policy, debt)| {
+            |(name, tenant, resource, scope, burst, rate, rate_unit, mode, policy, debt, kind)| {
                 StoredRow {
                     name,
                     tenant,
@@ -546,6 +547,7 @@ fn stored_row() -> impl Strategy<Value = StoredRow> {
                     mode,
                     on_store_unavailable: policy,
                     debt,
+                    kind,
                     updated_at: String::new(),
                 }
             },

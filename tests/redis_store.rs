@@ -262,6 +262,7 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
             let want = states.get(bucket).map(|s| match s {
                 State::Tokens(s) => format!("{}:{}:{}", s.full_at, s.interval, s.burst),
                 State::Window(w) => format!("w:{}:{}:{}", w.start, w.count, w.previous),
+                State::Leases(_) => unreachable!("this sequence draws no concurrency caps"),
             });
             assert_eq!(
                 stored, want,

@@ -97,6 +97,46 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
     ) -> Result<tonic::Response<tollgate::proto::v1::ChargeResponse>, tonic::Status> {
         Ok(tonic::Response::new(Default::default()))
     }
+
+    async fn acquire(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::AcquireRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::AcquireResponse>, tonic::Status> {
+        Ok(tonic::Response::new(tollgate::proto::v1::AcquireResponse {
+            granted: true,
+            ..Default::default()
+        }))
+    }
+
+    async fn release(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::ReleaseRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::ReleaseResponse>, tonic::Status> {
+        Ok(tonic::Response::new(Default::default()))
+    }
+
+    async fn renew(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::RenewRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::RenewResponse>, tonic::Status> {
+        Ok(tonic::Response::new(Default::default()))
+    }
+
+    type HoldStream = std::pin::Pin<
+        Box<
+            dyn tokio_stream::Stream<Item = Result<tollgate::proto::v1::HoldResponse, tonic::Status>>
+                + Send,
+        >,
+    >;
+
+    async fn hold(
+        &self,
+        _: tonic::Request<tonic::Streaming<tollgate::proto::v1::AcquireRequest>>,
+    ) -> Result<tonic::Response<Self::HoldStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented(
+            "the empty server holds no leases",
+        ))
+    }
 }
 
 /// Envoy's `RateLimitService` whose handler does nothing: every descriptor

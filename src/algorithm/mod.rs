@@ -27,6 +27,9 @@ use std::time::Duration;
 
 pub use crate::clock::Micros;
 
+/// The largest concurrency cap: a million leases held at once.
+pub const MAX_CONCURRENCY: u64 = 1_000_000;
+
 /// The largest time a bucket may take to refill from empty: about 100 years.
 /// Keeps every instant below 2^53 µs so Lua's doubles hold it exactly.
 pub const MAX_TOLERANCE: Micros = 100 * 365 * 86_400 * 1_000_000;
@@ -174,6 +177,9 @@ pub enum Algorithm {
     /// The sliding-window counter: this window's count plus the previous
     /// window's, weighted by how much of it still overlaps.
     SlidingWindow,
+    /// A concurrency cap: at most `burst` leases held at once
+    /// ([`concurrency`]).
+    Concurrency,
 }
 
 impl Algorithm {
@@ -183,6 +189,7 @@ impl Algorithm {
             Self::TokenBucket => "token_bucket",
             Self::FixedWindow => "fixed_window",
             Self::SlidingWindow => "sliding_window",
+            Self::Concurrency => "concurrency",
         }
     }
 
@@ -192,6 +199,7 @@ impl Algorithm {
             "token_bucket" => Self::TokenBucket,
             "fixed_window" => Self::FixedWindow,
             "sliding_window" => Self::SlidingWindow,
+            "concurrency" => Self::Concurrency,
             _ => return None,
         })
     }
@@ -264,6 +272,24 @@ impl Limit {
         })
     }
 
+    /// A concurrency cap: at most `cap` leases held at once.
+    pub fn concurrency(cap: u64) -> Result<Self, LimitError> {
+        if cap == 0 {
+            return Err(LimitError::ZeroBurst);
+        }
+        Ok(Self {
+            algorithm: Algorithm::Concurrency,
+            burst: cap.min(MAX_CONCURRENCY),
+            interval: 1,
+            debt: 0,
+        })
+    }
+
+    /// True for a concurrency cap.
+    pub fn is_concurrency(&self) -> bool {
+        self.algorithm == Algorithm::Concurrency
+    }
+
     /// This limit, allowing the balance to go `debt` tokens below zero
     /// through charges made after the fact. Refused when refilling from the
     /// floor would take longer than [`MAX_TOLERANCE`] (a sliding window:
@@ -282,6 +308,7 @@ impl Limit {
                 depth.saturating_mul(self.interval / 1000) <= window::MAX_WEIGHT
             }
             Algorithm::FixedWindow => depth <= MAX_TOLERANCE,
+            Algorithm::Concurrency => debt == 0,
         };
         if !fits {
             return Err(too_large);
@@ -422,6 +449,8 @@ pub enum State {
     Tokens(BucketState),
     /// A fixed or sliding window's state.
     Window(window::WindowState),
+    /// A lease set's occupancy (the store holds the set itself).
+    Leases(concurrency::Occupancy),
 }
 
 impl State {
@@ -431,6 +460,7 @@ impl State {
         match self {
             Self::Tokens(s) => s.full_at,
             Self::Window(w) => w.idle_at,
+            Self::Leases(o) => o.all_free_at,
         }
     }
 
@@ -490,6 +520,13 @@ pub enum Op {
         /// When the tokens were charged.
         since: Micros,
     },
+    /// Decide and spend like [`Op::SPEND`] and, when admitted, take a
+    /// lease that expires `ttl` µs from now in every admitting concurrency
+    /// cap: tokens and slots, all or nothing.
+    Acquire {
+        /// The lease's time to live.
+        ttl: Micros,
+    },
 }
 
 impl Op {
@@ -502,8 +539,20 @@ impl Op {
     pub fn writes(self) -> bool {
         !matches!(self, Self::Decide { spend: false })
     }
+
+    /// True for an op that decides (admits or refuses): a decision or an
+    /// acquire.
+    pub fn decides(self) -> bool {
+        matches!(self, Self::Decide { .. } | Self::Acquire { .. })
+    }
+
+    /// True for an op that spends what it admits.
+    pub fn spends(self) -> bool {
+        matches!(self, Self::Decide { spend: true } | Self::Acquire { .. })
+    }
 }
 
+pub mod concurrency;
 pub mod plan;
 pub mod token_bucket;
 pub mod window;

@@ -1,7 +1,7 @@
 //! Several buckets decided together, all or nothing, under any algorithm.
 
 use super::{Algorithm, BucketState, Charge, CostExceedsBurst, Limit, Micros, Op, State, Verdict};
-use super::{token_bucket, window};
+use super::{concurrency, token_bucket, window};
 
 /// The state as the limit's algorithm reads it: a state written under
 /// another algorithm (the rule changed its algorithm) counts as no state.
@@ -35,6 +35,10 @@ fn decide_need_any(
     need: u64,
     now: Micros,
 ) -> Result<(Verdict, State), CostExceedsBurst> {
+    if limit.is_concurrency() {
+        let (v, o) = concurrency::decide(occupancy(state), limit.burst(), need, None, now);
+        return Ok((v, State::Leases(o)));
+    }
     match split(state, limit) {
         Ok(tokens) => token_bucket::decide_need(tokens, limit, cost, need, now)
             .map(|(v, s)| (v, State::Tokens(s))),
@@ -44,10 +48,23 @@ fn decide_need_any(
     }
 }
 
+/// A lease set's occupancy from a state (anything else: empty).
+fn occupancy(state: Option<State>) -> Option<concurrency::Occupancy> {
+    match state {
+        Some(State::Leases(o)) => Some(o),
+        _ => None,
+    }
+}
+
 /// Applies one charge with an unconditional op ([`Op::Charge`] or
-/// [`Op::Refund`]) under any algorithm.
+/// [`Op::Refund`]) under any algorithm. A concurrency cap is only
+/// reported: tokens charged after the fact take no slot.
 pub fn apply_any(state: Option<State>, charge: &Charge, op: Op, now: Micros) -> (Verdict, State) {
     let limit = &charge.limit;
+    if limit.is_concurrency() {
+        let (v, o) = concurrency::decide(occupancy(state), limit.burst(), 0, None, now);
+        return (v, State::Leases(o));
+    }
     match (split(state, limit), op) {
         (Ok(tokens), Op::Refund { .. }) => {
             let (v, s) = token_bucket::refund(tokens, limit, charge.cost, now);
@@ -99,21 +116,27 @@ pub struct Plan {
 /// capacities (check beforehand; such a charge is reported as denied with
 /// an unbounded wait).
 ///
+/// [`Op::Acquire`] decides and spends the same way and, in each admitting
+/// concurrency cap, takes a lease (its write is the occupancy with the
+/// lease counted; the store adds the lease itself). Under any other op a
+/// concurrency cap is only checked, never written.
+///
 /// [`Op::Charge`] and [`Op::Refund`] apply to every bucket, shadow ones
 /// included, unconditionally.
 ///
 /// Each bucket must appear at most once (merge costs beforehand).
 pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -> Plan {
     debug_assert_eq!(states.len(), charges.len());
-    let spend = match op {
-        Op::Decide { spend } => spend,
-        _ => {
+    let (spend, grant) = match op {
+        Op::Decide { spend } => (spend, None),
+        Op::Acquire { ttl } => (true, Some(now.saturating_add(ttl))),
+        Op::Charge | Op::Refund { .. } => {
             let (verdicts, writes) = states
                 .iter()
                 .zip(charges)
                 .map(|(state, charge)| {
                     let (v, s) = apply_any(*state, charge, op, now);
-                    (v, Some(s))
+                    (v, (!charge.limit.is_concurrency()).then_some(s))
                 })
                 .unzip();
             return Plan {
@@ -127,20 +150,29 @@ pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -
     let mut next = Vec::with_capacity(charges.len());
     let mut allowed = true;
     for (state, charge) in states.iter().zip(charges) {
-        let (verdict, state) =
-            decide_need_any(*state, &charge.limit, charge.cost, charge.need, now).unwrap_or_else(
-                |_| {
-                    let verdict = Verdict {
-                        allowed: false,
-                        retry_after: Micros::MAX,
-                        ..current(*state, &charge.limit, now)
-                    };
-                    (
-                        verdict,
-                        State::Tokens(BucketState::full(&charge.limit, now)),
-                    )
-                },
+        let decided = if charge.limit.is_concurrency() {
+            let (v, o) = concurrency::decide(
+                occupancy(*state),
+                charge.limit.burst(),
+                charge.need,
+                grant,
+                now,
             );
+            Ok((v, State::Leases(o)))
+        } else {
+            decide_need_any(*state, &charge.limit, charge.cost, charge.need, now)
+        };
+        let (verdict, state) = decided.unwrap_or_else(|_| {
+            let verdict = Verdict {
+                allowed: false,
+                retry_after: Micros::MAX,
+                ..current(*state, &charge.limit, now)
+            };
+            (
+                verdict,
+                State::Tokens(BucketState::full(&charge.limit, now)),
+            )
+        });
         allowed &= verdict.allowed || !charge.enforce;
         verdicts.push(verdict);
         next.push(state);
@@ -149,7 +181,10 @@ pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -
         verdicts
             .iter()
             .zip(next)
-            .map(|(v, s)| v.allowed.then_some(s))
+            .zip(charges)
+            .map(|((v, s), c)| {
+                (v.allowed && (grant.is_some() || !c.limit.is_concurrency())).then_some(s)
+            })
             .collect()
     } else {
         if !allowed {

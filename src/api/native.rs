@@ -24,9 +24,26 @@ use crate::proto::v1::{
     ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
 use crate::store::{BucketKey, ReservationId, SettleStatus, reservation};
+use crate::proto::v1::{
+    AcquireRequest, AcquireResponse, HoldResponse, ReleaseRequest, ReleaseResponse, RenewRequest,
+    RenewResponse,
+};
 use crate::telemetry::traces;
 
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
+
+mod leases;
+
+/// What a decision writes beside its buckets when admitted.
+#[derive(Debug, Clone, Copy)]
+enum Attach {
+    /// Nothing.
+    None,
+    /// A reservation with this time to live.
+    Reserve(Micros),
+    /// A lease with this time to live.
+    Lease(Micros),
+}
 
 /// What to do with a request no rule applies to.
 #[derive(
@@ -53,6 +70,17 @@ pub enum Unmatched {
 type LineRules = SmallVec<[Arc<Rule>; 4]>;
 /// The rule that decided each item, if any.
 type Deciders = SmallVec<[Option<Arc<Rule>>; 1]>;
+
+/// A decision as the wing reports it.
+struct Decided {
+    answer: engine::Answer,
+    /// The rule that decided each item.
+    deciders: Deciders,
+    /// A reservation's or a lease's token, when one was recorded.
+    token: Option<String>,
+    /// The rule of each line.
+    line_rules: LineRules,
+}
 
 /// One item as the wire gives it (a `ShouldAllowRequest` or a batch item).
 #[derive(Clone, Copy)]
@@ -121,10 +149,10 @@ impl RateLimiterService {
         items: &[Asked<'_>],
         batch: bool,
         op: Op,
-        reserve: Option<Micros>,
+        attach: Attach,
         span: &tracing::Span,
-    ) -> Result<(engine::Answer, Deciders, Option<ReservationId>), Status> {
-        let decided = self.decide_untraced(items, batch, op, reserve, span);
+    ) -> Result<Decided, Status> {
+        let decided = self.decide_untraced(items, batch, op, attach, span);
         if span.is_disabled() {
             decided.await
         } else {
@@ -137,20 +165,30 @@ impl RateLimiterService {
         items: &[Asked<'_>],
         batch: bool,
         op: Op,
-        reserve: Option<Micros>,
+        attach: Attach,
         span: &tracing::Span,
-    ) -> Result<(engine::Answer, Deciders, Option<ReservationId>), Status> {
+    ) -> Result<Decided, Status> {
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
+        let caps = matches!(attach, Attach::Lease(_));
         let mut demand = self
-            .demand(&rules, items, batch, op, &mut line_rules)
+            .demand(&rules, items, batch, op, caps, &mut line_rules)
             .map_err(|err| {
                 engine::refused(Api::Native, items.len(), span);
                 status::from_decide_error(err)
             })?;
-        let (answer, reservation) = match reserve {
-            Some(ttl) => self.engine.reserve(&mut demand, ttl, span).await,
-            None => self
+        let (answer, token) = match attach {
+            Attach::Reserve(ttl) => self
+                .engine
+                .reserve(&mut demand, ttl, span)
+                .await
+                .map(|(a, r)| (a, r.map(|r| r.to_string()))),
+            Attach::Lease(ttl) => self
+                .engine
+                .acquire(&mut demand, ttl, span)
+                .await
+                .map(|(a, l)| (a, l.map(|l| l.to_string()))),
+            Attach::None => self
                 .engine
                 .decide(&mut demand, span)
                 .await
@@ -162,17 +200,25 @@ impl RateLimiterService {
             .iter()
             .map(|a| a.line.map(|l| line_rules[l].clone()))
             .collect();
-        Ok((answer, deciders, reservation))
+        Ok(Decided {
+            answer,
+            deciders,
+            token,
+            line_rules,
+        })
     }
 
     /// The demand: per item, a line for each rule that applies, in the
-    /// order [`RuleSet::applicable`] gives them.
+    /// order [`RuleSet::applicable`] gives them; with `caps` (an acquire),
+    /// the rate rules only when it spends tokens, then the concurrency
+    /// rules.
     fn demand<'a>(
         &self,
         rules: &'a RuleSet,
         items: &[Asked<'a>],
         batch: bool,
         op: Op,
+        caps: bool,
         line_rules: &mut LineRules,
     ) -> Result<Demand<'a>, DecideError> {
         let field = |i: usize, name: &str| {
@@ -204,7 +250,13 @@ impl RateLimiterService {
             };
             demand.items.push(Item::new(req.tenant, req.key, cost));
             let mut matched = false;
-            for rule in rules.applicable(req.tenant, req.resource) {
+            let rates = rules
+                .applicable(req.tenant, req.resource)
+                .filter(|_| !caps || cost > 0);
+            let concurrency = rules
+                .concurrency(req.tenant, req.resource)
+                .filter(|_| caps);
+            for rule in rates.chain(concurrency) {
                 matched = true;
                 let key = if rule.scope == Scope::Key {
                     req.key
@@ -241,8 +293,8 @@ impl RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let (answer, rules, _) = self.decide(&asked, false, op, None, &span).await?;
-        Ok(to_response(&answer.items[0], rules[0].as_deref()))
+        let d = self.decide(&asked, false, op, Attach::None, &span).await?;
+        Ok(to_response(&d.answer.items[0], d.deciders[0].as_deref()))
     }
 
     async fn reserve_one(
@@ -261,13 +313,13 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let (answer, rules, reservation) = self
-            .decide(&asked, false, Op::SPEND, Some(ttl), &span)
+        let d = self
+            .decide(&asked, false, Op::SPEND, Attach::Reserve(ttl), &span)
             .await?;
         Ok(ReserveResponse {
-            decision: Some(to_response(&answer.items[0], rules[0].as_deref())),
-            ttl: reservation.as_ref().map(|_| duration(ttl)),
-            reservation: reservation.map(|r| r.to_string()).unwrap_or_default(),
+            decision: Some(to_response(&d.answer.items[0], d.deciders[0].as_deref())),
+            ttl: d.token.as_ref().map(|_| duration(ttl)),
+            reservation: d.token.unwrap_or_default(),
         })
     }
 
@@ -283,7 +335,10 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let (answer, rules, _) = self.decide(&asked, false, Op::Charge, None, &span).await?;
+        let d = self
+            .decide(&asked, false, Op::Charge, Attach::None, &span)
+            .await?;
+        let (answer, rules) = (d.answer, d.deciders);
         let item = &answer.items[0];
         Ok(ChargeResponse {
             remaining: item.remaining,
@@ -304,7 +359,7 @@ pub const DEFAULT_RESERVATION_TTL: Micros = 60_000_000;
 
 /// A requested time to live, checked: above zero and at most
 /// [`reservation::MAX_TTL`].
-fn ttl_micros(d: &prost_types::Duration) -> Result<Micros, Status> {
+pub(super) fn ttl_micros(d: &prost_types::Duration) -> Result<Micros, Status> {
     let us = i128::from(d.seconds) * 1_000_000 + i128::from(d.nanos) / 1_000;
     if us <= 0 || us > i128::from(reservation::MAX_TTL) {
         return Err(Status::invalid_argument(format!(
@@ -404,7 +459,8 @@ impl RateLimiter for RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let (answer, rules, _) = self.decide(&items, true, op, None, &span).await?;
+        let d = self.decide(&items, true, op, Attach::None, &span).await?;
+        let (answer, rules) = (d.answer, d.deciders);
         Ok(Response::new(ShouldAllowBatchResponse {
             allowed: answer.allowed,
             results: answer
@@ -469,6 +525,41 @@ impl RateLimiter for RateLimiterService {
         self.charge_one(request.get_ref(), request.metadata())
             .await
             .map(Response::new)
+    }
+
+    async fn acquire(
+        &self,
+        request: Request<AcquireRequest>,
+    ) -> Result<Response<AcquireResponse>, Status> {
+        self.acquire_one(request.get_ref(), request.metadata())
+            .await
+            .map(|(response, _, _)| Response::new(response))
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        self.release_one(&request.get_ref().lease)
+            .await
+            .map(Response::new)
+    }
+
+    async fn renew(
+        &self,
+        request: Request<RenewRequest>,
+    ) -> Result<Response<RenewResponse>, Status> {
+        self.renew_one(request.get_ref()).await.map(Response::new)
+    }
+
+    type HoldStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<HoldResponse, Status>> + Send>>;
+
+    async fn hold(
+        &self,
+        request: Request<tonic::Streaming<AcquireRequest>>,
+    ) -> Result<Response<Self::HoldStream>, Status> {
+        self.hold_stream(request).await.map(Response::new)
     }
 }
 

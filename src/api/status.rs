@@ -16,10 +16,14 @@ pub fn from_decide_error(err: DecideError) -> Status {
         | DecideError::InvalidBatch(_)
         | DecideError::TooManyBuckets { .. }
         | DecideError::CostExceedsCapacity { .. } => Status::invalid_argument(err.to_string()),
-        DecideError::NoRule { .. } | DecideError::ExpiredReservation { .. } => {
+        DecideError::NoRule { .. }
+        | DecideError::ExpiredReservation { .. }
+        | DecideError::LeaseGone { .. } => {
             Status::failed_precondition(err.to_string())
         }
-        DecideError::UnknownReservation(_) => Status::not_found(err.to_string()),
+        DecideError::UnknownReservation(_) | DecideError::UnknownLease(_) => {
+            Status::not_found(err.to_string())
+        }
         DecideError::Store(StoreError::Unsupported(why)) => Status::invalid_argument(why),
         DecideError::Store(store) => {
             tracing::warn!(error = %store, transient = store.is_transient(), "store call failed");

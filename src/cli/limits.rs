@@ -48,11 +48,15 @@ pub struct SetArgs {
     #[arg(long, default_value = "key")]
     pub scope: String,
     /// Capacity: the largest burst.
-    #[arg(long)]
-    pub burst: i64,
+    #[arg(long, required_unless_present = "concurrency")]
+    pub burst: Option<i64>,
     /// Sustained rate as N/unit, e.g. 600/minute.
-    #[arg(long)]
-    pub rate: String,
+    #[arg(long, required_unless_present = "concurrency")]
+    pub rate: Option<String>,
+    /// A concurrency rule instead of a rate rule: at most this many leases
+    /// held at once (Acquire / Release).
+    #[arg(long, conflicts_with_all = ["burst", "rate", "debt"])]
+    pub concurrency: Option<i64>,
     /// `enforce` or `shadow`.
     #[arg(long, default_value = "enforce")]
     pub mode: String,
@@ -86,15 +90,24 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             }
         }
         LimitsCommand::Set(args) => {
+            let (kind, burst, rate) = match args.concurrency {
+                Some(cap) => ("concurrency", cap, String::new()),
+                None => (
+                    "rate",
+                    args.burst.unwrap_or_default(),
+                    args.rate.unwrap_or_default(),
+                ),
+            };
             let row = LimitRow::from_request(
                 args.tenant,
                 args.resource,
                 &args.scope,
-                args.burst,
-                &args.rate,
+                burst,
+                &rate,
                 &args.mode,
                 &args.on_store_unavailable,
                 args.debt,
+                kind,
                 args.name,
             )
             .map_err(anyhow::Error::msg)?;

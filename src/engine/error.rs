@@ -70,6 +70,21 @@ pub enum DecideError {
         /// The estimate that stays charged.
         estimate: u64,
     },
+    /// A renew named a lease the store does not hold.
+    #[error(
+        "lease {0} is unknown: it was never granted (an acquire answered while the store was \
+         unavailable holds no lease unless its rule decides locally), or it expired more than \
+         ten minutes ago; acquire a new one"
+    )]
+    UnknownLease(String),
+    /// A renew came after the lease was released or expired.
+    #[error("lease {id} cannot be renewed: {why}; acquire a new one")]
+    LeaseGone {
+        /// The token.
+        id: String,
+        /// What happened to it.
+        why: &'static str,
+    },
     /// The store failed and no fallback covered it.
     #[error(transparent)]
     Store(#[from] StoreError),

@@ -17,6 +17,7 @@
 
 pub mod caps;
 mod error;
+mod leases;
 mod summary;
 
 use std::sync::Arc;
@@ -30,7 +31,7 @@ use crate::algorithm::{Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
 use crate::store::stack::{Applied, Layer, Request};
-use crate::store::{BucketKey, Reservation, ReservationId, SettleStatus};
+use crate::store::{BucketKey, Lease, Reservation, ReservationId, SettleStatus};
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
 
@@ -127,6 +128,31 @@ pub struct Line<'a> {
     pub label: &'a str,
 }
 
+impl Line<'_> {
+    /// True for a concurrency cap's line: it takes a slot, not tokens.
+    pub fn is_concurrency(&self) -> bool {
+        matches!(self.allowance, Allowance::Limited(l) if l.is_concurrency())
+    }
+
+    /// A concurrency cap's size.
+    pub fn cap(&self) -> Option<u64> {
+        match self.allowance {
+            Allowance::Limited(l) if l.is_concurrency() => Some(l.burst()),
+            _ => None,
+        }
+    }
+}
+
+/// What a decision writes beside its buckets when the store admits it.
+pub(crate) enum Attached {
+    /// Nothing.
+    None,
+    /// A reservation's record.
+    Reservation(Reservation),
+    /// A lease.
+    Lease(Lease),
+}
+
 /// One decision asked of the engine: items, the rules' lines on them, and
 /// how to apply them.
 #[derive(Debug, Clone)]
@@ -220,13 +246,19 @@ pub struct Engine {
     store: Arc<dyn Layer>,
     clock: Arc<dyn Clock>,
     top: Arc<TopLimited>,
+    leases: leases::LeaseBook,
 }
 
 impl Engine {
     /// An engine over `store` (already wrapped in its layers), counting
     /// rejections in `top`.
     pub fn new(store: Arc<dyn Layer>, clock: Arc<dyn Clock>, top: Arc<TopLimited>) -> Self {
-        Self { store, clock, top }
+        Self {
+            store,
+            clock,
+            top,
+            leases: leases::LeaseBook::default(),
+        }
     }
 
     /// Decides a demand: validates it, applies it to the store as one
@@ -243,7 +275,7 @@ impl Engine {
         // Everything but a wait for a remote store happens synchronously:
         // the future holds the demand and, only when it must wait, a boxed
         // store call, so that the futures of the wings above stay small.
-        self.decide_reserving(demand, None, span)
+        self.decide_attached(demand, Attached::None, span)
             .await
             .map(|(answer, _)| answer)
     }
@@ -268,12 +300,15 @@ impl Engine {
             ttl,
         };
         let (answer, recorded) = self
-            .decide_reserving(demand, Some(reservation), span)
+            .decide_attached(demand, Attached::Reservation(reservation), span)
             .await?;
-        if let Some(r) = &recorded {
-            metrics::reserved(demand.api.label(), r.estimate);
+        match recorded {
+            Attached::Reservation(r) => {
+                metrics::reserved(demand.api.label(), r.estimate);
+                Ok((answer, Some(r.id)))
+            }
+            _ => Ok((answer, None)),
         }
-        Ok((answer, recorded.map(|r| r.id)))
     }
 
     /// Settles a reservation at `actual` per line (see
@@ -327,37 +362,41 @@ impl Engine {
         })
     }
 
-    async fn decide_reserving(
+    /// Decides a demand and, when the store itself admits it (not a
+    /// fallback), writes what is attached: the attachment comes back, or
+    /// [`Attached::None`] when nothing was written.
+    async fn decide_attached(
         &self,
         demand: &mut Demand<'_>,
-        mut reservation: Option<Reservation>,
+        mut attached: Attached,
         span: &tracing::Span,
-    ) -> Result<(Answer, Option<Reservation>), DecideError> {
+    ) -> Result<(Answer, Attached), DecideError> {
         let result = match self.prepare(demand) {
             Err(err) => Err(err),
             Ok(merged) if merged.charges.is_empty() => {
-                reservation = None;
+                attached = Attached::None;
                 Ok(self.answer(demand, &merged, None))
             }
             Ok(merged) => {
-                if let Some(r) = &mut reservation {
+                if let Attached::Reservation(r) = &mut attached {
                     r.lines = merged.lines.iter().map(|&n| u64::from(n)).collect();
                 }
-                let reserve = reservation.as_ref();
-                match self.store.apply_now(merged.request(demand.op, reserve)) {
+                let request = merged.request(demand.op, &attached);
+                match self.store.apply_now(request) {
                     Some(applied) => applied
-                        .map(|a| self.answer_reserving(demand, &merged, a, &mut reservation))
+                        .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
                         .map_err(Into::into),
                     None => {
                         let store = &self.store;
                         let op = demand.op;
+                        let held = &attached;
                         let (merged, applied) = Box::pin(async move {
-                            let applied = store.apply(merged.request(op, reserve)).await;
+                            let applied = store.apply(merged.request(op, held)).await;
                             (merged, applied)
                         })
                         .await;
                         applied
-                            .map(|a| self.answer_reserving(demand, &merged, a, &mut reservation))
+                            .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
                             .map_err(Into::into)
                     }
                 }
@@ -367,20 +406,36 @@ impl Engine {
             Ok(answer) => self.record(demand, answer, span),
             Err(_) => refused(demand.api, demand.items.len().max(1), span),
         }
-        result.map(|answer| (answer, reservation))
+        result.map(|answer| (answer, attached))
     }
 
-    /// The answer to a decision, dropping the reservation unless the store
-    /// itself admitted it (and so wrote its record).
-    fn answer_reserving(
+    /// The answer to a decision, dropping the attachment unless the store
+    /// admitted it and wrote it: a reservation only when the backend
+    /// itself answered; a lease also when the `local` fallback took it
+    /// (it lives in the in-process store, where a release finds it).
+    fn answer_attached(
         &self,
         demand: &Demand<'_>,
         merged: &Merged,
         applied: Applied,
-        reservation: &mut Option<Reservation>,
+        attached: &mut Attached,
     ) -> Answer {
-        if applied.degraded || !applied.outcome.allowed {
-            *reservation = None;
+        let kept = applied.outcome.allowed
+            && match attached {
+                Attached::Lease(_) => {
+                    !applied.degraded
+                        || merged
+                            .charges
+                            .iter()
+                            .zip(&merged.policies)
+                            .any(|(c, p)| {
+                                c.limit.is_concurrency() && *p == OnStoreUnavailable::Local
+                            })
+                }
+                _ => !applied.degraded,
+            };
+        if !kept {
+            *attached = Attached::None;
         }
         self.answer(demand, merged, Some(applied))
     }
@@ -442,7 +497,7 @@ impl Engine {
     /// update per run of equal items), records rejections in the
     /// top-limited sketch, and fills the current span's outcome.
     fn record(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
-        if !matches!(demand.op, Op::Decide { .. }) {
+        if !demand.op.decides() {
             return self.record_charge(demand, answer, span);
         }
         let mut run: Option<(Outcome, &str, u64, u64)> = None;
@@ -528,13 +583,20 @@ struct Merged {
 }
 
 impl Merged {
-    fn request<'a>(&'a self, op: Op, reserve: Option<&'a Reservation>) -> Request<'a> {
+    fn request<'a>(&'a self, op: Op, attached: &'a Attached) -> Request<'a> {
         Request {
             buckets: &self.buckets,
             charges: &self.charges,
             policies: &self.policies,
             op,
-            reserve,
+            reserve: match attached {
+                Attached::Reservation(r) => Some(r),
+                _ => None,
+            },
+            lease: match attached {
+                Attached::Lease(l) => Some(l),
+                _ => None,
+            },
         }
     }
 }
@@ -551,12 +613,14 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         lines: SmallVec::new(),
         line_charge: SmallVec::new(),
     };
-    let deciding = matches!(demand.op, Op::Decide { .. });
+    let deciding = demand.op.decides();
     let mut index = summary::BucketIndex::default();
     for n in 0..demand.lines.len() {
         let line = &demand.lines[n];
         let item = &demand.items[line.item];
         let (limit, cost, need) = match line.allowance {
+            // A concurrency cap: one slot per lease, whatever the tokens.
+            Allowance::Limited(limit) if limit.is_concurrency() => (limit, 1, 1),
             Allowance::Limited(limit) => (
                 limit,
                 item.cost.min(caps::MAX_COST),
@@ -577,8 +641,10 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         let at = match index.find(&merged.buckets, &line.bucket) {
             Some(c) => {
                 let charge = &mut merged.charges[c];
-                charge.cost = charge.cost.saturating_add(cost).min(caps::MAX_COST);
-                charge.need = charge.need.saturating_add(need).min(caps::MAX_COST);
+                if !limit.is_concurrency() {
+                    charge.cost = charge.cost.saturating_add(cost).min(caps::MAX_COST);
+                    charge.need = charge.need.saturating_add(need).min(caps::MAX_COST);
+                }
                 merged.lines[c] += 1;
                 // One enforced line makes the shared bucket enforced.
                 charge.enforce |= line.enforce;

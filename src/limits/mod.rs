@@ -87,6 +87,39 @@ impl Scope {
     }
 }
 
+/// What a rule limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// How fast tokens are spent: a token bucket of `burst` refilled at
+    /// `rate`.
+    Rate,
+    /// How much runs at once: at most `burst` leases held together
+    /// (`rate` is not used).
+    Concurrency,
+}
+
+impl Kind {
+    /// As written in the table.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Rate => "rate",
+            Self::Concurrency => "concurrency",
+        }
+    }
+}
+
+impl std::str::FromStr for Kind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_enum("kind", s, "rate, concurrency")
+    }
+}
+
+fn default_kind() -> String {
+    "rate".into()
+}
+
 /// Whether a rule rejects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -136,6 +169,10 @@ pub struct StoredRow {
     /// Settle) may take a bucket; 0 for none.
     #[serde(default)]
     pub debt: i64,
+    /// `rate` (a token bucket) or `concurrency` (at most `burst` leases
+    /// held at once).
+    #[serde(default = "default_kind")]
+    pub kind: String,
     /// When the row last changed (set by the table).
     #[serde(default)]
     pub updated_at: String,
@@ -164,6 +201,8 @@ pub struct LimitRow {
     pub on_store_unavailable: OnStoreUnavailable,
     /// Tokens below zero that charges after the work may reach.
     pub debt: u64,
+    /// Rate or concurrency.
+    pub kind: Kind,
 }
 
 impl std::str::FromStr for Scope {
@@ -208,9 +247,10 @@ pub fn policy_str(policy: OnStoreUnavailable) -> &'static str {
 
 impl LimitRow {
     /// A row as `tollgate limits set` and `POST /v1/limits` describe it:
-    /// the rate as `N/unit`, and a name that defaults to
-    /// `TENANT-RESOURCE-SCOPE` (`default`/`any` for empty parts, `-shadow`
-    /// added for shadow rows). Validate it before storing it.
+    /// the rate as `N/unit` (empty for a concurrency row), and a name that
+    /// defaults to `TENANT-RESOURCE-SCOPE` (`default`/`any` for empty
+    /// parts, `-concurrency` added for concurrency rows and `-shadow` for
+    /// shadow rows). Validate it before storing it.
     #[allow(clippy::too_many_arguments)]
     pub fn from_request(
         tenant: String,
@@ -221,9 +261,17 @@ impl LimitRow {
         mode: &str,
         on_store_unavailable: &str,
         debt: i64,
+        kind: &str,
         name: Option<String>,
     ) -> Result<Self, String> {
-        let rate: Rate = rate.parse()?;
+        let kind: Kind = kind.parse()?;
+        let rate: Rate = match (kind, rate.trim()) {
+            (Kind::Concurrency, "") => Rate {
+                count: 0,
+                unit: RateUnit::Second,
+            },
+            _ => rate.parse()?,
+        };
         let debt = u64::try_from(debt)
             .map_err(|_| format!("debt is {debt}; it must be 0 (no debt) or more"))?;
         let scope: Scope = scope.parse()?;
@@ -240,8 +288,13 @@ impl LimitRow {
         };
         let name = name.unwrap_or_else(|| {
             let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
+            let concurrency = if kind == Kind::Concurrency {
+                "-concurrency"
+            } else {
+                ""
+            };
             format!(
-                "{}-{}-{}{shadow}",
+                "{}-{}-{}{concurrency}{shadow}",
                 or(&tenant, "default"),
                 or(&resource, "any"),
                 scope.as_str()
@@ -257,6 +310,7 @@ impl LimitRow {
             mode,
             on_store_unavailable,
             debt,
+            kind,
         })
     }
 
@@ -273,6 +327,7 @@ impl LimitRow {
             mode: self.mode.as_str().into(),
             on_store_unavailable: policy_str(self.on_store_unavailable).into(),
             debt: i64::try_from(self.debt).unwrap_or(i64::MAX),
+            kind: self.kind.as_str().into(),
             updated_at: String::new(),
         }
     }
@@ -291,9 +346,30 @@ impl LimitRow {
         }
         check_label("tenant", &self.tenant)?;
         check_label("resource", &self.resource)?;
-        let limit = Limit::new(self.burst, self.rate)
-            .and_then(|l| l.with_debt(self.debt))
-            .map_err(|e| e.to_string())?;
+        let limit = match self.kind {
+            Kind::Rate => Limit::new(self.burst, self.rate)
+                .and_then(|l| l.with_debt(self.debt))
+                .map_err(|e| e.to_string())?,
+            Kind::Concurrency => {
+                if self.debt != 0 {
+                    return Err("debt must be 0 for a concurrency rule: a lease is one slot, \
+                                never charged after the fact"
+                        .into());
+                }
+                if self.burst > crate::algorithm::MAX_CONCURRENCY {
+                    return Err(format!(
+                        "burst is {}; a concurrency rule allows at most {} leases at once",
+                        self.burst,
+                        crate::algorithm::MAX_CONCURRENCY
+                    ));
+                }
+                Limit::concurrency(self.burst).map_err(|e| e.to_string())?
+            }
+        };
+        let rate_text = match self.kind {
+            Kind::Rate => self.rate.to_string(),
+            Kind::Concurrency => format!("{} concurrent", self.burst),
+        };
         Ok(Rule {
             name: self.name.clone(),
             tenant: self.tenant.clone(),
@@ -301,9 +377,10 @@ impl LimitRow {
             scope: self.scope,
             limit,
             rate: self.rate,
-            rate_text: self.rate.to_string(),
+            rate_text,
             mode: self.mode,
             on_store_unavailable: self.on_store_unavailable,
+            kind: self.kind,
         })
     }
 }
@@ -335,6 +412,7 @@ impl TryFrom<&StoredRow> for LimitRow {
             on_store_unavailable: row.on_store_unavailable.parse()?,
             debt: u64::try_from(row.debt)
                 .map_err(|_| format!("debt is {}; it must be 0 (no debt) or more", row.debt))?,
+            kind: row.kind.parse()?,
         })
     }
 }
@@ -391,13 +469,15 @@ pub struct Rule {
     pub mode: Mode,
     /// Behaviour when the shared store is down.
     pub on_store_unavailable: OnStoreUnavailable,
+    /// Rate or concurrency.
+    pub kind: Kind,
 }
 
 /// Rules of one (tenant, resource), indexed by [`slot_index`].
-type Slots = [Option<Arc<Rule>>; 4];
+type Slots = [Option<Arc<Rule>>; 8];
 
-fn slot_index(scope: Scope, mode: Mode) -> usize {
-    scope as usize * 2 + mode as usize
+fn slot_index(scope: Scope, mode: Mode, kind: Kind) -> usize {
+    kind as usize * 4 + scope as usize * 2 + mode as usize
 }
 
 #[derive(Debug, Default)]
@@ -433,12 +513,12 @@ impl RuleSet {
             } else {
                 tenant.by_resource.entry(rule.resource.clone()).or_default()
             };
-            let slot = &mut slots[slot_index(rule.scope, rule.mode)];
+            let slot = &mut slots[slot_index(rule.scope, rule.mode, rule.kind)];
             if let Some(other) = slot {
                 return Err(RowError {
                     row: row.describe(),
                     reason: format!(
-                        "rule {:?} already covers the same tenant, resource, scope and mode",
+                        "rule {:?} already covers the same tenant, resource, scope, mode and kind",
                         other.name
                     ),
                 });
@@ -464,14 +544,33 @@ impl RuleSet {
         self.rules.is_empty()
     }
 
-    /// The rules a request for `(tenant, resource)` must pass (see the module
-    /// docs): per key, then the tenant ceiling; for each, the any-resource
-    /// slot before the resource's own; in each slot, the enforced rule before
-    /// the shadow one.
+    /// The rate rules a request for `(tenant, resource)` must pass (see the
+    /// module docs): per key, then the tenant ceiling; for each, the
+    /// any-resource slot before the resource's own; in each slot, the
+    /// enforced rule before the shadow one.
     pub fn applicable<'a>(
         &'a self,
         tenant: &str,
         resource: &str,
+    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        self.applicable_of(tenant, resource, Kind::Rate)
+    }
+
+    /// The concurrency rules an acquire for `(tenant, resource)` must pass,
+    /// chosen and ordered as [`RuleSet::applicable`] chooses rate rules.
+    pub fn concurrency<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        self.applicable_of(tenant, resource, Kind::Concurrency)
+    }
+
+    fn applicable_of<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+        kind: Kind,
     ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
         let own = self.tenants.get(tenant);
         let default = self.tenants.get("");
@@ -485,7 +584,8 @@ impl RuleSet {
         };
         let pick = |resource: &str, scope: Scope, mode: Mode| -> Option<&'a Arc<Rule>> {
             let in_slot = |rules| {
-                slots(rules, resource).and_then(|s: &'a Slots| s[slot_index(scope, mode)].as_ref())
+                slots(rules, resource)
+                    .and_then(|s: &'a Slots| s[slot_index(scope, mode, kind)].as_ref())
             };
             in_slot(own).or_else(|| in_slot(default))
         };
@@ -511,18 +611,32 @@ impl RuleSet {
 impl Rule {
     /// The scope part of this rule's bucket names: `k` or `t`, with an `s`
     /// added for shadow rules so they count in buckets of their own.
+    /// A concurrency rule's sets are tagged `kc`, `kcs`, `tc` and `tcs`,
+    /// apart from every rate bucket.
     pub fn bucket_tag(&self) -> &'static str {
-        match (self.scope, self.mode) {
-            (Scope::Key, Mode::Enforce) => "k",
-            (Scope::Key, Mode::Shadow) => "ks",
-            (Scope::Tenant, Mode::Enforce) => "t",
-            (Scope::Tenant, Mode::Shadow) => "ts",
+        match (self.kind, self.scope, self.mode) {
+            (Kind::Rate, Scope::Key, Mode::Enforce) => "k",
+            (Kind::Rate, Scope::Key, Mode::Shadow) => "ks",
+            (Kind::Rate, Scope::Tenant, Mode::Enforce) => "t",
+            (Kind::Rate, Scope::Tenant, Mode::Shadow) => "ts",
+            (Kind::Concurrency, Scope::Key, Mode::Enforce) => "kc",
+            (Kind::Concurrency, Scope::Key, Mode::Shadow) => "kcs",
+            (Kind::Concurrency, Scope::Tenant, Mode::Enforce) => "tc",
+            (Kind::Concurrency, Scope::Tenant, Mode::Shadow) => "tcs",
         }
     }
 }
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.kind == Kind::Concurrency {
+            return write!(
+                f,
+                "{} (at most {} in flight)",
+                self.name,
+                self.limit.burst()
+            );
+        }
         write!(
             f,
             "{} (burst {}, {}",

@@ -13,11 +13,15 @@ CREATE TABLE IF NOT EXISTS limits (
     mode                 TEXT        NOT NULL DEFAULT 'enforce',
     on_store_unavailable TEXT        NOT NULL DEFAULT 'allow',
     debt                 BIGINT      NOT NULL DEFAULT 0,
-    updated_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
-    UNIQUE (tenant, resource, scope, mode)
+    kind                 TEXT        NOT NULL DEFAULT 'rate',
+    updated_at           TIMESTAMPTZ NOT NULL DEFAULT now()
 );
--- Tables made before the debt column get it.
+-- Tables made before the debt and kind columns get them; a rate rule and a
+-- concurrency rule may share a tenant, resource, scope and mode.
 ALTER TABLE limits ADD COLUMN IF NOT EXISTS debt BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE limits ADD COLUMN IF NOT EXISTS kind TEXT NOT NULL DEFAULT 'rate';
+ALTER TABLE limits DROP CONSTRAINT IF EXISTS limits_tenant_resource_scope_mode_key;
+CREATE UNIQUE INDEX IF NOT EXISTS limits_slot ON limits (tenant, resource, scope, mode, kind);
 
 -- Plain SQL edits keep updated_at honest too.
 CREATE OR REPLACE FUNCTION tollgate_limits_touch() RETURNS trigger LANGUAGE plpgsql AS $$

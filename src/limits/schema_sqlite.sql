@@ -11,8 +11,9 @@ CREATE TABLE IF NOT EXISTS limits (
     mode                 TEXT    NOT NULL DEFAULT 'enforce',
     on_store_unavailable TEXT    NOT NULL DEFAULT 'allow',
     debt                 INTEGER NOT NULL DEFAULT 0,
+    kind                 TEXT    NOT NULL DEFAULT 'rate',
     updated_at           TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
-    UNIQUE (tenant, resource, scope, mode)
+    UNIQUE (tenant, resource, scope, mode, kind)
 );
 
 -- Plain SQL edits keep updated_at honest too.

@@ -15,7 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{Executor, Row};
 
-use super::{LimitRow, Mode, OnStoreUnavailable, Scope, StoredRow};
+use super::{Kind, LimitRow, Mode, OnStoreUnavailable, Scope, StoredRow};
 use crate::algorithm::{Rate, RateUnit};
 use crate::store::redact;
 
@@ -45,6 +45,7 @@ pub fn default_row() -> LimitRow {
         mode: Mode::Enforce,
         on_store_unavailable: OnStoreUnavailable::Allow,
         debt: 0,
+        kind: Kind::Rate,
     }
 }
 
@@ -175,6 +176,31 @@ impl LimitsTable {
                     tx.execute("ALTER TABLE limits ADD COLUMN debt INTEGER NOT NULL DEFAULT 0")
                         .await?;
                 }
+                // Tables made before the kind column are rebuilt: their
+                // uniqueness must include the kind, and SQLite cannot
+                // change a table's constraints in place.
+                let has_kind: i64 = sqlx::query(
+                    "SELECT count(*) FROM pragma_table_info('limits') WHERE name = 'kind'",
+                )
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+                if has_kind == 0 {
+                    tx.execute(
+                        "ALTER TABLE limits RENAME TO limits_before_kind; \
+                         DROP TRIGGER IF EXISTS limits_touch;",
+                    )
+                    .await?;
+                    tx.execute(SCHEMA).await?;
+                    tx.execute(
+                        "INSERT INTO limits (id, name, tenant, resource, scope, burst, rate, rate_unit, \
+                         mode, on_store_unavailable, debt, kind, updated_at) \
+                         SELECT id, name, tenant, resource, scope, burst, rate, rate_unit, mode, \
+                         on_store_unavailable, debt, 'rate', updated_at FROM limits_before_kind; \
+                         DROP TABLE limits_before_kind;",
+                    )
+                    .await?;
+                }
                 tx.commit().await?;
                 if exists == 0 {
                     self.insert(&default_row()).await?;
@@ -229,7 +255,7 @@ impl LimitsTable {
 
     /// Every row, in id order.
     pub async fn rows(&self) -> Result<Vec<StoredRow>, TableError> {
-        const COLUMNS: &str = "name, tenant, resource, scope, burst, rate, rate_unit, mode, on_store_unavailable, debt";
+        const COLUMNS: &str = "name, tenant, resource, scope, burst, rate, rate_unit, mode, on_store_unavailable, debt, kind";
         match &self.pool {
             Pool::Sqlite(pool) => {
                 let sql = format!("SELECT {COLUMNS}, updated_at FROM limits ORDER BY id");
@@ -288,7 +314,7 @@ impl LimitsTable {
             Pool::Postgres(_) => "now()",
         };
         let sql = format!(
-            "{INSERT} ON CONFLICT (tenant, resource, scope, mode) DO UPDATE SET name = excluded.name, \
+            "{INSERT} ON CONFLICT (tenant, resource, scope, mode, kind) DO UPDATE SET name = excluded.name, \
              burst = excluded.burst, rate = excluded.rate, rate_unit = excluded.rate_unit, \
              on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, \
              updated_at = {now}"
@@ -337,10 +363,10 @@ impl LimitsTable {
 }
 
 const INSERT: &str = "INSERT INTO limits (name, tenant, resource, scope, burst, rate, rate_unit, mode, \
-                      on_store_unavailable, debt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+                      on_store_unavailable, debt, kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
 const CLASH: &str = "SELECT tenant, resource, scope FROM limits WHERE name = ? \
-                     AND NOT (tenant = ? AND resource = ? AND scope = ? AND mode = ?)";
+                     AND NOT (tenant = ? AND resource = ? AND scope = ? AND mode = ? AND kind = ?)";
 
 fn insert_binds(row: &StoredRow) -> Vec<Bind<'_>> {
     vec![
@@ -354,6 +380,7 @@ fn insert_binds(row: &StoredRow) -> Vec<Bind<'_>> {
         Bind::Text(&row.mode),
         Bind::Text(&row.on_store_unavailable),
         Bind::Int(row.debt),
+        Bind::Text(&row.kind),
     ]
 }
 
@@ -364,6 +391,7 @@ fn clash_binds(row: &StoredRow) -> Vec<Bind<'_>> {
         Bind::Text(&row.resource),
         Bind::Text(&row.scope),
         Bind::Text(&row.mode),
+        Bind::Text(&row.kind),
     ]
 }
 
@@ -407,6 +435,7 @@ where
         mode: r.try_get("mode")?,
         on_store_unavailable: r.try_get("on_store_unavailable")?,
         debt: r.try_get("debt")?,
+        kind: r.try_get("kind")?,
         updated_at: r.try_get("updated_at")?,
     })
 }

@@ -22,6 +22,7 @@ pub(crate) fn row(
         mode: "enforce".into(),
         on_store_unavailable: "allow".into(),
         debt: 0,
+        kind: "rate".into(),
         updated_at: String::new(),
     }
 }

@@ -15,7 +15,10 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus};
+use super::{
+    LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError,
+    StoreStatus,
+};
 use crate::telemetry::metrics;
 
 /// The breaker's state, as exported in metrics (0, 1, 2).
@@ -201,6 +204,15 @@ impl Layer for BreakerLayer {
         })
     }
 
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        Box::pin(async move {
+            let pending = self.admit()?;
+            let result = self.inner.lease(id, op).await;
+            pending.report(&result);
+            result
+        })
+    }
+
     fn ping(&self) -> PingFuture<'_> {
         Box::pin(async move {
             let pending = self.admit()?;
@@ -279,6 +291,9 @@ mod tests {
         fn settle<'a>(&'a self, _: &'a ReservationId, _: u64) -> SettleFuture<'a> {
             Box::pin(std::future::pending())
         }
+        fn lease<'a>(&'a self, _: &'a LeaseId, _: LeaseOp) -> LeaseFuture<'a> {
+            unreachable!()
+        }
         fn ping(&self) -> PingFuture<'_> {
             Box::pin(std::future::ready(Ok(())))
         }
@@ -299,6 +314,7 @@ mod tests {
             policies: &[],
             op: crate::algorithm::Op::SPEND,
             reserve: None,
+            lease: None,
         }
     }
 

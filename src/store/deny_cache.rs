@@ -20,7 +20,8 @@ use dashmap::DashMap;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
 use super::{
-    BucketKey, PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus, Verdicts,
+    BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture,
+    StoreError, StoreStatus, Verdicts,
 };
 use crate::algorithm::{Charge, Micros, Op, Verdict};
 use crate::clock::Clock;
@@ -167,7 +168,9 @@ pub struct DenyCacheLayer {
 impl Layer for DenyCacheLayer {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
         if !matches!(r.op, Op::Decide { .. }) {
-            // Charges and refunds always reach the store.
+            // Charges, refunds and acquires always reach the store (a slot
+            // can free up at any moment: a refused acquire is not
+            // remembered).
             return self.inner.apply(r);
         }
         if let Some(outcome) = self.cache.check(r.buckets, r.charges) {
@@ -209,6 +212,10 @@ impl Layer for DenyCacheLayer {
 
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
         self.inner.settle(id, actual)
+    }
+
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        self.inner.lease(id, op)
     }
 
     fn ping(&self) -> PingFuture<'_> {

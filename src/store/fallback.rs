@@ -18,7 +18,8 @@ use std::sync::Arc;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
 use super::{
-    MemoryStore, PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus, Verdicts,
+    LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, PingFuture, ReservationId,
+    SettleFuture, StoreError, StoreStatus, Verdicts,
 };
 use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::limits::OnStoreUnavailable;
@@ -46,10 +47,10 @@ impl Fallback {
 
     /// Decides without the shared store, by each charge's policy.
     pub fn decide(&self, r: Request<'_>) -> Verdicts {
-        if !matches!(r.op, Op::Decide { .. }) {
+        if !r.op.decides() {
             return self.apply_unconditional(r);
         }
-        let spend = r.op == Op::SPEND;
+        let spend = r.op.spends();
         let mut verdicts = Vec::with_capacity(r.charges.len());
         let mut local = Vec::new();
         let mut denied = false;
@@ -61,10 +62,12 @@ impl Fallback {
                     debt: 0,
                     forgiven: 0,
                     retry_after: 0,
-                    reset_after: match charge.limit.algorithm() {
-                        Algorithm::TokenBucket => {
+                    reset_after: match (charge.limit.algorithm(), r.op) {
+                        (Algorithm::TokenBucket, _) => {
                             charge.cost.min(charge.limit.burst()) * charge.limit.interval()
                         }
+                        (Algorithm::Concurrency, Op::Acquire { ttl }) => ttl,
+                        (Algorithm::Concurrency, _) => 0,
                         _ => charge.limit.interval(),
                     },
                 },
@@ -83,13 +86,17 @@ impl Fallback {
         if !local.is_empty() {
             let buckets: Vec<BucketKey> = local.iter().map(|&i| r.buckets[i].clone()).collect();
             let charges = self.local_charges(r, &local);
-            match self.local.apply_now(
-                &buckets,
-                &charges,
-                Op::Decide {
-                    spend: spend && !denied,
-                },
-            ) {
+            let decided = match r.lease {
+                Some(lease) if !denied => self.local.acquire_now(&buckets, &charges, lease),
+                _ => self.local.apply_now(
+                    &buckets,
+                    &charges,
+                    Op::Decide {
+                        spend: spend && !denied,
+                    },
+                ),
+            };
+            match decided {
                 Ok(plan) => {
                     allowed &= plan.allowed;
                     for (&i, verdict) in local.iter().zip(plan.verdicts) {
@@ -126,7 +133,7 @@ impl Fallback {
             .map(|&i| {
                 let limit = r.charges[i].limit.scaled(self.local_fraction);
                 let scaled = |tokens: u64| {
-                    if matches!(r.op, Op::Decide { .. }) {
+                    if r.op.decides() {
                         tokens.min(limit.burst())
                     } else {
                         tokens
@@ -212,6 +219,22 @@ impl Layer for FallbackLayer {
 
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
         self.inner.settle(id, actual)
+    }
+
+    /// A lease taken by a `local` rule while the backend was unavailable
+    /// lives in the in-process store; one whose acquire reached the backend
+    /// late (after its caller's timeout) lives there too. So a release or
+    /// renew goes to both, and answers what whichever holds it says.
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        Box::pin(async move {
+            let local = self.fallback.local.lease_now(id, op);
+            let inner = self.inner.lease(id, op).await;
+            match inner {
+                Ok(answer) if answer.status != LeaseStatus::Unknown => Ok(answer),
+                _ if local.status != LeaseStatus::Unknown => Ok(local),
+                other => other,
+            }
+        })
     }
 
     fn ping(&self) -> PingFuture<'_> {

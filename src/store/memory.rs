@@ -29,10 +29,15 @@ use smallvec::SmallVec;
 
 use super::reservation::{self, EXPIRED_GRACE, Record};
 use super::{
-    BucketKey, PingFuture, Reservation, ReservationId, SettleFuture, SettleStatus, Settled, Store,
-    StoreError, StoreFuture, StoreStatus, Verdicts,
+    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, Reservation,
+    ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture,
+    StoreStatus, Verdicts,
 };
+use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
+
+mod leases;
+use leases::HeldLease;
 use crate::clock::Clock;
 
 const STRIPES: usize = 4096;
@@ -99,6 +104,10 @@ pub struct MemoryStore {
     /// Reservation records by [`ReservationId::record_name`]; counted
     /// against the same caps as buckets.
     reservations: DashMap<BucketKey, Held, RandomState>,
+    /// Concurrency caps' lease sets, by bucket; each counted as a bucket.
+    lease_sets: DashMap<BucketKey, LeaseSet, RandomState>,
+    /// Lease records by [`LeaseId::record_name`]; counted as records.
+    leases: DashMap<BucketKey, HeldLease, RandomState>,
     stripes: Box<[Mutex<()>]>,
     stripe_hasher: RandomState,
     clock: Arc<dyn Clock>,
@@ -121,6 +130,8 @@ impl MemoryStore {
         Self {
             buckets: DashMap::with_hasher(RandomState::default()),
             reservations: DashMap::with_hasher(RandomState::default()),
+            lease_sets: DashMap::with_hasher(RandomState::default()),
+            leases: DashMap::with_hasher(RandomState::default()),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             stripe_hasher: RandomState::default(),
             clock,
@@ -209,6 +220,7 @@ impl MemoryStore {
         self.evicted_idle
             .fetch_add(removed as u64, Ordering::Relaxed);
         self.sweep_reservations(now);
+        self.sweep_leases(now);
         removed
     }
 
@@ -247,7 +259,7 @@ impl MemoryStore {
         charges: &[Charge],
         op: Op,
     ) -> Result<Plan, AtCapacity> {
-        self.apply_locked(buckets, charges, op, None)
+        self.apply_locked(buckets, charges, op, Attach::None)
     }
 
     /// Synchronous form of [`Store::reserve`].
@@ -257,7 +269,20 @@ impl MemoryStore {
         charges: &[Charge],
         reservation: &Reservation,
     ) -> Result<Plan, AtCapacity> {
-        self.apply_locked(buckets, charges, Op::SPEND, Some(reservation))
+        self.apply_locked(buckets, charges, Op::SPEND, Attach::Reservation(reservation))
+    }
+
+    /// Synchronous form of [`Store::acquire`].
+    pub fn acquire_now(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        lease: &Lease,
+    ) -> Result<Plan, AtCapacity> {
+        let op = Op::Acquire {
+            ttl: lease.ttl.min(super::lease::MAX_TTL),
+        };
+        self.apply_locked(buckets, charges, op, Attach::Lease(lease))
     }
 
     /// Locks the stripes of `buckets` (and of `extra`, a record's name),
@@ -282,27 +307,41 @@ impl MemoryStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         op: Op,
-        reservation: Option<&Reservation>,
+        attach: Attach<'_>,
     ) -> Result<Plan, AtCapacity> {
         debug_assert_eq!(buckets.len(), charges.len());
         let now = self.clock.now();
         let guards = self.lock(buckets, None);
 
-        let states: SmallVec<[Option<State>; INLINE]> =
-            buckets.iter().map(|b| self.state(b)).collect();
+        let states: SmallVec<[Option<State>; INLINE]> = buckets
+            .iter()
+            .zip(charges)
+            .map(|(b, c)| {
+                if c.limit.is_concurrency() {
+                    self.occupancy(b, c.limit.burst(), now)
+                } else {
+                    self.state(b)
+                }
+            })
+            .collect();
         let mut plan = plan(&states, charges, now, op);
         // A state that is full again means the same as none: not stored
         // anew (a refund to a full bucket, a charge of nothing).
-        for (write, bucket) in plan.writes.iter_mut().zip(buckets) {
-            if write.is_some_and(|w| w.is_idle(now)) && !self.buckets.contains_key(bucket) {
+        for ((write, bucket), charge) in plan.writes.iter_mut().zip(buckets).zip(charges) {
+            if write.is_some_and(|w| w.is_idle(now)) && !self.holds(bucket, charge) {
                 *write = None;
             }
         }
-        let record = match reservation {
-            Some(r) if plan.allowed => Some(self.record(r, buckets, charges, &plan, now)),
-            _ => None,
+        let (record, lease) = match attach {
+            Attach::Reservation(r) if plan.allowed => (
+                Some(self.record(r, buckets, charges, &plan, now)),
+                None,
+            ),
+            Attach::Lease(l) if plan.allowed => (None, Some(self.lease_record(l, buckets, &plan, op, now))),
+            _ => (None, None),
         };
-        let record_bytes = record.as_ref().map_or(0, record_bytes);
+        let attached_bytes = record.as_ref().map_or(0, record_bytes)
+            + lease.as_ref().map_or(0, leases::record_bytes);
         // Far from the caps (the usual case) this is two loads and a sum.
         let over = |store: &Self, count: usize, bytes: usize| {
             store.held.load(Ordering::Relaxed).saturating_add(count) > store.max_buckets
@@ -318,16 +357,18 @@ impl MemoryStore {
                 .zip(&plan.writes)
                 .filter(|(_, w)| w.is_some())
         };
-        let records = usize::from(record.is_some());
+        let records = usize::from(record.is_some()) + usize::from(lease.is_some());
         let (writes, write_bytes) = written()
-            .fold((records, record_bytes), |(n, bytes), (b, _)| {
+            .fold((records, attached_bytes), |(n, bytes), (b, _)| {
                 (n + 1, bytes + bucket_bytes(b))
             });
         if writes > 0 && over(self, writes, write_bytes) {
             let new = |store: &Self| {
                 written()
-                    .filter(|(b, _)| !store.buckets.contains_key(*b))
-                    .fold((records, record_bytes), |(n, bytes), (b, _)| {
+                    .filter(|(b, _)| {
+                        !store.buckets.contains_key(*b) && !store.lease_sets.contains_key(*b)
+                    })
+                    .fold((records, attached_bytes), |(n, bytes), (b, _)| {
                         (n + 1, bytes + bucket_bytes(b))
                     })
             };
@@ -344,8 +385,14 @@ impl MemoryStore {
                 }
             }
         }
-        for (bucket, write) in buckets.iter().zip(&plan.writes) {
+        for ((bucket, write), charge) in buckets.iter().zip(&plan.writes).zip(charges) {
             let Some(state) = write else { continue };
+            if charge.limit.is_concurrency() {
+                if let (Some(held), Op::Acquire { ttl }) = (&lease, op) {
+                    self.add_lease(bucket, held.nonce, now.saturating_add(ttl));
+                }
+                continue;
+            }
             match self.buckets.get_mut(bucket) {
                 Some(mut entry) => *entry = *state,
                 None => {
@@ -363,10 +410,17 @@ impl MemoryStore {
                 }
             }
         }
-        if let (Some(held), Some(r)) = (record, reservation) {
+        if let (Some(held), Attach::Reservation(r)) = (record, attach) {
             self.held.fetch_add(1, Ordering::Relaxed);
-            self.held_bytes.fetch_add(record_bytes, Ordering::Relaxed);
+            self.held_bytes
+                .fetch_add(record_bytes(&held), Ordering::Relaxed);
             self.reservations.insert(r.id.record_name(), held);
+        }
+        if let (Some(held), Attach::Lease(l)) = (lease, attach) {
+            self.held.fetch_add(1, Ordering::Relaxed);
+            self.held_bytes
+                .fetch_add(leases::record_bytes(&held), Ordering::Relaxed);
+            self.leases.insert(l.id.record_name(), held);
         }
         drop(guards);
         Ok(plan)
@@ -481,6 +535,14 @@ impl MemoryStore {
     }
 }
 
+/// What a decision writes beside its buckets when it admits.
+#[derive(Clone, Copy)]
+enum Attach<'a> {
+    None,
+    Reservation(&'a Reservation),
+    Lease(&'a Lease),
+}
+
 fn verdicts(result: Result<Plan, AtCapacity>) -> Result<Verdicts, StoreError> {
     result
         .map(|plan| Verdicts {
@@ -522,6 +584,20 @@ impl Store for MemoryStore {
 
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
         Box::pin(std::future::ready(Ok(self.settle_now(id, actual))))
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        lease: &'a Lease,
+    ) -> StoreFuture<'a> {
+        let result = verdicts(self.acquire_now(buckets, charges, lease));
+        Box::pin(std::future::ready(result))
+    }
+
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        Box::pin(std::future::ready(Ok(self.lease_now(id, op))))
     }
 
     fn ping(&self) -> PingFuture<'_> {

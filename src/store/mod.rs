@@ -13,6 +13,7 @@
 pub mod breaker;
 pub mod deny_cache;
 pub mod fallback;
+pub mod lease;
 pub mod memory;
 pub mod redis;
 pub mod reservation;
@@ -28,6 +29,7 @@ use crate::algorithm::{Charge, Op, Verdict};
 
 pub use memory::MemoryStore;
 pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
+pub use lease::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus};
 pub use reservation::{Reservation, ReservationId, SettleStatus, Settled};
 
 /// The name of one bucket: tenant, scope, resource and key, rendered as
@@ -114,6 +116,10 @@ pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Result<Verdicts, StoreErr
 /// The future of [`Store::settle`].
 pub type SettleFuture<'a> = Pin<Box<dyn Future<Output = Result<Settled, StoreError>> + Send + 'a>>;
 
+/// The future of [`Store::lease`].
+pub type LeaseFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<LeaseAnswer, StoreError>> + Send + 'a>>;
+
 /// The future of [`Store::ping`].
 pub type PingFuture<'a> = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>>;
 
@@ -166,6 +172,20 @@ pub trait Store: Send + Sync + 'static {
     /// Settles a reservation at `actual` per line, atomically: every
     /// bucket it charged gets the difference back or the excess charged.
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a>;
+
+    /// Decides like [`Store::apply`] with [`Op::Acquire`] (the lease's time
+    /// to live) and, when allowed, adds `lease` to every admitting
+    /// concurrency cap's set and writes its record, in the same atomic
+    /// step.
+    fn acquire<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        lease: &'a Lease,
+    ) -> StoreFuture<'a>;
+
+    /// Releases or renews a lease, atomically on every set it holds.
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a>;
 
     /// Checks that the store answers.
     fn ping(&self) -> PingFuture<'_>;

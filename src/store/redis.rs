@@ -47,8 +47,8 @@ mod coalesce;
 
 use super::reservation::MAX_TTL;
 use super::{
-    BucketKey, Reservation, ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError,
-    StoreFuture, Verdicts, redact,
+    BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, Reservation, ReservationId,
+    SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
 };
 use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::clock::Clock;
@@ -179,7 +179,8 @@ struct Shared {
     expiring: Mutex<BinaryHeap<Reverse<(tokio::time::Instant, String)>>>,
 }
 
-/// Most reservations one instance tracks for `tollgate_reservations_expired_total`;
+/// Most reservations and leases one instance tracks for
+/// `tollgate_reservations_expired_total` and `tollgate_leases_expired_total`;
 /// past this, new ones are not tracked (the metric then undercounts).
 const MAX_TRACKED_RESERVATIONS: usize = 100_000;
 
@@ -202,6 +203,8 @@ enum Kind {
     Charge,
     Reserve { ttl: Micros, body: String },
     Settle { actual: u64 },
+    Acquire { ttl: Micros, member: String },
+    Lease(LeaseOp),
 }
 
 impl Kind {
@@ -220,6 +223,15 @@ impl Kind {
                 shape.push('u');
                 shape.push_str(itoa::Buffer::new().format(*actual));
             }
+            Self::Acquire { ttl, .. } => {
+                shape.push('a');
+                shape.push_str(itoa::Buffer::new().format(*ttl));
+            }
+            Self::Lease(LeaseOp::Release) => shape.push('x'),
+            Self::Lease(LeaseOp::Renew { ttl }) => {
+                shape.push('e');
+                shape.push_str(itoa::Buffer::new().format(*ttl));
+            }
         }
     }
 }
@@ -229,6 +241,15 @@ impl Kind {
 enum Reply {
     Verdicts(Verdicts),
     Settled(Settled),
+    Lease(LeaseAnswer),
+}
+
+/// What a decision writes beside its buckets when it admits.
+#[derive(Clone, Copy)]
+enum Attach<'a> {
+    None,
+    Reservation(&'a Reservation),
+    Lease(&'a Lease),
 }
 
 /// A reserve's record body (see the script's header): the estimate, then
@@ -256,6 +277,7 @@ fn algorithm_letter(algorithm: Algorithm) -> &'static str {
         Algorithm::TokenBucket => "t",
         Algorithm::FixedWindow => "f",
         Algorithm::SlidingWindow => "s",
+        Algorithm::Concurrency => "l",
     }
 }
 
@@ -346,7 +368,7 @@ impl RedisStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         op: Op,
-        reservation: Option<&Reservation>,
+        attach: Attach<'_>,
     ) -> Result<Verdicts, StoreError> {
         let shared = &self.shared;
         if matches!(shared.connection, Connection::Cluster(..)) {
@@ -360,8 +382,21 @@ impl RedisStore {
             }
         }
         let mut keys: SmallVec<[String; 4]> = buckets.iter().map(|b| shared.redis_key(b)).collect();
-        let kind = match (op, reservation) {
-            (_, Some(r)) => {
+        let kind = match (op, attach) {
+            (_, Attach::Lease(lease)) => {
+                if buckets.iter().any(|b| b.tenant() != lease.id.tenant()) {
+                    return Err(StoreError::Unsupported(
+                        "a lease holds one tenant's caps; acquire each tenant's slots separately"
+                            .into(),
+                    ));
+                }
+                keys.push(shared.lease_key(&lease.id));
+                Kind::Acquire {
+                    ttl: lease.ttl.min(lease::MAX_TTL),
+                    member: lease.id.member(),
+                }
+            }
+            (_, Attach::Reservation(r)) => {
                 if buckets.iter().any(|b| b.tenant() != r.id.tenant()) {
                     return Err(StoreError::Unsupported(
                         "a reservation holds one tenant's buckets; reserve each tenant's items separately"
@@ -375,16 +410,19 @@ impl RedisStore {
                     body,
                 }
             }
-            (Op::Decide { spend }, None) => Kind::Decide { spend },
-            (Op::Charge, None) => Kind::Charge,
-            (Op::Refund { .. }, None) => {
+            (Op::Decide { spend }, Attach::None) => Kind::Decide { spend },
+            (Op::Charge, Attach::None) => Kind::Charge,
+            (Op::Refund { .. } | Op::Acquire { .. }, Attach::None) => {
                 return Err(StoreError::Unsupported(
-                    "refunds are made by settling a reservation".into(),
+                    "refunds are made by settling a reservation, and leases by acquiring one"
+                        .into(),
                 ));
             }
         };
         let tracked = match (&kind, keys.last()) {
-            (Kind::Reserve { ttl, .. }, Some(record)) => Some((*ttl, record.clone())),
+            (Kind::Reserve { ttl, .. } | Kind::Acquire { ttl, .. }, Some(record)) => {
+                Some((*ttl, record.clone()))
+            }
             _ => None,
         };
         let request = Request {
@@ -399,8 +437,34 @@ impl RedisStore {
                 }
                 Ok(v)
             }
-            Reply::Settled(_) => Err(StoreError::Protocol(
-                "token_bucket.lua answered a decision as a settle".into(),
+            Reply::Settled(_) | Reply::Lease(_) => Err(StoreError::Protocol(
+                "token_bucket.lua answered a decision as a settle or a lease".into(),
+            )),
+        }
+    }
+
+    async fn lease_at(&self, id: &LeaseId, op: LeaseOp) -> Result<LeaseAnswer, StoreError> {
+        let shared = &self.shared;
+        let op = match op {
+            LeaseOp::Renew { ttl } => LeaseOp::Renew {
+                ttl: ttl.min(lease::MAX_TTL),
+            },
+            release => release,
+        };
+        let request = Request {
+            keys: smallvec::smallvec![shared.lease_key(id)],
+            charges: SmallVec::new(),
+            kind: Kind::Lease(op),
+        };
+        match shared.send(request).await? {
+            Reply::Lease(answer) => {
+                if let (LeaseOp::Renew { ttl }, LeaseStatus::Done) = (op, answer.status) {
+                    shared.track(ttl, shared.lease_key(id));
+                }
+                Ok(answer)
+            }
+            _ => Err(StoreError::Protocol(
+                "token_bucket.lua answered a lease operation as something else".into(),
             )),
         }
     }
@@ -414,8 +478,8 @@ impl RedisStore {
         };
         match shared.send(request).await? {
             Reply::Settled(s) => Ok(s),
-            Reply::Verdicts(_) => Err(StoreError::Protocol(
-                "token_bucket.lua answered a settle as a decision".into(),
+            _ => Err(StoreError::Protocol(
+                "token_bucket.lua answered a settle as something else".into(),
             )),
         }
     }
@@ -431,7 +495,9 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
 impl RedisStore {
     /// Counts, in `tollgate_reservations_expired_total`, the reservations
     /// this instance made whose time to live has passed (by a second, so
-    /// that Redis's clock agrees) and whose record is still unsettled; at
+    /// that Redis's clock agrees) and whose record is still unsettled, and
+    /// in `tollgate_leases_expired_total` the leases it granted or last
+    /// renewed that expired unreleased; at
     /// most [`EXPIRY_CHECKS_PER_CALL`] per call. The server calls it on its
     /// sweep interval. Returns how many it found expired.
     pub async fn count_expired(&self) -> u64 {
@@ -450,18 +516,30 @@ impl RedisStore {
         };
         let shared = &self.shared;
         let checks = due.iter().map(|record| {
-            shared.call("reservation_expiry", move |mut conn| async move {
-                redis::cmd("GET")
-                    .arg(record)
-                    .query_async::<Option<String>>(&mut conn)
+            shared.call("record_expiry", move |mut conn| async move {
+                redis::pipe()
+                    .get(record)
+                    .pttl(record)
+                    .query_async::<(Option<String>, i64)>(&mut conn)
                     .await
             })
         });
-        let expired = futures_util::future::join_all(checks)
-            .await
-            .into_iter()
-            .filter(|r| matches!(r, Ok(Some(value)) if value.starts_with("P ")))
-            .count() as u64;
+        // A lease's record lives its time to live plus the grace period
+        // and the margin: with more left than that, it was renewed (and
+        // whoever renewed it checks it at its new expiry).
+        let grace_ms = (lease::EXPIRED_GRACE / 1000) as i64
+            + self.shared.config.expiry_margin.as_millis() as i64;
+        let (mut expired, mut leases) = (0, 0);
+        for check in futures_util::future::join_all(checks).await {
+            match check {
+                Ok((Some(value), _)) if value.starts_with("P ") => expired += 1,
+                Ok((Some(value), pttl)) if value.starts_with("L ") && pttl <= grace_ms => {
+                    leases += 1
+                }
+                _ => {}
+            }
+        }
+        metrics::leases_expired(leases);
         metrics::reservations_expired(expired);
         expired
     }
@@ -492,6 +570,11 @@ impl Shared {
     /// The Redis key of a reservation's record: beside its tenant's
     /// buckets, under the same hash tag.
     fn record_key(&self, id: &ReservationId) -> String {
+        self.redis_key(&id.record_name())
+    }
+
+    /// The Redis key of a lease's record, under its tenant's hash tag.
+    fn lease_key(&self, id: &LeaseId) -> String {
         self.redis_key(&id.record_name())
     }
 
@@ -620,9 +703,11 @@ impl Shared {
             };
         }
         for request in requests {
-            if let Kind::Reserve { body, .. } = &request.kind {
-                evalsha.arg(body.as_str());
-            }
+            match &request.kind {
+                Kind::Reserve { body, .. } => evalsha.arg(body.as_str()),
+                Kind::Acquire { member, .. } => evalsha.arg(member.as_str()),
+                _ => continue,
+            };
         }
         metrics::store_decisions("redis", requests.len());
         let script = &self.script;
@@ -725,6 +810,23 @@ fn parse_reply<'a>(
     let mut rest = reply.get(1..).ok_or_else(short)?;
     let mut outcomes = Vec::with_capacity(requests.len());
     for (kind, n) in requests {
+        if let Kind::Lease(_) = kind {
+            let [status, expires_in, ..] = *rest else {
+                return Err(short());
+            };
+            rest = &rest[2..];
+            let status = match status {
+                1 => LeaseStatus::Done,
+                2 => LeaseStatus::AlreadyReleased,
+                3 => LeaseStatus::Expired,
+                _ => LeaseStatus::Unknown,
+            };
+            outcomes.push(Reply::Lease(LeaseAnswer {
+                status,
+                expires_in: expires_in.max(0) as Micros,
+            }));
+            continue;
+        }
         if let Kind::Settle { .. } = kind {
             let [status, actual, estimate, n, ..] = *rest else {
                 return Err(short());
@@ -774,7 +876,7 @@ impl Store for RedisStore {
         charges: &'a [Charge],
         op: Op,
     ) -> StoreFuture<'a> {
-        Box::pin(self.decide(buckets, charges, op, None))
+        Box::pin(self.decide(buckets, charges, op, Attach::None))
     }
 
     fn reserve<'a>(
@@ -783,7 +885,21 @@ impl Store for RedisStore {
         charges: &'a [Charge],
         reservation: &'a Reservation,
     ) -> StoreFuture<'a> {
-        Box::pin(self.decide(buckets, charges, Op::SPEND, Some(reservation)))
+        Box::pin(self.decide(buckets, charges, Op::SPEND, Attach::Reservation(reservation)))
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        buckets: &'a [BucketKey],
+        charges: &'a [Charge],
+        lease: &'a Lease,
+    ) -> StoreFuture<'a> {
+        let op = Op::Acquire { ttl: lease.ttl };
+        Box::pin(self.decide(buckets, charges, op, Attach::Lease(lease)))
+    }
+
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> super::LeaseFuture<'a> {
+        Box::pin(self.lease_at(id, op))
     }
 
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {

@@ -35,13 +35,9 @@ pub struct ReservationId {
 impl ReservationId {
     /// A new, random id for a reservation of `tenant`'s buckets.
     pub fn new(tenant: &str) -> Self {
-        let mut nonce = [0u8; 16];
-        // The operating system's generator; it only fails on systems
-        // without one, where Tollgate cannot run safely anyway.
-        getrandom::fill(&mut nonce).expect("the operating system's random number generator");
         Self {
             tenant: tenant.to_owned(),
-            nonce: u128::from_le_bytes(nonce),
+            nonce: new_nonce(),
         }
     }
 
@@ -58,31 +54,57 @@ impl ReservationId {
 
     /// Reads a token written by [`fmt::Display`]; `None` when it is not one.
     pub fn parse(token: &str) -> Option<Self> {
-        let rest = token.strip_prefix("r1.")?;
-        let (nonce, tenant) = rest.split_once('.')?;
-        if nonce.len() != 32 || tenant.len() % 2 != 0 || tenant.len() > 2 * 256 {
-            return None;
-        }
-        let nonce = u128::from_str_radix(nonce, 16).ok()?;
-        let bytes = (0..tenant.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(tenant.get(i..i + 2)?, 16).ok())
-            .collect::<Option<Vec<u8>>>()?;
-        let tenant = String::from_utf8(bytes).ok()?;
-        if tenant.contains(':') {
-            return None;
-        }
+        let (tenant, nonce) = parse_token(token, "r1.")?;
         Some(Self { tenant, nonce })
     }
 }
 
+/// A fresh random nonce.
+pub(crate) fn new_nonce() -> u128 {
+    let mut nonce = [0u8; 16];
+    // The operating system's generator; it only fails on systems without
+    // one, where Tollgate cannot run safely anyway.
+    getrandom::fill(&mut nonce).expect("the operating system's random number generator");
+    u128::from_le_bytes(nonce)
+}
+
+/// Reads a record token, `PREFIX NONCE.TENANT` (nonce in 32 hex digits,
+/// tenant hex-encoded): the tenant and the nonce.
+pub(crate) fn parse_token(token: &str, prefix: &str) -> Option<(String, u128)> {
+    let rest = token.strip_prefix(prefix)?;
+    let (nonce, tenant) = rest.split_once('.')?;
+    if nonce.len() != 32 || tenant.len() % 2 != 0 || tenant.len() > 2 * 256 {
+        return None;
+    }
+    let nonce = u128::from_str_radix(nonce, 16).ok()?;
+    let bytes = (0..tenant.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(tenant.get(i..i + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    let tenant = String::from_utf8(bytes).ok()?;
+    if tenant.contains(':') {
+        return None;
+    }
+    Some((tenant, nonce))
+}
+
+/// Writes a record token read by [`parse_token`].
+pub(crate) fn write_token(
+    f: &mut fmt::Formatter<'_>,
+    prefix: &str,
+    nonce: u128,
+    tenant: &str,
+) -> fmt::Result {
+    write!(f, "{prefix}{nonce:032x}.")?;
+    for b in tenant.bytes() {
+        write!(f, "{b:02x}")?;
+    }
+    Ok(())
+}
+
 impl fmt::Display for ReservationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "r1.{:032x}.", self.nonce)?;
-        for b in self.tenant.bytes() {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        write_token(f, "r1.", self.nonce, &self.tenant)
     }
 }
 

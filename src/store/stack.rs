@@ -23,8 +23,8 @@ use super::breaker::Breaker;
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
 use super::{
-    BucketKey, MemoryStore, PingFuture, Reservation, ReservationId, SettleFuture, Store,
-    StoreError, StoreStatus, Verdicts,
+    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, MemoryStore, PingFuture, Reservation,
+    ReservationId, SettleFuture, Store, StoreError, StoreStatus, Verdicts,
 };
 use crate::algorithm::{Charge, Op};
 use crate::clock::Clock;
@@ -44,6 +44,8 @@ pub struct Request<'a> {
     /// A reservation to record when the decision admits ([`Op::SPEND`]
     /// only).
     pub reserve: Option<&'a Reservation>,
+    /// A lease to take when the decision admits ([`Op::Acquire`] only).
+    pub lease: Option<&'a Lease>,
 }
 
 /// What a layered store answers.
@@ -75,6 +77,9 @@ pub trait Layer: Send + Sync + 'static {
     /// settle in the backend's place: while it is unavailable, settles fail.
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a>;
 
+    /// Releases or renews a lease (see [`Store::lease`]).
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a>;
+
     /// Checks that the backend answers.
     fn ping(&self) -> PingFuture<'_>;
 
@@ -100,9 +105,10 @@ impl Backend {
 
 impl Layer for Backend {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
-        let inner = match r.reserve {
-            Some(reservation) => self.store.reserve(r.buckets, r.charges, reservation),
-            None => self.store.apply(r.buckets, r.charges, r.op),
+        let inner = match (r.reserve, r.lease) {
+            (Some(reservation), _) => self.store.reserve(r.buckets, r.charges, reservation),
+            (None, Some(lease)) => self.store.acquire(r.buckets, r.charges, lease),
+            (None, None) => self.store.apply(r.buckets, r.charges, r.op),
         };
         Box::pin(async move {
             let verdicts = inner.await;
@@ -115,7 +121,7 @@ impl Layer for Backend {
     }
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
-        if r.reserve.is_some() {
+        if r.reserve.is_some() || r.lease.is_some() {
             return None;
         }
         let verdicts = self.store.apply_now(r.buckets, r.charges, r.op)?;
@@ -131,6 +137,15 @@ impl Layer for Backend {
             let settled = inner.await;
             self.answered(&settled);
             settled
+        })
+    }
+
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        let inner = self.store.lease(id, op);
+        Box::pin(async move {
+            let answer = inner.await;
+            self.answered(&answer);
+            answer
         })
     }
 

@@ -343,6 +343,7 @@ pub const CHARGED_TOKENS: &str = "tollgate_charged_tokens_total";
 pub const FORGIVEN_TOKENS: &str = "tollgate_forgiven_tokens_total";
 
 fn describe_budgets() {
+    describe_leases();
     describe_counter!(RESERVATIONS, "Reservations recorded, by API.");
     describe_counter!(
         RESERVED_TOKENS,
@@ -408,6 +409,67 @@ pub fn reservations_expired(n: u64) {
     if n > 0 {
         counter!(RESERVATIONS_EXPIRED).increment(n);
     }
+}
+
+/// Leases granted, by concurrency rule.
+pub const LEASES_ACQUIRED: &str = "tollgate_leases_acquired_total";
+/// Leases refused, by the concurrency rule that was full.
+pub const LEASES_REFUSED: &str = "tollgate_leases_refused_total";
+/// Releases and renewals, by operation and status.
+pub const LEASE_OPS: &str = "tollgate_lease_operations_total";
+/// Leases whose time to live passed unreleased.
+pub const LEASES_EXPIRED: &str = "tollgate_leases_expired_total";
+/// Leases held through this instance, by concurrency rule.
+pub const LEASES_HELD: &str = "tollgate_leases_held";
+
+fn describe_leases() {
+    describe_counter!(
+        LEASES_ACQUIRED,
+        "Leases granted, by concurrency rule (one per rule whose cap took a slot)."
+    );
+    describe_counter!(
+        LEASES_REFUSED,
+        "Acquires refused because a concurrency rule's cap was full, by rule (shadow rules count what they would have refused)."
+    );
+    describe_counter!(
+        LEASE_OPS,
+        "Lease releases and renewals, by op (release, renew) and status (released, renewed, already_released, expired, unknown, error)."
+    );
+    describe_counter!(
+        LEASES_EXPIRED,
+        "Leases whose time to live passed before they were released (their holders died or forgot); counted by the instance that granted or last renewed them."
+    );
+    metrics::describe_gauge!(
+        LEASES_HELD,
+        "Leases granted through this instance and held now (not released through it, time to live not passed), by concurrency rule; per instance: sum across instances."
+    );
+}
+
+/// Counts a lease granted (or refused) by a concurrency rule.
+pub fn lease_decided(rule: &str, granted: bool) {
+    let name = if granted {
+        LEASES_ACQUIRED
+    } else {
+        LEASES_REFUSED
+    };
+    counter!(name, "rule" => rule.to_owned()).increment(1);
+}
+
+/// Counts a release or renewal by its status.
+pub fn lease_op(op: &'static str, status: &'static str) {
+    counter!(LEASE_OPS, "op" => op, "status" => status).increment(1);
+}
+
+/// Counts leases found expired unreleased.
+pub fn leases_expired(n: u64) {
+    if n > 0 {
+        counter!(LEASES_EXPIRED).increment(n);
+    }
+}
+
+/// Sets the leases held through this instance under a rule.
+pub fn leases_held(rule: &str, held: u64) {
+    metrics::gauge!(LEASES_HELD, "rule" => rule.to_owned()).set(held as f64);
 }
 
 /// Counts a rejection answered from the deny cache.

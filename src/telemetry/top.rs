@@ -180,9 +180,26 @@ pub struct InDebt {
     pub seen_ago_us: Micros,
 }
 
-/// Rejections per tenant and per (tenant, key), over a recent window; and
-/// the tenants seen in debt.
+/// A tenant seen holding concurrency slots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Holding {
+    /// The tenant.
+    pub tenant: String,
+    /// The key of the last acquire seen (empty for tenant-wide caps).
+    pub key: String,
+    /// Leases held in its fullest cap, as last seen at an acquire.
+    pub held: u64,
+    /// Microseconds until every lease seen held then has expired, at the
+    /// latest (releases free them sooner).
+    pub expires_in_us: Micros,
+}
+
+/// Rejections per tenant and per (tenant, key), over a recent window; the
+/// tenants seen in debt; and the tenants seen holding the most slots.
 pub struct TopLimited {
+    /// Tenant → (key, leases held, when they have all expired): the latest
+    /// acquire seen per tenant, at most `capacity` tenants.
+    holders: Mutex<HashMap<String, (String, u64, Micros)>>,
     windows: Mutex<Windows>,
     /// Tenant → (key, debt, seen at): the deepest debt seen per tenant
     /// within the window, at most `capacity` tenants (the deepest kept).
@@ -203,6 +220,7 @@ impl TopLimited {
                 keys: sketch(capacity * 4),
             }),
             debts: Mutex::new(HashMap::new()),
+            holders: Mutex::new(HashMap::new()),
             capacity: capacity.max(1),
             window: window.as_micros().max(1) as Micros,
             clock,
@@ -281,6 +299,62 @@ impl TopLimited {
             debts.remove(&shallowest);
         }
         debts.insert(tenant.to_owned(), (key.to_owned(), debt, now));
+    }
+
+    /// Records that `key` of `tenant` was seen holding `held` leases in a
+    /// cap whose leases have all expired by `until` (the latest sighting
+    /// per tenant is kept; when `capacity` tenants are held, a new one
+    /// replaces one whose leases have expired, or the smallest if it holds
+    /// more).
+    pub fn record_held(&self, tenant: &str, key: &str, held: u64, until: Micros) {
+        let (tenant, key) = (bounded(tenant), bounded(key));
+        let now = self.clock.now();
+        let mut holders = self.holders.lock();
+        if let Some(entry) = holders.get_mut(tenant) {
+            *entry = (key.to_owned(), held, until);
+            return;
+        }
+        if held == 0 {
+            return;
+        }
+        if holders.len() >= self.capacity {
+            holders.retain(|_, (_, _, until)| *until > now);
+        }
+        if holders.len() >= self.capacity {
+            let Some((smallest, least)) = holders
+                .iter()
+                .min_by_key(|(_, (_, h, _))| *h)
+                .map(|(t, (_, h, _))| (t.clone(), *h))
+            else {
+                return;
+            };
+            if least >= held {
+                return;
+            }
+            holders.remove(&smallest);
+        }
+        holders.insert(tenant.to_owned(), (key.to_owned(), held, until));
+    }
+
+    /// Up to `n` tenants seen holding slots whose leases may still be
+    /// held, most first.
+    pub fn holding(&self, n: usize) -> Vec<Holding> {
+        let now = self.clock.now();
+        let mut holding: Vec<Holding> = self
+            .holders
+            .lock()
+            .iter()
+            .filter(|(_, (_, held, until))| *held > 0 && *until > now)
+            .map(|(tenant, (key, held, until))| Holding {
+                tenant: tenant.clone(),
+                key: key.clone(),
+                held: *held,
+                expires_in_us: until - now,
+            })
+            .collect();
+        holding.sort_by(|a, b| b.held.cmp(&a.held).then_with(|| a.tenant.cmp(&b.tenant)));
+        holding.truncate(n);
+        holding
     }
 
     /// Up to `n` tenants seen in debt within the window, deepest first.

@@ -58,6 +58,7 @@ pub fn row(
         "enforce",
         "allow",
         0,
+        "rate",
         Some(name.into()),
     )
     .unwrap()

@@ -7,7 +7,7 @@ use tonic::{Request, Response, Status};
 use crate::algorithm::Micros;
 use crate::api::duration;
 use crate::proto::v1::{
-    LimitedKey, LimitedTenant, TenantInDebt, TopLimitedRequest, TopLimitedResponse,
+    LimitedKey, LimitedTenant, TenantHolding, TenantInDebt, TopLimitedRequest, TopLimitedResponse,
 };
 use crate::telemetry::top::TopLimited;
 
@@ -51,8 +51,20 @@ impl crate::proto::v1::admin_server::Admin for AdminService {
                 seen_ago: Some(duration(d.seen_ago_us)),
             })
             .collect();
+        let holding = self
+            .top
+            .holding(pick(r.tenants, 10))
+            .into_iter()
+            .map(|h| TenantHolding {
+                tenant: h.tenant,
+                key: h.key,
+                held: h.held,
+                expires_in: Some(duration(h.expires_in_us)),
+            })
+            .collect();
         Ok(Response::new(TopLimitedResponse {
             in_debt,
+            holding,
             window: Some(duration(self.top.window().as_micros() as Micros)),
             tenants: tenants
                 .into_iter()

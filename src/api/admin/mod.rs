@@ -198,9 +198,14 @@ struct RowRequest {
     resource: String,
     #[serde(default = "default_scope")]
     scope: String,
+    /// Capacity; for a concurrency rule, the most leases held at once.
     burst: i64,
-    /// `N/unit`.
+    /// `N/unit` (omitted for a concurrency rule).
+    #[serde(default)]
     rate: String,
+    /// `rate` (default) or `concurrency`.
+    #[serde(default = "default_kind")]
+    kind: String,
     #[serde(default = "default_mode")]
     mode: String,
     #[serde(default = "default_policy")]
@@ -212,6 +217,9 @@ struct RowRequest {
 
 fn default_scope() -> String {
     "key".into()
+}
+fn default_kind() -> String {
+    "rate".into()
 }
 fn default_mode() -> String {
     "enforce".into()
@@ -235,6 +243,7 @@ async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes
         &req.mode,
         &req.on_store_unavailable,
         req.debt,
+        &req.kind,
         req.name,
     ) {
         Ok(row) => row,

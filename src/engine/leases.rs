@@ -1,0 +1,215 @@
+//! Leases in the engine: acquire (a decision that also takes slots),
+//! release and renew, and the book of leases granted through this
+//! instance behind `tollgate_leases_held`.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use super::{Answer, Api, Attached, DecideError, Demand, Engine};
+use crate::algorithm::Micros;
+use crate::store::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, lease};
+use crate::telemetry::metrics;
+
+/// Most leases one instance keeps in its book; past this, new ones are not
+/// counted in `tollgate_leases_held` (it then undercounts).
+const MAX_BOOKED: usize = 100_000;
+
+/// Leases granted through this instance and not yet known to be gone, for
+/// the per-instance `tollgate_leases_held` gauge.
+#[derive(Default)]
+pub(super) struct LeaseBook {
+    inner: Mutex<Book>,
+}
+
+#[derive(Default)]
+struct Book {
+    /// Lease nonce → (its concurrency rules, when it expires).
+    leases: HashMap<u128, (Vec<String>, Micros)>,
+    /// Rule → leases held under it.
+    held: HashMap<String, u64>,
+}
+
+impl Book {
+    fn drop_lease(&mut self, nonce: u128) {
+        if let Some((rules, _)) = self.leases.remove(&nonce) {
+            for rule in rules {
+                if let Some(n) = self.held.get_mut(&rule) {
+                    *n = n.saturating_sub(1);
+                    metrics::leases_held(&rule, *n);
+                }
+            }
+        }
+    }
+}
+
+impl LeaseBook {
+    fn granted(&self, id: &LeaseId, rules: Vec<String>, expires_at: Micros) {
+        let mut book = self.inner.lock();
+        if book.leases.len() >= MAX_BOOKED || rules.is_empty() {
+            return;
+        }
+        for rule in &rules {
+            let n = book.held.entry(rule.clone()).or_default();
+            *n += 1;
+            metrics::leases_held(rule, *n);
+        }
+        book.leases.insert(id.nonce(), (rules, expires_at));
+    }
+
+    fn gone(&self, id: &LeaseId) {
+        self.inner.lock().drop_lease(id.nonce());
+    }
+
+    fn renewed(&self, id: &LeaseId, expires_at: Micros) {
+        if let Some(entry) = self.inner.lock().leases.get_mut(&id.nonce()) {
+            entry.1 = expires_at;
+        }
+    }
+
+    /// Drops the leases whose time to live has passed at `now`.
+    pub(super) fn sweep(&self, now: Micros) {
+        let mut book = self.inner.lock();
+        let expired: Vec<u128> = book
+            .leases
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(n, _)| *n)
+            .collect();
+        for nonce in expired {
+            book.drop_lease(nonce);
+        }
+    }
+
+    /// Leases held per rule, as the gauge reports them.
+    pub(super) fn held(&self) -> Vec<(String, u64)> {
+        let mut held: Vec<(String, u64)> = self
+            .inner
+            .lock()
+            .held
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(r, n)| (r.clone(), *n))
+            .collect();
+        held.sort();
+        held
+    }
+}
+
+impl Engine {
+    /// Decides a demand of one item whose op is [`crate::algorithm::Op::Acquire`]
+    /// and, when the store admits it (not a fallback's `allow`), takes a
+    /// lease in every admitting concurrency line. The lease is `None` when
+    /// nothing was taken: refused, no concurrency line applied, or the
+    /// store was unavailable and a policy other than `local` answered.
+    pub async fn acquire(
+        &self,
+        demand: &mut Demand<'_>,
+        ttl: Micros,
+        span: &tracing::Span,
+    ) -> Result<(Answer, Option<LeaseId>), DecideError> {
+        let tenant = demand.items.first().map_or("", |i| i.tenant);
+        let ttl = ttl.min(lease::MAX_TTL);
+        let lease = Lease {
+            id: LeaseId::new(tenant),
+            ttl,
+        };
+        demand.op = crate::algorithm::Op::Acquire { ttl };
+        let now = self.clock.now();
+        let (answer, attached) = self
+            .decide_attached(demand, Attached::Lease(lease), span)
+            .await?;
+        let mut rules = Vec::new();
+        let mut took = false;
+        for (line, verdict) in demand.lines.iter().zip(&answer.lines) {
+            if !line.is_concurrency() {
+                continue;
+            }
+            let granted = answer.allowed && verdict.allowed;
+            metrics::lease_decided(line.label, granted);
+            took |= granted;
+            if granted {
+                rules.push(line.label.to_owned());
+            }
+            let item = &demand.items[line.item];
+            if let Some(cap) = line.cap() {
+                let held = cap.saturating_sub(verdict.remaining);
+                self.top.record_held(
+                    item.tenant,
+                    item.key,
+                    held,
+                    now.saturating_add(verdict.reset_after),
+                );
+            }
+        }
+        let id = match attached {
+            Attached::Lease(lease) if took => Some(lease.id),
+            _ => None,
+        };
+        if let Some(id) = &id {
+            self.leases.granted(id, rules, now.saturating_add(ttl));
+        }
+        Ok((answer, id))
+    }
+
+    /// Releases or renews a lease. A release always answers (it is
+    /// idempotent: a lease released before, expired or unknown is reported
+    /// as such); a renew of a lease that is not held is an error.
+    pub async fn lease(
+        &self,
+        api: Api,
+        id: &LeaseId,
+        op: LeaseOp,
+    ) -> Result<LeaseAnswer, DecideError> {
+        let _ = api;
+        let name = match op {
+            LeaseOp::Release => "release",
+            LeaseOp::Renew { .. } => "renew",
+        };
+        let op = match op {
+            LeaseOp::Renew { ttl } => LeaseOp::Renew {
+                ttl: ttl.min(lease::MAX_TTL),
+            },
+            release => release,
+        };
+        let answer = self.store.lease(id, op).await.map_err(|e| {
+            metrics::lease_op(name, "error");
+            DecideError::from(e)
+        })?;
+        metrics::lease_op(name, answer.status.label(op));
+        match (op, answer.status) {
+            (LeaseOp::Release, _) | (_, LeaseStatus::Expired | LeaseStatus::Unknown) => {
+                self.leases.gone(id)
+            }
+            (LeaseOp::Renew { ttl }, LeaseStatus::Done) => self
+                .leases
+                .renewed(id, self.clock.now().saturating_add(ttl)),
+            _ => {}
+        }
+        match (op, answer.status) {
+            (LeaseOp::Renew { .. }, LeaseStatus::Unknown) => {
+                Err(DecideError::UnknownLease(id.to_string()))
+            }
+            (LeaseOp::Renew { .. }, LeaseStatus::Expired) => Err(DecideError::LeaseGone {
+                id: id.to_string(),
+                why: "its time to live passed and its slots were freed",
+            }),
+            (LeaseOp::Renew { .. }, LeaseStatus::AlreadyReleased) => Err(DecideError::LeaseGone {
+                id: id.to_string(),
+                why: "it was released",
+            }),
+            _ => Ok(answer),
+        }
+    }
+
+    /// Drops expired leases from this instance's book (the server calls it
+    /// every second).
+    pub fn sweep_leases(&self) {
+        self.leases.sweep(self.clock.now());
+    }
+
+    /// Leases held through this instance, per concurrency rule.
+    pub fn leases_held(&self) -> Vec<(String, u64)> {
+        self.leases.held()
+    }
+}
