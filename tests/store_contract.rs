@@ -13,8 +13,8 @@ use common::redis::{RedisCluster, RedisServer};
 use tollgate::algorithm::{Charge, Limit, Op, Rate};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{
-    BucketKey, MemoryStore, RedisConfig, RedisStore, Reservation, ReservationId, SettleStatus,
-    Store,
+    BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
+    Reservation, ReservationId, SettleStatus, Store,
 };
 
 struct Harness {
@@ -426,6 +426,161 @@ async fn reserve_and_settle_across_instances(h: &Harness) {
     assert_eq!(o.verdicts[0].remaining, 30, "the estimate stays charged");
 }
 
+fn cap(n: u64) -> Charge {
+    Charge::new(Limit::concurrency(n).unwrap(), 1)
+}
+
+fn slots(tenant: &str, k: &str) -> BucketKey {
+    BucketKey::new(tenant, "kc", "", k)
+}
+
+fn lease(tenant: &str, secs: u64) -> Lease {
+    Lease {
+        id: LeaseId::new(tenant),
+        ttl: secs * 1_000_000,
+    }
+}
+
+/// Leases held in a cap of `n`, read with a dry run.
+async fn held(h: &Harness, b: &BucketKey, n: u64) -> u64 {
+    let o = h
+        .store
+        .apply(std::slice::from_ref(b), &[cap(n)], Op::DRY)
+        .await
+        .unwrap();
+    n - o.verdicts[0].remaining
+}
+
+async fn leases_fill_expire_release_and_renew(h: &Harness) {
+    let b = [slots("acme", "exports")];
+    let c = [cap(2)];
+    let a = lease("acme", 10);
+    let o = h.store.acquire(&b, &c, &a).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(o.verdicts[0].remaining, 1);
+    assert_eq!(o.verdicts[0].reset_after, 10_000_000);
+    h.clock.advance(Duration::from_secs(2));
+    let bee = lease("acme", 5);
+    let o = h.store.acquire(&b, &c, &bee).await.unwrap();
+    assert!(o.allowed);
+    assert_eq!(o.verdicts[0].remaining, 0);
+    assert_eq!(o.verdicts[0].reset_after, 8_000_000, "until a's expiry");
+    // Full: refused until the earliest lease (bee's, at +7 s) expires.
+    let o = h.store.acquire(&b, &c, &lease("acme", 5)).await.unwrap();
+    assert!(!o.allowed);
+    assert_eq!(o.verdicts[0].remaining, 0);
+    assert_eq!(o.verdicts[0].retry_after, 5_000_000);
+    assert_eq!(o.verdicts[0].reset_after, 8_000_000);
+    // Released through another instance: the slot is free at once, and a
+    // second release changes nothing.
+    let r = h.other.lease(&bee.id, LeaseOp::Release).await.unwrap();
+    assert_eq!(r.status, LeaseStatus::Done);
+    let r = h.store.lease(&bee.id, LeaseOp::Release).await.unwrap();
+    assert_eq!(r.status, LeaseStatus::AlreadyReleased);
+    assert_eq!(held(h, &b[0], 2).await, 1);
+    let cee = lease("acme", 3);
+    assert!(h.store.acquire(&b, &c, &cee).await.unwrap().allowed);
+    assert_eq!(held(h, &b[0], 2).await, 2);
+    // Renewed: a holds 20 s from now (+2 s), beyond its first expiry.
+    let r = h
+        .other
+        .lease(&a.id, LeaseOp::Renew { ttl: 20_000_000 })
+        .await
+        .unwrap();
+    assert_eq!((r.status, r.expires_in), (LeaseStatus::Done, 20_000_000));
+    // cee expires at +5 s by itself; a does not at +10 s.
+    h.clock.advance(Duration::from_secs(3));
+    assert_eq!(held(h, &b[0], 2).await, 1, "cee expired at its ttl");
+    h.clock.advance(Duration::from_secs(6));
+    assert_eq!(held(h, &b[0], 2).await, 1, "a was renewed");
+    let r = h.store.lease(&cee.id, LeaseOp::Release).await.unwrap();
+    assert_eq!(r.status, LeaseStatus::Expired);
+    let r = h
+        .store
+        .lease(&cee.id, LeaseOp::Renew { ttl: 1_000_000 })
+        .await
+        .unwrap();
+    assert_eq!(r.status, LeaseStatus::Expired, "an expired lease is not renewed");
+    assert_eq!(held(h, &b[0], 2).await, 1);
+    let r = h
+        .store
+        .lease(&bee.id, LeaseOp::Renew { ttl: 1_000_000 })
+        .await
+        .unwrap();
+    assert_eq!(r.status, LeaseStatus::AlreadyReleased);
+    let r = h
+        .store
+        .lease(&LeaseId::new("acme"), LeaseOp::Release)
+        .await
+        .unwrap();
+    assert_eq!(r.status, LeaseStatus::Unknown);
+    h.clock.advance(Duration::from_secs(13));
+    assert_eq!(held(h, &b[0], 2).await, 0, "a expired at its renewed ttl");
+}
+
+async fn acquire_takes_tokens_and_slots_all_or_nothing(h: &Harness) {
+    let b = [key("acme", "alice"), slots("acme", "alice")];
+    // A token bucket of one and a cap of five: the second acquire is
+    // refused by the bucket, and takes no slot.
+    let c = [charge(1, "1/hour", 1), cap(5)];
+    assert!(h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap().allowed);
+    let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
+    assert!(!o.allowed);
+    assert!(!o.verdicts[0].allowed);
+    assert!(o.verdicts[1].allowed);
+    assert_eq!(o.verdicts[1].remaining, 4, "what the cap holds now");
+    assert_eq!(held(h, &b[1], 5).await, 1);
+    // A cap of one and a bucket of ten: the cap refuses, and no token is
+    // spent.
+    let b = [key("acme", "bob"), slots("acme", "bob")];
+    let c = [charge(10, "1/hour", 1), cap(1)];
+    assert!(h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap().allowed);
+    let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
+    assert!(!o.allowed);
+    assert_eq!(o.verdicts[0].remaining, 9, "the bucket is not charged");
+    assert_eq!(o.verdicts[1].retry_after, 60_000_000);
+    let o = h.store.apply(&b[..1], &c[..1], Op::DRY).await.unwrap();
+    assert_eq!(o.verdicts[0].remaining, 8);
+}
+
+async fn shadow_caps_never_refuse(h: &Harness) {
+    let b = [slots("acme", "enforced"), slots("acme", "shadow")];
+    let shadow = Charge {
+        enforce: false,
+        ..cap(1)
+    };
+    let c = [cap(3), shadow];
+    assert!(h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap().allowed);
+    let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
+    assert!(o.allowed, "a full shadow cap does not refuse");
+    assert!(!o.verdicts[1].allowed, "but says it would have");
+    assert_eq!(held(h, &b[0], 3).await, 2);
+    assert_eq!(held(h, &b[1], 1).await, 1, "and takes no slot");
+}
+
+async fn five_hundred_acquirers_take_exactly_the_cap(h: &Harness) {
+    let c = [cap(100)];
+    let mut tasks = Vec::new();
+    for i in 0..500 {
+        let store = if i % 2 == 0 {
+            h.store.clone()
+        } else {
+            h.other.clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            let b = [slots("race", "hot")];
+            let l = lease("race", 3600);
+            store.acquire(&b, &c, &l).await.unwrap().allowed
+        }));
+    }
+    let mut granted = 0;
+    for t in tasks {
+        granted += usize::from(t.await.unwrap());
+    }
+    assert_eq!(granted, 100);
+    assert_eq!(held(h, &slots("race", "hot"), 100).await, 100);
+}
+
 macro_rules! contract {
     ($($test:ident),* $(,)?) => {
         mod memory {
@@ -463,4 +618,8 @@ contract!(
     fixed_and_sliding_windows,
     charges_go_into_debt_down_to_the_floor,
     reserve_and_settle_across_instances,
+    leases_fill_expire_release_and_renew,
+    acquire_takes_tokens_and_slots_all_or_nothing,
+    shadow_caps_never_refuse,
+    five_hundred_acquirers_take_exactly_the_cap,
 );
