@@ -126,7 +126,9 @@ impl Engine {
                 continue;
             }
             let granted = answer.allowed && verdict.allowed;
-            metrics::lease_decided(line.label, granted);
+            if granted || !verdict.allowed {
+                metrics::lease_decided(line.label, granted);
+            }
             took |= granted;
             if granted {
                 rules.push(line.label.to_owned());

@@ -227,8 +227,10 @@ impl Layer for FallbackLayer {
     /// renew goes to both, and answers what whichever holds it says.
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
         Box::pin(async move {
-            let local = self.fallback.local.lease_now(id, op);
+            // The backend first: when it is the in-process store itself,
+            // the local store's answer comes second and is the one dropped.
             let inner = self.inner.lease(id, op).await;
+            let local = self.fallback.local.lease_now(id, op);
             match inner {
                 Ok(answer) if answer.status != LeaseStatus::Unknown => Ok(answer),
                 _ if local.status != LeaseStatus::Unknown => Ok(local),

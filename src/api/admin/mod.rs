@@ -11,7 +11,7 @@
 //! | `/metrics`    | Prometheus text format                                 |
 //! | `/v1/limits`  | JSON: the rules in force and the last reload's status  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
-//! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), and the tenants seen in debt |
+//! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), the tenants seen in debt, and those holding the most concurrency slots |
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 
 use std::sync::Arc;
@@ -401,6 +401,7 @@ async fn top_limited(
         "window_seconds": state.top.window().as_secs(),
         "tenants": tenants,
         "in_debt": in_debt,
+        "holding": state.top.holding(q.tenants.unwrap_or(10).min(100)),
     }))
 }
 
