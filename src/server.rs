@@ -477,15 +477,20 @@ pub async fn run(
         access: config.admin_access.clone(),
         grpc_in_flight: in_flight.clone(),
     });
+    // Every second: the decision rates, and leases past their time to live
+    // out of this instance's book (`tollgate_leases_held`).
     let sampler = {
-        let (state, stop) = (admin_state.clone(), stopped());
+        let (state, stop, engine) = (admin_state.clone(), stopped(), engine.clone());
         tokio::spawn(async move {
             tokio::pin!(stop);
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tokio::select! {
                     _ = &mut stop => return,
-                    _ = tick.tick() => state.rates.sample(),
+                    _ = tick.tick() => {
+                        state.rates.sample();
+                        engine.sweep_leases();
+                    }
                 }
             }
         })

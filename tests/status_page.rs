@@ -1,7 +1,7 @@
 //! The admin port's status page, loaded in headless Chromium (Debian's
 //! `chromium`): after its scripts ran, the page shows the store's health,
-//! decisions by outcome, the most limited tenants, the tenants in debt and
-//! the limits in force.
+//! decisions by outcome, the most limited tenants, the tenants in debt,
+//! the tenants holding the most concurrency slots and the limits in force.
 
 mod common;
 
@@ -17,6 +17,19 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         row("per-key", "", "", "key", 2, "1/hour"),
         row("exports", "", "exports", "key", 1, "1/day"),
         llm,
+        tollgate::limits::LimitRow::from_request(
+            "batch".into(),
+            String::new(),
+            "tenant",
+            4,
+            "",
+            "enforce",
+            "allow",
+            0,
+            "concurrency",
+            Some("batch-slots".into()),
+        )
+        .unwrap(),
     ])
     .await;
     let mut client = server.client().await;
@@ -34,6 +47,26 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         })
         .await
         .unwrap();
+
+    // Three of the batch tenant's four slots held.
+    for job in ["a", "b", "c"] {
+        let granted = client
+            .acquire(tollgate::proto::v1::AcquireRequest {
+                key: job.into(),
+                tenant: "batch".into(),
+                resource: String::new(),
+                ttl: Some(prost_types::Duration {
+                    seconds: 600,
+                    nanos: 0,
+                }),
+                cost: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .granted;
+        assert!(granted);
+    }
 
     let profile = tempfile::tempdir().unwrap();
     let url = format!("http://{}/", server.admin);
@@ -103,7 +136,8 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         assert!(words[at + 1].parse::<f64>().is_ok(), "{rates}");
         words[at + 2].parse().unwrap()
     };
-    assert_eq!(total("allowed"), 3, "{rates}");
+    // Three decisions and three acquires (an acquire is a decision too).
+    assert_eq!(total("allowed"), 6, "{rates}");
     assert_eq!(total("rejected"), 5, "{rates}");
     for outcome in [
         "error",
@@ -122,18 +156,27 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         debt.contains("tenant key tokens below zero seen llm carol 20"),
         "{debt}"
     );
+    let holding = section("holding");
+    assert!(
+        holding.contains("tenant key slots held all expire within batch c 3 600 s"),
+        "{holding}"
+    );
     let limits = section("limits");
-    assert!(limits.contains("Limits in force (3)"), "{limits}");
+    assert!(limits.contains("Limits in force (4)"), "{limits}");
     assert!(
-        limits.contains("per-key (default) (any) key 2 1/hour 0 enforce allow"),
+        limits.contains("per-key rate (default) (any) key 2 1/hour 0 enforce allow"),
         "{limits}"
     );
     assert!(
-        limits.contains("exports (default) exports key 1 1/day 0 enforce allow"),
+        limits.contains("exports rate (default) exports key 1 1/day 0 enforce allow"),
         "{limits}"
     );
     assert!(
-        limits.contains("llm llm (any) key 10 1/hour 50 enforce allow"),
+        limits.contains("llm rate llm (any) key 10 1/hour 50 enforce allow"),
+        "{limits}"
+    );
+    assert!(
+        limits.contains("batch-slots concurrency batch (any) tenant 4 4 concurrent 0 enforce allow"),
         "{limits}"
     );
     server.stop().await;

@@ -270,6 +270,32 @@ pub async fn top(args: TopArgs) -> anyhow::Result<()> {
             }
             out.push_str(&super::aligned(&rows));
         }
+        if !response.holding.is_empty() {
+            out.push_str("Holding the most concurrency slots\n");
+            let mut rows = vec![[
+                "TENANT".to_owned(),
+                "KEY".into(),
+                "HELD".into(),
+                "ALL EXPIRE WITHIN".into(),
+            ]];
+            for h in &response.holding {
+                rows.push([
+                    if h.tenant.is_empty() {
+                        "(default)".to_owned()
+                    } else {
+                        h.tenant.clone()
+                    },
+                    if h.key.is_empty() {
+                        "(tenant-wide)".to_owned()
+                    } else {
+                        h.key.clone()
+                    },
+                    h.held.to_string(),
+                    format!("{} s", h.expires_in.map_or(0, |s| s.seconds)),
+                ]);
+            }
+            out.push_str(&super::aligned(&rows));
+        }
         out!("{out}");
         shown += 1;
         if args.count.is_some_and(|n| shown >= n) {

@@ -155,7 +155,11 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
             or(&r.resource, "(any)"),
             r.scope.clone(),
             r.burst.to_string(),
-            format!("{}/{}", r.rate, r.rate_unit),
+            if r.kind == "concurrency" {
+                "concurrency".to_owned()
+            } else {
+                format!("{}/{}", r.rate, r.rate_unit)
+            },
             r.mode.clone(),
             r.on_store_unavailable.clone(),
             r.debt.to_string(),

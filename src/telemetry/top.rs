@@ -446,6 +446,23 @@ pub fn render_debt_metric(in_debt: &[InDebt]) -> String {
     out
 }
 
+/// The Prometheus text of the holders family: the `n` tenants seen holding
+/// the most concurrency slots, so its series never grow beyond `n`.
+pub fn render_holding_metric(holding: &[Holding]) -> String {
+    let mut out = String::from(
+        "# HELP tollgate_tenant_leases_held Concurrency slots held in the fullest cap of the tenants seen holding the most, at their latest acquire through this instance (top K only).\n\
+         # TYPE tollgate_tenant_leases_held gauge\n",
+    );
+    for h in holding {
+        out.push_str(&format!(
+            "tollgate_tenant_leases_held{{tenant=\"{}\"}} {}\n",
+            escape_label(&h.tenant),
+            h.held
+        ));
+    }
+    out
+}
+
 /// A label value escaped as the exposition format wants: backslash,
 /// double quote and line feed (a raw newline would start a forged sample
 /// line).

@@ -379,6 +379,9 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     text.push_str(&crate::telemetry::top::render_debt_metric(
         &state.top.in_debt(10),
     ));
+    text.push_str(&crate::telemetry::top::render_holding_metric(
+        &state.top.holding(10),
+    ));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -421,8 +424,9 @@ async fn limits(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
                 "tenant": r.tenant,
                 "resource": r.resource,
                 "scope": r.scope,
+                "kind": r.kind,
                 "burst": r.limit.burst(),
-                "rate": r.rate.to_string(),
+                "rate": r.rate_text,
                 "mode": r.mode,
                 "on_store_unavailable": r.on_store_unavailable,
                 "debt": r.limit.debt(),
