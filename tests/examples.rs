@@ -241,3 +241,124 @@ fn node_grpc_js_middleware() {
     ));
     check(c);
 }
+
+/// The hold-a-slot helper: a tenant-wide cap of one request in flight. A
+/// request holds the slot while the application works, a second one meanwhile
+/// gets a 429, the slot is back once the first is done; and when the app
+/// process is killed mid-request, its slot is free within a second.
+fn check_slot(command: impl Fn() -> Command) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tollgate(
+        dir.path(),
+        &[
+            "limits",
+            "set",
+            "--tenant",
+            "reports",
+            "--scope",
+            "tenant",
+            "--concurrency",
+            "1",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let server = ServeProcess::start(dir.path(), &[]);
+    let (first, port) = start_app(command(), &server, "reports", &["slot"]);
+    let (_second, other) = start_app(command(), &server, "reports", &["slot"]);
+    let work = |port: u16, ms: &'static str| get_with(port, "alice", &[("x-work-ms", ms)]);
+    // Waits (bounded) until a request through `port` is refused: the slot
+    // is held.
+    let wait_held = |port: u16| -> String {
+        for _ in 0..500 {
+            let (status, response) = work(port, "0");
+            if status == 429 {
+                return response;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the slot was never held: {:?}", work(port, "0"));
+    };
+
+    // The slow request retries while a probe below happens to hold the
+    // slot (bounded).
+    let slow = std::thread::spawn(move || {
+        for _ in 0..500 {
+            let answer = work(port, "1500");
+            if answer.0 != 429 {
+                return answer;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        panic!("the slow request never got the slot");
+    });
+    let refused = wait_held(other);
+    assert!(refused.contains("ratelimit-limit: 1\r\n"), "{refused}");
+    assert!(refused.contains("ratelimit-remaining: 0\r\n"), "{refused}");
+    assert!(refused.contains("retry-after: "), "{refused}");
+    assert!(!refused.contains("work done"));
+    let (status, response) = slow.join().unwrap();
+    assert_eq!(status, 200, "{response}");
+    assert!(response.contains("work done"));
+    // Released when the response was done.
+    let mut free = false;
+    for _ in 0..100 {
+        if work(other, "0").0 == 200 {
+            free = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(free, "the slot came back after the request");
+
+    // Killed while holding: a request that would take a minute holds the
+    // slot, then its process dies.
+    let _stuck = std::thread::spawn(move || {
+        let _ = std::panic::catch_unwind(|| {
+            for _ in 0..500 {
+                if work(port, "60000").0 != 429 {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        });
+    });
+    wait_held(other);
+    let mut app = first;
+    app.0.kill().unwrap();
+    app.0.wait().unwrap();
+    let killed = std::time::Instant::now();
+    let mut freed = None;
+    for _ in 0..100 {
+        if work(other, "0").0 == 200 {
+            freed = Some(killed.elapsed());
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let freed = freed.expect("the dead process's slot was freed");
+    println!("slot freed {freed:?} after its holder was killed (its ttl is 60 s)");
+}
+
+#[test]
+fn python_slot_helper_holds_one_slot_per_request() {
+    check_slot(|| {
+        let mut c = Command::new("python3");
+        c.arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/python/tollgate_middleware.py"
+        ));
+        c
+    });
+}
+
+#[test]
+fn node_slot_helper_holds_one_slot_per_request() {
+    check_slot(|| {
+        let mut c = Command::new("node");
+        c.arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/node/server.js"
+        ));
+        c
+    });
+}

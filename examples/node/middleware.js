@@ -113,4 +113,63 @@ function tollgateBudget({
   };
 }
 
-module.exports = { tollgate, tollgateBudget };
+// To cap how many requests run at once: hold a slot of the key's
+// concurrency rules while the handler runs, through a Hold stream. Ending
+// the stream (the response is done, or this process died and its
+// connection dropped) gives the slot back at once.
+//
+//   const slot = tollgateSlot({ target, tenant: "reports", key: (req) => req.headers["x-api-key"] });
+function tollgateSlot({ target, tenant = "", resource = "", key, ttlSeconds = 60, timeoutMs = 50 }) {
+  const rpc = client(target);
+  return function slot(req, res, next) {
+    const apiKey = key(req);
+    if (!apiKey) {
+      res.writeHead(400, { "Content-Type": "text/plain" });
+      res.end("missing API key\n");
+      return;
+    }
+    const call = rpc.Hold();
+    let answered = false;
+    let released = false;
+    const release = () => {
+      if (released) return;
+      released = true;
+      call.end();
+    };
+    const failOpen = (why) => {
+      if (answered) return;
+      answered = true;
+      clearTimeout(timer);
+      released = true;
+      call.cancel();
+      console.warn(`tollgate unavailable (${why}); letting the request through`);
+      next();
+    };
+    const timer = setTimeout(() => failOpen("timeout"), timeoutMs);
+    call.on("error", (err) => failOpen(err.code));
+    call.on("data", (answer) => {
+      if (answered || !answer.acquired) return;
+      answered = true;
+      clearTimeout(timer);
+      const acquired = answer.acquired;
+      for (const [name, value] of Object.entries(acquired.decision.headers)) res.setHeader(name, value);
+      if (!acquired.granted) {
+        release();
+        res.writeHead(429, { "Content-Type": "text/plain" });
+        res.end("too many requests in flight; retry after the Retry-After header\n");
+        return;
+      }
+      res.on("finish", release);
+      res.on("close", release);
+      try {
+        next();
+      } catch (e) {
+        release();
+        throw e;
+      }
+    });
+    call.write({ key: apiKey, tenant, resource, ttl: { seconds: ttlSeconds, nanos: 0 }, cost: 0 });
+  };
+}
+
+module.exports = { tollgate, tollgateBudget, tollgateSlot };

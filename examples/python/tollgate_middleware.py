@@ -12,6 +12,14 @@ usage the application reports in a response header; it settles in a
                                    key=lambda environ: environ.get("HTTP_X_API_KEY", ""),
                                    estimate=lambda environ: int(environ.get("HTTP_X_MAX_TOKENS", "1")))
 
+To cap how many requests of a key (or tenant) run at once, the slot
+middleware holds a concurrency lease for the life of each request: it opens
+Tollgate's Hold stream, and ending the stream (the request is done, or this
+process died and its connection dropped) gives the slot back at once:
+
+    app = TollgateSlotMiddleware(app, target="127.0.0.1:50051", tenant="reports",
+                                 key=lambda environ: environ.get("HTTP_X_API_KEY", ""))
+
 Allowed requests get the RateLimit-* headers Tollgate returns; rejected ones
 get an honest 429 with Retry-After and never reach the application. If
 Tollgate cannot be reached the request is let through (fail open) and logged:
@@ -26,6 +34,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 
 import grpc
 
@@ -163,6 +172,76 @@ class TollgateBudgetMiddleware(_Middleware):
             logging.warning("settle failed (%s); the estimate stays charged", err.code())
 
 
+class TollgateSlotMiddleware(_Middleware):
+    """WSGI middleware: hold a slot of the key's concurrency rules while the
+    application handles the request (and streams its body), through a Hold
+    stream; a request over the cap gets a 429."""
+
+    def __init__(self, app, target, tenant="", key=None, resource="", ttl_seconds=60,
+                 timeout=0.05):
+        super().__init__(app, target, tenant, key, resource, timeout)
+        self.ttl_seconds = ttl_seconds
+
+    def __call__(self, environ, start_response):
+        key = self.key(environ)
+        if not key:
+            return self.missing_key(start_response)
+        done = threading.Event()
+        first = self.pb.AcquireRequest(key=key, tenant=self.tenant, resource=self.resource,
+                                       ttl={"seconds": self.ttl_seconds})
+
+        def requests():
+            yield first
+            # The stream stays open (and the slot held) until the request is
+            # done; ending it releases the slot.
+            done.wait()
+
+        answers = self.stub.Hold(requests())
+        got = {}
+
+        def read_first():
+            try:
+                got["answer"] = next(answers)
+            except Exception as err:  # noqa: BLE001 - reported below
+                got["error"] = err
+
+        reader = threading.Thread(target=read_first, daemon=True)
+        reader.start()
+        reader.join(self.timeout)
+        if "answer" not in got:
+            answers.cancel()
+            done.set()
+            logging.warning("tollgate unavailable (%s); letting the request through",
+                            got.get("error", "timeout"))
+            return self.app(environ, start_response)
+        acquired = got["answer"].acquired
+        headers = sorted(acquired.decision.headers.items())
+        if not acquired.granted:
+            done.set()
+            start_response("429 Too Many Requests", [("Content-Type", "text/plain"), *headers])
+            return [b"too many requests in flight; retry after the Retry-After header\n"]
+
+        def start_with_headers(status, response_headers, exc_info=None):
+            return start_response(status, list(response_headers) + headers, exc_info)
+
+        try:
+            body = self.app(environ, start_with_headers)
+        except BaseException:
+            done.set()
+            raise
+        return self._release_after(body, done)
+
+    @staticmethod
+    def _release_after(body, done):
+        try:
+            yield from body
+        finally:
+            close = getattr(body, "close", None)
+            if close:
+                close()
+            done.set()
+
+
 def hello(environ, start_response):
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"hello from the application\n"]
@@ -178,11 +257,21 @@ def completion(environ, start_response):
     return [b"a completion\n"]
 
 
+def work(environ, start_response):
+    """A stand-in for slow work: takes `x-work-ms` milliseconds."""
+    import time
+    time.sleep(int(environ.get("HTTP_X_WORK_MS", "0")) / 1000)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"work done\n"]
+
+
 if __name__ == "__main__":
-    # python3 examples/python/tollgate_middleware.py PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS] [budget]
+    # python3 examples/python/tollgate_middleware.py PORT TOLLGATE_ADDR TENANT [TIMEOUT_MS] [budget|slot]
     # "budget": the reserve -> call -> settle middleware around a stand-in
-    # LLM (estimate from x-max-tokens, usage from x-want-tokens).
-    from wsgiref.simple_server import make_server, WSGIRequestHandler
+    # LLM (estimate from x-max-tokens, usage from x-want-tokens). "slot": the
+    # hold-a-slot middleware around work that takes x-work-ms.
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIServer, make_server, WSGIRequestHandler
 
     class Quiet(WSGIRequestHandler):
         def log_message(self, *args):
@@ -193,12 +282,18 @@ if __name__ == "__main__":
     port, target, tenant = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     timeout = float(sys.argv[4]) / 1000 if len(sys.argv) > 4 else 0.05
     api_key = lambda environ: environ.get("HTTP_X_API_KEY", "")  # noqa: E731
-    if len(sys.argv) > 5 and sys.argv[5] == "budget":
+    mode = sys.argv[5] if len(sys.argv) > 5 else ""
+    if mode == "slot":
+        app = TollgateSlotMiddleware(work, target, tenant=tenant, timeout=timeout, key=api_key)
+    elif mode == "budget":
         app = TollgateBudgetMiddleware(
             completion, target, tenant=tenant, timeout=timeout, key=api_key,
             estimate=lambda environ: int(environ.get("HTTP_X_MAX_TOKENS", "1")))
     else:
         app = TollgateMiddleware(hello, target, tenant=tenant, timeout=timeout, key=api_key)
-    with make_server("127.0.0.1", port, app, handler_class=Quiet) as server:
+    class Threaded(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    with make_server("127.0.0.1", port, app, server_class=Threaded, handler_class=Quiet) as server:
         print(f"listening on 127.0.0.1:{port}", flush=True)
         server.serve_forever()
