@@ -139,6 +139,19 @@ fn server() -> &'static (tokio::runtime::Runtime, TestServer) {
                 row("acme-keys", "acme", "", "key", 10, "5/second"),
                 row("acme-all", "acme", "", "tenant", 100, "50/second"),
                 row("default", "", "", "key", 5, "1/minute"),
+                tollgate::limits::LimitRow::from_request(
+                    "acme".into(),
+                    String::new(),
+                    "key",
+                    3,
+                    "",
+                    "enforce",
+                    "allow",
+                    0,
+                    "concurrency",
+                    Some("acme-slots".into()),
+                )
+                .unwrap(),
             ]),
             move |c| c.envoy_config = Some(path),
         ));
@@ -199,7 +212,7 @@ fn arbitrary_bytes_as_native_and_envoy_messages() {
     let (runtime, _) = server();
     let bytes = prop::collection::vec(any::<u8>(), 0..2048);
     runner()
-        .run(&(bytes, 0usize..6), |(body, target)| {
+        .run(&(bytes, 0usize..9), |(body, target)| {
             let path = [
                 "/tollgate.v1.RateLimiter/ShouldAllow",
                 "/tollgate.v1.RateLimiter/ShouldAllowBatch",
@@ -207,6 +220,9 @@ fn arbitrary_bytes_as_native_and_envoy_messages() {
                 "/tollgate.v1.RateLimiter/Reserve",
                 "/tollgate.v1.RateLimiter/Settle",
                 "/tollgate.v1.RateLimiter/Charge",
+                "/tollgate.v1.RateLimiter/Acquire",
+                "/tollgate.v1.RateLimiter/Release",
+                "/tollgate.v1.RateLimiter/Renew",
             ][target];
             let len = body.len();
             let code = bounded(path, len, || runtime.block_on(raw_unary(path, body)));
@@ -235,6 +251,59 @@ fn arbitrary_bytes_on_a_stream_each_get_an_answer() {
             }
             Ok(())
         })
+        .unwrap();
+}
+
+/// Well-formed lease calls with hostile fields: keys, tenants and
+/// resources of any text, any time to live, any cost, and tokens that are
+/// real, mangled or made up.
+#[test]
+fn arbitrary_well_formed_lease_calls() {
+    use tollgate::proto::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
+    let (runtime, server) = server();
+    let ttl = (prop_oneof![0i64..120, any::<i64>()], any::<i32>()).prop_map(|(seconds, nanos)| {
+        prost_types::Duration { seconds, nanos }
+    });
+    runner()
+        .run(
+            &(native_request(), prop::option::of(ttl), nasty_text(), 0u8..4),
+            |(r, ttl, garbage, how)| {
+                let len = r.key.len() + r.tenant.len() + r.resource.len() + garbage.len();
+                let codes = bounded("Acquire", len, || {
+                    runtime.block_on(async {
+                        let mut client = server.client().await;
+                        let acquired = client
+                            .acquire(AcquireRequest {
+                                key: r.key,
+                                tenant: r.tenant,
+                                resource: r.resource,
+                                ttl,
+                                cost: r.cost,
+                            })
+                            .await;
+                        let lease = match (&acquired, how) {
+                            (Ok(a), 0) => a.get_ref().lease.clone(),
+                            (Ok(a), 1) => format!("{}{garbage}", a.get_ref().lease),
+                            (_, 2) => tollgate::store::LeaseId::new("acme").to_string(),
+                            _ => garbage,
+                        };
+                        let renewed = client
+                            .renew(RenewRequest {
+                                lease: lease.clone(),
+                                ttl,
+                            })
+                            .await;
+                        let released = client.release(ReleaseRequest { lease }).await;
+                        [acquired.map(|_| ()), renewed.map(|_| ()), released.map(|_| ())]
+                            .map(|r| r.map_or_else(|s| s.code(), |_| Code::Ok))
+                    })
+                });
+                for code in codes {
+                    prop_assert!(acceptable(code), "lease call: {code:?}");
+                }
+                Ok(())
+            },
+        )
         .unwrap();
 }
 
