@@ -929,3 +929,109 @@ async fn reservation_records_expire_by_themselves() {
         "kept by the settle: {left} ms"
     );
 }
+
+/// Leases, Lua against Rust: the same random sequence of acquires (with a
+/// token bucket beside caps of random sizes, some shadow), releases, renews,
+/// dry checks and clock steps (back too) through the in-process store,
+/// which runs `src/algorithm/concurrency.rs`, and through Redis, which runs
+/// the script. Every verdict and every lease answer must be the same.
+#[tokio::test]
+async fn leases_agree_between_lua_and_rust() {
+    use tollgate::store::{Lease, LeaseId, LeaseOp, MemoryStore};
+    let server = RedisServer::start();
+    for seed in [0x5eed_1ea5_u64, 0xc0ff_ee00, 0x0dd5_1075] {
+        let clock = Arc::new(ManualClock::new(T0));
+        let redis = store(server.url(), &clock, Duration::from_secs(1));
+        let memory = MemoryStore::new(clock.clone(), 100_000);
+        let tenant = format!("lease{seed:x}");
+        let sets: Vec<BucketKey> = (0..3)
+            .map(|i| BucketKey::new(&tenant, "kc", "", &format!("set{i}")))
+            .collect();
+        let bucket = BucketKey::new(&tenant, "k", "", "tokens");
+        let tokens = Limit::new(4, "2/second".parse::<Rate>().unwrap()).unwrap();
+        let mut rng = Rng(seed);
+        let mut leases: Vec<LeaseId> = Vec::new();
+        let (mut granted, mut refused, mut released, mut expired) = (0, 0, 0, 0);
+        for step in 0..1500 {
+            match rng.below(10) {
+                // Acquire on one to three caps, with or without a token.
+                0..=4 => {
+                    let n = 1 + rng.below(3) as usize;
+                    let mut buckets = Vec::new();
+                    let mut charges = Vec::new();
+                    if rng.below(2) == 0 {
+                        buckets.push(bucket.clone());
+                        charges.push(Charge::new(tokens, 1));
+                    }
+                    for set in sets.iter().take(n) {
+                        buckets.push(set.clone());
+                        charges.push(Charge {
+                            enforce: rng.below(5) != 0,
+                            ..Charge::new(Limit::concurrency(1 + rng.below(4)).unwrap(), 1)
+                        });
+                    }
+                    let lease = Lease {
+                        id: LeaseId::new(&tenant),
+                        ttl: 1_000 + rng.below(3_000_000),
+                    };
+                    let want = memory.acquire(&buckets, &charges, &lease).await.unwrap();
+                    let got = redis.acquire(&buckets, &charges, &lease).await.unwrap();
+                    assert_eq!(got, want, "seed {seed:#x} step {step}: acquire");
+                    if want.allowed {
+                        granted += 1;
+                        leases.push(lease.id);
+                    } else {
+                        refused += 1;
+                    }
+                }
+                // Release or renew a lease seen (or one never granted).
+                5..=7 if !leases.is_empty() => {
+                    let id = if rng.below(10) == 0 {
+                        LeaseId::new(&tenant)
+                    } else {
+                        leases[rng.below(leases.len() as u64) as usize].clone()
+                    };
+                    let op = if rng.below(3) == 0 {
+                        LeaseOp::Renew {
+                            ttl: 1_000 + rng.below(3_000_000),
+                        }
+                    } else {
+                        LeaseOp::Release
+                    };
+                    let want = memory.lease(&id, op).await.unwrap();
+                    let got = redis.lease(&id, op).await.unwrap();
+                    assert_eq!(got, want, "seed {seed:#x} step {step}: {op:?}");
+                    match want.status {
+                        tollgate::store::LeaseStatus::Done if op == LeaseOp::Release => {
+                            released += 1
+                        }
+                        tollgate::store::LeaseStatus::Expired => expired += 1,
+                        _ => {}
+                    }
+                }
+                // What every cap holds, as a dry run.
+                8 => {
+                    let charges: Vec<Charge> = sets
+                        .iter()
+                        .map(|_| Charge::new(Limit::concurrency(3).unwrap(), 1))
+                        .collect();
+                    let want = memory.apply(&sets, &charges, Op::DRY).await.unwrap();
+                    let got = redis.apply(&sets, &charges, Op::DRY).await.unwrap();
+                    assert_eq!(got, want, "seed {seed:#x} step {step}: occupancy");
+                }
+                // The clock: mostly forward, sometimes back.
+                _ => {
+                    if rng.below(8) == 0 {
+                        clock.set(clock.now().saturating_sub(rng.below(500_000)));
+                    } else {
+                        clock.advance(Duration::from_micros(rng.below(800_000)));
+                    }
+                }
+            }
+        }
+        println!(
+            "seed {seed:#x}: {granted} granted, {refused} refused, {released} released, {expired} found expired"
+        );
+        assert!(granted > 100 && refused > 100 && released > 15 && expired > 10);
+    }
+}
