@@ -677,10 +677,13 @@ for _, r in ipairs(requests) do
             sets[#sets + 1] = string.format('%d\n', #key) .. key
           end
         end
-        local record = KEYS[first]
-        local value = string.format('L %d %s\n', grant, member) .. table.concat(sets)
-        store(record, value, r[3] + EXPIRED_GRACE)
-        written[record] = value
+        -- Held by no set (every cap was shadow and full): no record.
+        if #sets > 0 then
+          local record = KEYS[first]
+          local value = string.format('L %d %s\n', grant, member) .. table.concat(sets)
+          store(record, value, r[3] + EXPIRED_GRACE)
+          written[record] = value
+        end
       end
       first, extra = first + 1, extra + 1
     end

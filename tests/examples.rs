@@ -326,7 +326,7 @@ fn check_slot(command: impl Fn() -> Command) {
     let mut app = first;
     app.0.kill().unwrap();
     app.0.wait().unwrap();
-    let killed = std::time::Instant::now();
+    let killed = tokio::time::Instant::now();
     let mut freed = None;
     for _ in 0..100 {
         if work(other, "0").0 == 200 {

@@ -261,12 +261,16 @@ fn arbitrary_bytes_on_a_stream_each_get_an_answer() {
 fn arbitrary_well_formed_lease_calls() {
     use tollgate::proto::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
     let (runtime, server) = server();
-    let ttl = (prop_oneof![0i64..120, any::<i64>()], any::<i32>()).prop_map(|(seconds, nanos)| {
-        prost_types::Duration { seconds, nanos }
-    });
+    let ttl = (prop_oneof![0i64..120, any::<i64>()], any::<i32>())
+        .prop_map(|(seconds, nanos)| prost_types::Duration { seconds, nanos });
     runner()
         .run(
-            &(native_request(), prop::option::of(ttl), nasty_text(), 0u8..4),
+            &(
+                native_request(),
+                prop::option::of(ttl),
+                nasty_text(),
+                0u8..4,
+            ),
             |(r, ttl, garbage, how)| {
                 let len = r.key.len() + r.tenant.len() + r.resource.len() + garbage.len();
                 let codes = bounded("Acquire", len, || {
@@ -294,8 +298,12 @@ fn arbitrary_well_formed_lease_calls() {
                             })
                             .await;
                         let released = client.release(ReleaseRequest { lease }).await;
-                        [acquired.map(|_| ()), renewed.map(|_| ()), released.map(|_| ())]
-                            .map(|r| r.map_or_else(|s| s.code(), |_| Code::Ok))
+                        [
+                            acquired.map(|_| ()),
+                            renewed.map(|_| ()),
+                            released.map(|_| ()),
+                        ]
+                        .map(|r| r.map_or_else(|s| s.code(), |_| Code::Ok))
                     })
                 });
                 for code in codes {

@@ -40,7 +40,11 @@ fn cap(tenant: &str, policy: &str) -> LimitRow {
 
 async fn start(redis_url: String) -> TestServer {
     TestServer::launch(
-        Some(&[cap("open", "allow"), cap("closed", "deny"), cap("local", "local")]),
+        Some(&[
+            cap("open", "allow"),
+            cap("closed", "deny"),
+            cap("local", "local"),
+        ]),
         |c| {
             c.store = StoreSpec::Redis(redis_url);
             c.store_timeout = Duration::from_millis(100);
@@ -85,11 +89,17 @@ fn degraded(a: &AcquireResponse) -> Degraded {
 }
 
 fn held(redis: &RedisServer, tenant: &str) -> String {
-    redis_cli(redis.port, &["ZCARD", &format!("tollgate:{{{tenant}}}:tc::")])
+    redis_cli(
+        redis.port,
+        &["ZCARD", &format!("tollgate:{{{tenant}}}:tc::")],
+    )
 }
 
 /// Acquires on `tenant` until Redis itself answers (the breaker closed).
-async fn acquire_on_redis(client: &mut RateLimiterClient<Channel>, tenant: &str) -> AcquireResponse {
+async fn acquire_on_redis(
+    client: &mut RateLimiterClient<Channel>,
+    tenant: &str,
+) -> AcquireResponse {
     for _ in 0..300 {
         let a = acquire(client, tenant).await;
         if degraded(&a) == Degraded::None {
@@ -140,7 +150,10 @@ async fn redis_killed_each_policy_answers_and_nothing_is_counted_twice() {
     assert!(!third.granted, "the local cap is full");
     assert_eq!(degraded(&third), Degraded::Local);
     // A local lease is released and renewed in memory while Redis is down.
-    assert_eq!(release(&mut client, &local[0]).await.unwrap(), LeaseStatus::Done);
+    assert_eq!(
+        release(&mut client, &local[0]).await.unwrap(),
+        LeaseStatus::Done
+    );
     let mut renew = tonic::Request::new(RenewRequest {
         lease: local[1].clone(),
         ttl: Some(prost_types::Duration {
@@ -150,7 +163,10 @@ async fn redis_killed_each_policy_answers_and_nothing_is_counted_twice() {
     });
     renew.set_timeout(DEADLINE);
     client.renew(renew).await.unwrap();
-    assert!(acquire(&mut client, "local").await.granted, "its slot is free again");
+    assert!(
+        acquire(&mut client, "local").await.granted,
+        "its slot is free again"
+    );
     // A lease held in Redis cannot be released while Redis is down: the
     // caller is told, and the lease expires at its ttl.
     let err = release(&mut client, &before[2]).await.unwrap_err();
@@ -164,10 +180,16 @@ async fn redis_killed_each_policy_answers_and_nothing_is_counted_twice() {
     assert_eq!(held(&redis, "open"), "1");
     assert_eq!(held(&redis, "closed"), "2", "the one before, and the probe");
     assert_eq!(held(&redis, "local"), "1");
-    assert_eq!(release(&mut client, &before[2]).await.unwrap(), LeaseStatus::Done);
+    assert_eq!(
+        release(&mut client, &before[2]).await.unwrap(),
+        LeaseStatus::Done
+    );
     assert_eq!(held(&redis, "local"), "0");
     // The local leases are still released where they live.
-    assert_eq!(release(&mut client, &local[1]).await.unwrap(), LeaseStatus::Done);
+    assert_eq!(
+        release(&mut client, &local[1]).await.unwrap(),
+        LeaseStatus::Done
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,12 +226,18 @@ async fn redis_frozen_a_late_acquire_is_released_from_both_stores() {
     assert!(landed, "the late acquire reached Redis");
     acquire_on_redis(&mut client, "closed").await;
     // One release frees it in both: counted once, released once.
-    assert_eq!(release(&mut client, &late.lease).await.unwrap(), LeaseStatus::Done);
+    assert_eq!(
+        release(&mut client, &late.lease).await.unwrap(),
+        LeaseStatus::Done
+    );
     assert_eq!(held(&redis, "local"), "1");
     assert_eq!(
         release(&mut client, &late.lease).await.unwrap(),
         LeaseStatus::AlreadyReleased
     );
-    assert_eq!(release(&mut client, &first.lease).await.unwrap(), LeaseStatus::Done);
+    assert_eq!(
+        release(&mut client, &first.lease).await.unwrap(),
+        LeaseStatus::Done
+    );
     assert_eq!(held(&redis, "local"), "0");
 }

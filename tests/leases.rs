@@ -52,10 +52,7 @@ fn acquire_req(tenant: &str, key: &str, resource: &str, ttl: i64, cost: u64) -> 
     }
 }
 
-async fn acquire(
-    client: &mut RateLimiterClient<Channel>,
-    req: AcquireRequest,
-) -> AcquireResponse {
+async fn acquire(client: &mut RateLimiterClient<Channel>, req: AcquireRequest) -> AcquireResponse {
     client.acquire(req).await.unwrap().into_inner()
 }
 
@@ -87,7 +84,10 @@ async fn acquire_release_and_renew_over_grpc() {
     assert_eq!(micros(&a.ttl), 30_000_000);
     let d = a.decision.unwrap();
     assert_eq!(d.limit_name, "exports-slots");
-    assert_eq!((d.remaining, d.limit, d.rate.as_str()), (1, 2, "2 concurrent"));
+    assert_eq!(
+        (d.remaining, d.limit, d.rate.as_str()),
+        (1, 2, "2 concurrent")
+    );
 
     server.clock.advance(Duration::from_secs(5));
     let b = acquire(&mut client, acquire_req("acme", "bob", "exports", 60, 0)).await;
@@ -106,7 +106,10 @@ async fn acquire_release_and_renew_over_grpc() {
 
     // Release is idempotent; the slot is free at once.
     assert_eq!(release(&mut client, &a.lease).await, LeaseStatus::Done);
-    assert_eq!(release(&mut client, &a.lease).await, LeaseStatus::AlreadyReleased);
+    assert_eq!(
+        release(&mut client, &a.lease).await,
+        LeaseStatus::AlreadyReleased
+    );
     let c = acquire(&mut client, acquire_req("acme", "carol", "exports", 30, 0)).await;
     assert!(c.granted);
 
@@ -136,7 +139,11 @@ async fn acquire_release_and_renew_over_grpc() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
-    assert!(err.message().contains("it was released"), "{}", err.message());
+    assert!(
+        err.message().contains("it was released"),
+        "{}",
+        err.message()
+    );
     let unknown = tollgate::store::LeaseId::new("acme").to_string();
     let err = client
         .renew(RenewRequest {
@@ -279,7 +286,9 @@ async fn a_held_stream_frees_its_slot_when_the_caller_goes_away() {
         runtime.block_on(async {
             let mut holder = RateLimiterClient::connect(url).await.unwrap();
             let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tx.send(acquire_req("acme", "job-3", "", 30, 0)).await.unwrap();
+            tx.send(acquire_req("acme", "job-3", "", 30, 0))
+                .await
+                .unwrap();
             let mut answers = holder
                 .hold(tokio_stream::wrappers::ReceiverStream::new(rx))
                 .await
@@ -288,7 +297,10 @@ async fn a_held_stream_frees_its_slot_when_the_caller_goes_away() {
             let first = answers.message().await.unwrap().unwrap();
             granted_tx.send(first.acquired.unwrap().granted).unwrap();
             // Hold until told to die, the stream still open.
-            tokio::task::spawn_blocking(move || die_rx.recv()).await.unwrap().unwrap();
+            tokio::task::spawn_blocking(move || die_rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
             std::mem::forget((tx, answers, holder));
         });
         // Dropping the runtime closes every socket it owned.
@@ -296,7 +308,11 @@ async fn a_held_stream_frees_its_slot_when_the_caller_goes_away() {
     });
     let granted = tokio::task::spawn_blocking(move || granted_rx.recv().unwrap());
     assert!(granted.await.unwrap());
-    assert!(!acquire(&mut client, acquire_req("acme", "job-4", "", 30, 0)).await.granted);
+    assert!(
+        !acquire(&mut client, acquire_req("acme", "job-4", "", 30, 0))
+            .await
+            .granted
+    );
     die_tx.send(()).unwrap();
     tokio::task::spawn_blocking(move || client_thread.join().unwrap())
         .await
@@ -311,6 +327,22 @@ async fn a_held_stream_frees_its_slot_when_the_caller_goes_away() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(freed, "the dead client's lease was released");
+
+    // A held lease's ttl is its backstop: under a second is refused.
+    let mut holder = server.client().await;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let mut short = acquire_req("acme", "job-5", "", 0, 0);
+    short.ttl = Some(prost_types::Duration {
+        seconds: 0,
+        nanos: 500_000_000,
+    });
+    tx.send(short).await.unwrap();
+    let err = holder
+        .hold(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("at least 1 s"), "{}", err.message());
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
     assert!(
         metrics.contains("tollgate_leases_held{rule=\"one-at-a-time\"} 1"),
@@ -376,7 +408,11 @@ async fn five_hundred_acquirers(store: &str) {
         tasks.push(tokio::spawn(async move {
             // Bounded: at most 20 000 attempts.
             for attempt in 0..20_000u64 {
-                let a = acquire(&mut client, acquire_req("race", &format!("w{i}"), "", 10, 0)).await;
+                let a = acquire(
+                    &mut client,
+                    acquire_req("race", &format!("w{i}"), "", 10, 0),
+                )
+                .await;
                 if a.granted {
                     let granted = start.elapsed();
                     let hold = 1 + (i as u64 * 7 + attempt) % 8;
@@ -412,7 +448,10 @@ async fn five_hundred_acquirers(store: &str) {
         now += delta;
         most = most.max(now);
     }
-    assert!(most as usize <= CAP, "{most} held at once, above the cap of {CAP}");
+    assert!(
+        most as usize <= CAP,
+        "{most} held at once, above the cap of {CAP}"
+    );
     assert!(most >= 2, "the acquirers overlapped ({most} at once)");
     assert!(
         refusals.load(std::sync::atomic::Ordering::Relaxed) > 0,
@@ -441,7 +480,14 @@ async fn killed_holders_free_their_slots() {
     let port: u16 = redis.url().rsplit(':').next().unwrap().parse().unwrap();
     let (mut instances, _dirs) = fleet(
         &redis.url(),
-        &[&["--tenant", "jobs", "--scope", "tenant", "--concurrency", "2"]],
+        &[&[
+            "--tenant",
+            "jobs",
+            "--scope",
+            "tenant",
+            "--concurrency",
+            "2",
+        ]],
     );
     for p in &instances {
         p.wait_ready();
@@ -455,9 +501,13 @@ async fn killed_holders_free_their_slots() {
     // is killed (SIGKILL: nothing is released).
     let mut first = client_of(&instances[0]).await;
     for job in ["a", "b"] {
-        assert!(acquire(&mut first, acquire_req("jobs", job, "", 2, 0)).await.granted);
+        assert!(
+            acquire(&mut first, acquire_req("jobs", job, "", 2, 0))
+                .await
+                .granted
+        );
     }
-    let killed_at = std::time::Instant::now();
+    let killed_at = tokio::time::Instant::now();
     let mut victim = instances.remove(0);
     victim.child.kill().unwrap();
     victim.child.wait().unwrap();
@@ -469,6 +519,9 @@ async fn killed_holders_free_their_slots() {
     assert!(wait <= 2_000_000, "retry_after {wait} µs is within the ttl");
     tokio::time::sleep(Duration::from_micros(wait)).await;
     let c = acquire(&mut second, acquire_req("jobs", "c", "", 60, 0)).await;
-    assert!(c.granted, "freed at the ttl, {:?} after the kill", killed_at.elapsed());
-
+    assert!(
+        c.granted,
+        "freed at the ttl, {:?} after the kill",
+        killed_at.elapsed()
+    );
 }

@@ -176,7 +176,8 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         "{limits}"
     );
     assert!(
-        limits.contains("batch-slots concurrency batch (any) tenant 4 4 concurrent 0 enforce allow"),
+        limits
+            .contains("batch-slots concurrency batch (any) tenant 4 4 concurrent 0 enforce allow"),
         "{limits}"
     );
     server.stop().await;

@@ -500,7 +500,11 @@ async fn leases_fill_expire_release_and_renew(h: &Harness) {
         .lease(&cee.id, LeaseOp::Renew { ttl: 1_000_000 })
         .await
         .unwrap();
-    assert_eq!(r.status, LeaseStatus::Expired, "an expired lease is not renewed");
+    assert_eq!(
+        r.status,
+        LeaseStatus::Expired,
+        "an expired lease is not renewed"
+    );
     assert_eq!(held(h, &b[0], 2).await, 1);
     let r = h
         .store
@@ -523,7 +527,13 @@ async fn acquire_takes_tokens_and_slots_all_or_nothing(h: &Harness) {
     // A token bucket of one and a cap of five: the second acquire is
     // refused by the bucket, and takes no slot.
     let c = [charge(1, "1/hour", 1), cap(5)];
-    assert!(h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap().allowed);
+    assert!(
+        h.store
+            .acquire(&b, &c, &lease("acme", 60))
+            .await
+            .unwrap()
+            .allowed
+    );
     let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
     assert!(!o.allowed);
     assert!(!o.verdicts[0].allowed);
@@ -534,7 +544,13 @@ async fn acquire_takes_tokens_and_slots_all_or_nothing(h: &Harness) {
     // spent.
     let b = [key("acme", "bob"), slots("acme", "bob")];
     let c = [charge(10, "1/hour", 1), cap(1)];
-    assert!(h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap().allowed);
+    assert!(
+        h.store
+            .acquire(&b, &c, &lease("acme", 60))
+            .await
+            .unwrap()
+            .allowed
+    );
     let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 9, "the bucket is not charged");
@@ -550,7 +566,13 @@ async fn shadow_caps_never_refuse(h: &Harness) {
         ..cap(1)
     };
     let c = [cap(3), shadow];
-    assert!(h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap().allowed);
+    assert!(
+        h.store
+            .acquire(&b, &c, &lease("acme", 60))
+            .await
+            .unwrap()
+            .allowed
+    );
     let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
     assert!(o.allowed, "a full shadow cap does not refuse");
     assert!(!o.verdicts[1].allowed, "but says it would have");

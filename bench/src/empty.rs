@@ -124,8 +124,9 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
 
     type HoldStream = std::pin::Pin<
         Box<
-            dyn tokio_stream::Stream<Item = Result<tollgate::proto::v1::HoldResponse, tonic::Status>>
-                + Send,
+            dyn tokio_stream::Stream<
+                    Item = Result<tollgate::proto::v1::HoldResponse, tonic::Status>,
+                > + Send,
         >,
     >;
 

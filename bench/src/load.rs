@@ -22,8 +22,9 @@ use tollgate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 use tollgate::proto::v1::{
-    BatchItem, ChargeRequest, ChargeResponse, ReserveRequest, ReserveResponse, SettleRequest,
-    SettleResponse, ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision,
+    AcquireRequest, AcquireResponse, BatchItem, ChargeRequest, ChargeResponse, ReleaseRequest,
+    ReleaseResponse, ReserveRequest, ReserveResponse, SettleRequest, SettleResponse,
+    ShouldAllowBatchRequest, ShouldAllowRequest, StreamDecision,
 };
 
 use crate::verdicts::{self, BatchVerdicts, Verdict};
@@ -45,6 +46,9 @@ pub enum Api {
     Budget,
     /// `tollgate.v1.RateLimiter/Charge`: usage charged after the fact.
     Charge,
+    /// `tollgate.v1.RateLimiter/Acquire` (a slot and a token) then
+    /// `Release` of the lease: two calls per unit, each counted.
+    Lease,
 }
 
 /// How keys are drawn.
@@ -209,11 +213,14 @@ const SHOULD_ALLOW_BATCH: &str = "/tollgate.v1.RateLimiter/ShouldAllowBatch";
 const RESERVE: &str = "/tollgate.v1.RateLimiter/Reserve";
 const SETTLE: &str = "/tollgate.v1.RateLimiter/Settle";
 const CHARGE: &str = "/tollgate.v1.RateLimiter/Charge";
+const ACQUIRE: &str = "/tollgate.v1.RateLimiter/Acquire";
+const RELEASE: &str = "/tollgate.v1.RateLimiter/Release";
 
 enum Client {
     Native(tonic::client::Grpc<Channel>),
     Budget(tonic::client::Grpc<Channel>),
     Charge(tonic::client::Grpc<Channel>),
+    Lease(tonic::client::Grpc<Channel>),
     /// With the items per call.
     Batch(tonic::client::Grpc<Channel>, usize),
     Envoy(RateLimitServiceClient<Channel>),
@@ -231,6 +238,7 @@ impl Client {
             Api::Native => Self::Native(tonic::client::Grpc::new(channel)),
             Api::Budget => Self::Budget(tonic::client::Grpc::new(channel)),
             Api::Charge => Self::Charge(tonic::client::Grpc::new(channel)),
+            Api::Lease => Self::Lease(tonic::client::Grpc::new(channel)),
             Api::Batch => Self::Batch(tonic::client::Grpc::new(channel), batch),
             Api::Envoy => Self::Envoy(RateLimitServiceClient::new(channel)),
             Api::Stream => {
@@ -291,6 +299,27 @@ impl Client {
                     decisions: 2,
                     allowed: 2 * u64::from(allowed),
                     degraded: 0,
+                })
+            }
+            Self::Lease(c) => {
+                let acquire = AcquireRequest {
+                    key: format!("k{}", keys.next()),
+                    tenant: tenant.to_owned(),
+                    resource: resource.to_owned(),
+                    ttl: None,
+                    cost: 1,
+                };
+                let r: AcquireResponse = verdicts::unary(c, ACQUIRE, acquire).await?;
+                let degraded = r.decision.as_ref().map_or(0, |d| d.degraded);
+                if r.lease.is_empty() {
+                    return Ok(tally(r.granted, degraded));
+                }
+                let release = ReleaseRequest { lease: r.lease };
+                let _: ReleaseResponse = verdicts::unary(c, RELEASE, release).await?;
+                Ok(Tally {
+                    decisions: 2,
+                    allowed: 2 * u64::from(r.granted),
+                    degraded: 2 * u64::from(degraded != 0),
                 })
             }
             Self::Charge(c) => {

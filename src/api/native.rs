@@ -19,15 +19,15 @@ use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
 use crate::proto::v1::rate_limiter_server::RateLimiter;
 use crate::proto::v1::{
+    AcquireRequest, AcquireResponse, HoldResponse, ReleaseRequest, ReleaseResponse, RenewRequest,
+    RenewResponse,
+};
+use crate::proto::v1::{
     BatchItem, ChargeRequest, ChargeResponse, Degraded, ReserveRequest, ReserveResponse,
     SettleRequest, SettleResponse, SettleStatus as ProtoSettleStatus, ShouldAllowBatchRequest,
     ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
 use crate::store::{BucketKey, ReservationId, SettleStatus, reservation};
-use crate::proto::v1::{
-    AcquireRequest, AcquireResponse, HoldResponse, ReleaseRequest, ReleaseResponse, RenewRequest,
-    RenewResponse,
-};
 use crate::telemetry::traces;
 
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
@@ -253,9 +253,7 @@ impl RateLimiterService {
             let rates = rules
                 .applicable(req.tenant, req.resource)
                 .filter(|_| !caps || cost > 0);
-            let concurrency = rules
-                .concurrency(req.tenant, req.resource)
-                .filter(|_| caps);
+            let concurrency = rules.concurrency(req.tenant, req.resource).filter(|_| caps);
             for rule in rates.chain(concurrency) {
                 matched = true;
                 let key = if rule.scope == Scope::Key {

@@ -18,9 +18,7 @@ pub fn from_decide_error(err: DecideError) -> Status {
         | DecideError::CostExceedsCapacity { .. } => Status::invalid_argument(err.to_string()),
         DecideError::NoRule { .. }
         | DecideError::ExpiredReservation { .. }
-        | DecideError::LeaseGone { .. } => {
-            Status::failed_precondition(err.to_string())
-        }
+        | DecideError::LeaseGone { .. } => Status::failed_precondition(err.to_string()),
         DecideError::UnknownReservation(_) | DecideError::UnknownLease(_) => {
             Status::not_found(err.to_string())
         }

@@ -114,11 +114,18 @@ impl Engine {
             id: LeaseId::new(tenant),
             ttl,
         };
-        demand.op = crate::algorithm::Op::Acquire { ttl };
+        // Without a concurrency rule there is no slot to hold: a plain
+        // decision over the rate rules.
+        let caps = demand.lines.iter().any(|l| l.is_concurrency());
+        let attach = if caps {
+            demand.op = crate::algorithm::Op::Acquire { ttl };
+            Attached::Lease(lease)
+        } else {
+            demand.op = crate::algorithm::Op::SPEND;
+            Attached::None
+        };
         let now = self.clock.now();
-        let (answer, attached) = self
-            .decide_attached(demand, Attached::Lease(lease), span)
-            .await?;
+        let (answer, attached) = self.decide_attached(demand, attach, span).await?;
         let mut rules = Vec::new();
         let mut took = false;
         for (line, verdict) in demand.lines.iter().zip(&answer.lines) {

@@ -424,13 +424,9 @@ impl Engine {
             && match attached {
                 Attached::Lease(_) => {
                     !applied.degraded
-                        || merged
-                            .charges
-                            .iter()
-                            .zip(&merged.policies)
-                            .any(|(c, p)| {
-                                c.limit.is_concurrency() && *p == OnStoreUnavailable::Local
-                            })
+                        || merged.charges.iter().zip(&merged.policies).any(|(c, p)| {
+                            c.limit.is_concurrency() && *p == OnStoreUnavailable::Local
+                        })
                 }
                 _ => !applied.degraded,
             };

@@ -352,9 +352,11 @@ impl LimitRow {
                 .map_err(|e| e.to_string())?,
             Kind::Concurrency => {
                 if self.debt != 0 {
-                    return Err("debt must be 0 for a concurrency rule: a lease is one slot, \
+                    return Err(
+                        "debt must be 0 for a concurrency rule: a lease is one slot, \
                                 never charged after the fact"
-                        .into());
+                            .into(),
+                    );
                 }
                 if self.burst > crate::algorithm::MAX_CONCURRENCY {
                     return Err(format!(

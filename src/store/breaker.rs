@@ -16,8 +16,7 @@ use tokio::time::Instant;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
 use super::{
-    LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError,
-    StoreStatus,
+    LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus,
 };
 use crate::telemetry::metrics;
 

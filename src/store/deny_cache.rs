@@ -20,8 +20,8 @@ use dashmap::DashMap;
 
 use super::stack::{Applied, Layer, LayerFuture, Request};
 use super::{
-    BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture,
-    StoreError, StoreStatus, Verdicts,
+    BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError,
+    StoreStatus, Verdicts,
 };
 use crate::algorithm::{Charge, Micros, Op, Verdict};
 use crate::clock::Clock;

@@ -164,6 +164,9 @@ mod tests {
             id.record_name().as_str(),
             format!("acme:l::{}", id.member())
         );
-        assert_eq!(LeaseId::parse("r1.000000000000000000000000000000ff.6162"), None);
+        assert_eq!(
+            LeaseId::parse("r1.000000000000000000000000000000ff.6162"),
+            None
+        );
     }
 }

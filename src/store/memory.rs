@@ -29,16 +29,15 @@ use smallvec::SmallVec;
 
 use super::reservation::{self, EXPIRED_GRACE, Record};
 use super::{
-    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, Reservation,
-    ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture,
-    StoreStatus, Verdicts,
+    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, Reservation, ReservationId,
+    SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture, StoreStatus, Verdicts,
 };
 use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
 
 mod leases;
-use leases::HeldLease;
 use crate::clock::Clock;
+use leases::HeldLease;
 
 const STRIPES: usize = 4096;
 
@@ -269,7 +268,12 @@ impl MemoryStore {
         charges: &[Charge],
         reservation: &Reservation,
     ) -> Result<Plan, AtCapacity> {
-        self.apply_locked(buckets, charges, Op::SPEND, Attach::Reservation(reservation))
+        self.apply_locked(
+            buckets,
+            charges,
+            Op::SPEND,
+            Attach::Reservation(reservation),
+        )
     }
 
     /// Synchronous form of [`Store::acquire`].
@@ -333,11 +337,14 @@ impl MemoryStore {
             }
         }
         let (record, lease) = match attach {
-            Attach::Reservation(r) if plan.allowed => (
-                Some(self.record(r, buckets, charges, &plan, now)),
-                None,
-            ),
-            Attach::Lease(l) if plan.allowed => (None, Some(self.lease_record(l, buckets, &plan, op, now))),
+            Attach::Reservation(r) if plan.allowed => {
+                (Some(self.record(r, buckets, charges, &plan, now)), None)
+            }
+            Attach::Lease(l) if plan.allowed => {
+                let record = self.lease_record(l, buckets, &plan, op, now);
+                // Held by no cap (every one was shadow and full): no record.
+                (None, (!record.sets.is_empty()).then_some(record))
+            }
             _ => (None, None),
         };
         let attached_bytes = record.as_ref().map_or(0, record_bytes)

@@ -27,9 +27,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Charge, Op, Verdict};
 
+pub use lease::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus};
 pub use memory::MemoryStore;
 pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
-pub use lease::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus};
 pub use reservation::{Reservation, ReservationId, SettleStatus, Settled};
 
 /// The name of one bucket: tenant, scope, resource and key, rendered as

@@ -885,7 +885,12 @@ impl Store for RedisStore {
         charges: &'a [Charge],
         reservation: &'a Reservation,
     ) -> StoreFuture<'a> {
-        Box::pin(self.decide(buckets, charges, Op::SPEND, Attach::Reservation(reservation)))
+        Box::pin(self.decide(
+            buckets,
+            charges,
+            Op::SPEND,
+            Attach::Reservation(reservation),
+        ))
     }
 
     fn acquire<'a>(

@@ -27,6 +27,10 @@ pub const DEFAULT_LEASE_TTL: Micros = 60_000_000;
 /// The shortest time to live a lease may ask for.
 const MIN_LEASE_TTL: Micros = 1_000;
 
+/// The shortest time to live of a lease held by a stream (renewed every
+/// third of it).
+const MIN_HELD_TTL: Micros = 1_000_000;
+
 /// A lease's requested time to live, checked.
 fn lease_ttl(d: Option<&prost_types::Duration>) -> Result<Micros, Status> {
     let Some(d) = d else {
@@ -152,6 +156,13 @@ impl RateLimiterService {
                 ));
             }
         };
+        if lease_ttl(first.ttl.as_ref())? < MIN_HELD_TTL {
+            engine::refused(Api::Native, 1, &tracing::Span::none());
+            return Err(Status::invalid_argument(
+                "ttl of a held lease must be at least 1 s: it is renewed every third of it, and \
+                 it is the backstop that frees the slot if this Tollgate instance dies",
+            ));
+        }
         let (response, lease, ttl) = self.acquire_one(&first, &metadata).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(2);
         let _ = tx.try_send(Ok(HoldResponse {
@@ -183,7 +194,7 @@ impl RateLimiterService {
         inbound: &mut tonic::Streaming<AcquireRequest>,
         tx: &tokio::sync::mpsc::Sender<Result<HoldResponse, Status>>,
     ) -> LeaseStatus {
-        let every = Duration::from_micros((ttl / 3).max(1_000));
+        let every = Duration::from_micros(ttl / 3);
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         let mut stop = self.stop.clone();
         let stopping = async move {
