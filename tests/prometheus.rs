@@ -172,7 +172,22 @@ async fn every_dashboard_and_alert_expression_returns_data() {
     let envoy_path = envoy_dir.path().to_owned();
     let url = redis.url();
     let server = TestServer::launch(
-        Some(&[row("per-key", "", "", "key", 5, "1/second")]),
+        Some(&[
+            row("per-key", "", "", "key", 5, "1/second"),
+            tollgate::limits::LimitRow::from_request(
+                "slots".into(),
+                String::new(),
+                "tenant",
+                1,
+                "",
+                "enforce",
+                "allow",
+                0,
+                "concurrency",
+                Some("one-slot".into()),
+            )
+            .unwrap(),
+        ]),
         move |c| {
             c.store = StoreSpec::Redis(url);
             c.envoy_config = Some(envoy_path);
@@ -198,6 +213,27 @@ async fn every_dashboard_and_alert_expression_returns_data() {
     for i in 0..50 {
         ask(&mut client, req(&format!("tenant-{}", i % 3), "k")).await;
     }
+    // A lease held (and kept), then acquires refused by its full cap.
+    let acquire = tollgate::proto::v1::AcquireRequest {
+        key: "job".into(),
+        tenant: "slots".into(),
+        resource: String::new(),
+        ttl: Some(prost_types::Duration {
+            seconds: 3600,
+            nanos: 0,
+        }),
+        cost: 0,
+    };
+    let held = client.acquire(acquire.clone()).await.unwrap().into_inner();
+    assert!(held.granted);
+    assert!(
+        !client
+            .acquire(acquire.clone())
+            .await
+            .unwrap()
+            .into_inner()
+            .granted
+    );
     redis.kill();
     for i in 0..20 {
         ask(&mut client, req("outage", &format!("k{i}"))).await;
@@ -217,7 +253,7 @@ async fn every_dashboard_and_alert_expression_returns_data() {
     // Keep the load going while Prometheus scrapes, until every expression
     // answers (bounded: about a minute).
     let exprs = expressions();
-    assert!(exprs.len() >= 18, "{exprs:#?}");
+    assert!(exprs.len() >= 22, "{exprs:#?}");
     let mut missing = exprs.clone();
     // The outage lasts until Prometheus has seen it: the store-down and
     // degraded-decisions alerts both pending (their `for` is minutes, so
@@ -241,6 +277,7 @@ async fn every_dashboard_and_alert_expression_returns_data() {
         for i in 0..20 {
             ask(&mut client, req(&format!("tenant-{}", i % 4), "hot")).await;
         }
+        client.acquire(acquire.clone()).await.unwrap();
         let mut still = Vec::new();
         for e in &missing {
             let v = query(prom_port, e).await;
