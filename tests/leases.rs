@@ -524,4 +524,127 @@ async fn killed_holders_free_their_slots() {
         "freed at the ttl, {:?} after the kill",
         killed_at.elapsed()
     );
+
+    // A caller that takes a plain lease and goes away without releasing it
+    // (its client dropped): the slot frees at the ttl, not before.
+    {
+        let mut gone = client_of(&instances[1]).await;
+        assert!(
+            acquire(&mut gone, acquire_req("jobs", "e", "", 1, 0))
+                .await
+                .granted
+        );
+    }
+    let refused = acquire(&mut second, acquire_req("jobs", "f", "", 60, 0)).await;
+    assert!(!refused.granted, "c and e hold both slots");
+    let wait = micros(&refused.decision.unwrap().retry_after);
+    assert!(
+        (1..=1_000_000).contains(&wait),
+        "retry_after {wait} µs: e's ttl"
+    );
+    tokio::time::sleep(Duration::from_micros(wait)).await;
+    assert!(
+        acquire(&mut second, acquire_req("jobs", "f", "", 60, 0))
+            .await
+            .granted
+    );
+}
+
+fn sample(metrics: &str, series: &str) -> u64 {
+    common::envoy::sample(metrics, series).unwrap_or(0)
+}
+
+/// Waits (bounded) until `series` on `server` reads `want`; returns what it
+/// read last.
+async fn wait_sample(server: &TestServer, series: &str, want: u64) -> u64 {
+    let mut last = 0;
+    for _ in 0..300 {
+        let (_, metrics) = server.http_get("/metrics").await.unwrap();
+        last = sample(&metrics, series);
+        if last == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    last
+}
+
+/// In memory: a lease left to expire is counted once, and leaves this
+/// instance's held gauge; a released one is not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_leases_are_counted_in_memory() {
+    let server = TestServer::launch(Some(&[cap("slots", "acme", "", "tenant", 5)]), |c| {
+        c.sweep_interval = Duration::from_millis(20)
+    })
+    .await;
+    let mut client = server.client().await;
+    let kept = acquire(&mut client, acquire_req("acme", "a", "", 1, 0)).await;
+    let freed = acquire(&mut client, acquire_req("acme", "b", "", 1, 0)).await;
+    assert!(kept.granted && freed.granted);
+    assert_eq!(release(&mut client, &freed.lease).await, LeaseStatus::Done);
+    assert_eq!(
+        wait_sample(&server, "tollgate_leases_held{rule=\"slots\"}", 1).await,
+        1
+    );
+    server.clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        wait_sample(&server, "tollgate_leases_expired_total", 1).await,
+        1
+    );
+    assert_eq!(
+        wait_sample(&server, "tollgate_leases_held{rule=\"slots\"}", 0).await,
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(sample(&metrics, "tollgate_leases_expired_total"), 1);
+}
+
+/// On Redis: the instance that granted a lease counts it when it expires
+/// unreleased; one released or renewed through another instance is not
+/// counted (a renewed one is checked again at its new expiry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_leases_are_counted_once_on_redis() {
+    let redis = RedisServer::start();
+    let rows = [cap("slots", "acme", "", "tenant", 5)];
+    let start = |url: String| {
+        TestServer::launch(Some(&rows), move |c| {
+            c.store = tollgate::server::StoreSpec::Redis(url);
+            c.store_timeout = Duration::from_secs(2);
+            c.sweep_interval = Duration::from_millis(50);
+        })
+    };
+    let a = start(redis.url()).await;
+    let b = start(redis.url()).await;
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let short = |key: &str| AcquireRequest {
+        ttl: Some(prost_types::Duration {
+            seconds: 0,
+            nanos: 200_000_000,
+        }),
+        ..acquire_req("acme", key, "", 1, 0)
+    };
+    let abandoned = acquire(&mut ca, short("abandoned")).await;
+    let released = acquire(&mut ca, short("released")).await;
+    let renewed = acquire(&mut ca, short("renewed")).await;
+    assert!(abandoned.granted && released.granted && renewed.granted);
+    assert_eq!(release(&mut cb, &released.lease).await, LeaseStatus::Done);
+    cb.renew(RenewRequest {
+        lease: renewed.lease.clone(),
+        ttl: secs(30),
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        wait_sample(&a, "tollgate_leases_expired_total", 1).await,
+        1,
+        "the abandoned lease, counted by the instance that granted it"
+    );
+    // Past every check of the three (each a second after its expiry). The
+    // two servers of this process share one metrics registry: one count in
+    // all.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_, metrics) = a.http_get("/metrics").await.unwrap();
+    assert_eq!(sample(&metrics, "tollgate_leases_expired_total"), 1);
+    assert_eq!(release(&mut cb, &renewed.lease).await, LeaseStatus::Done);
 }

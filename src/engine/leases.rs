@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::{Answer, Api, Attached, DecideError, Demand, Engine};
+use super::{Answer, Attached, DecideError, Demand, Engine};
 use crate::algorithm::Micros;
 use crate::store::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, lease};
 use crate::telemetry::metrics;
@@ -164,13 +164,7 @@ impl Engine {
     /// Releases or renews a lease. A release always answers (it is
     /// idempotent: a lease released before, expired or unknown is reported
     /// as such); a renew of a lease that is not held is an error.
-    pub async fn lease(
-        &self,
-        api: Api,
-        id: &LeaseId,
-        op: LeaseOp,
-    ) -> Result<LeaseAnswer, DecideError> {
-        let _ = api;
+    pub async fn lease(&self, id: &LeaseId, op: LeaseOp) -> Result<LeaseAnswer, DecideError> {
         let name = match op {
             LeaseOp::Release => "release",
             LeaseOp::Renew { .. } => "renew",

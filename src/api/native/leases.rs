@@ -114,7 +114,7 @@ impl RateLimiterService {
         })?;
         let answer = self
             .engine
-            .lease(Api::Native, &id, LeaseOp::Release)
+            .lease(&id, LeaseOp::Release)
             .await
             .map_err(status::from_decide_error)?;
         Ok(ReleaseResponse {
@@ -129,7 +129,7 @@ impl RateLimiterService {
         let ttl = lease_ttl(req.ttl.as_ref())?;
         let answer = self
             .engine
-            .lease(Api::Native, &id, LeaseOp::Renew { ttl })
+            .lease(&id, LeaseOp::Renew { ttl })
             .await
             .map_err(status::from_decide_error)?;
         Ok(RenewResponse {
@@ -217,7 +217,7 @@ impl RateLimiterService {
                 _ = tx.closed() => break,
                 _ = &mut stopping => break,
                 _ = renew.tick() => {
-                    match self.engine.lease(Api::Native, id, LeaseOp::Renew { ttl }).await {
+                    match self.engine.lease(id, LeaseOp::Renew { ttl }).await {
                         Ok(_) => {}
                         // Gone (expired while the store was unreachable):
                         // nothing left to release.
@@ -230,7 +230,7 @@ impl RateLimiterService {
                 }
             }
         }
-        match self.engine.lease(Api::Native, id, LeaseOp::Release).await {
+        match self.engine.lease(id, LeaseOp::Release).await {
             Ok(answer) => answer.status,
             Err(err) => {
                 tracing::warn!(error = %err, lease = %id, "releasing a held lease failed; it expires at its time to live");
