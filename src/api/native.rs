@@ -250,10 +250,16 @@ impl RateLimiterService {
             };
             demand.items.push(Item::new(req.tenant, req.key, cost));
             let mut matched = false;
-            let rates = rules
-                .applicable(req.tenant, req.resource)
-                .filter(|_| !caps || cost > 0);
-            let concurrency = rules.concurrency(req.tenant, req.resource).filter(|_| caps);
+            // Looked up only when wanted: a decision never pays for the
+            // concurrency slots' lookups.
+            let rates = (!caps || cost > 0)
+                .then(|| rules.applicable(req.tenant, req.resource))
+                .into_iter()
+                .flatten();
+            let concurrency = caps
+                .then(|| rules.concurrency(req.tenant, req.resource))
+                .into_iter()
+                .flatten();
             for rule in rates.chain(concurrency) {
                 matched = true;
                 let key = if rule.scope == Scope::Key {
