@@ -648,3 +648,18 @@ async fn expired_leases_are_counted_once_on_redis() {
     assert_eq!(sample(&metrics, "tollgate_leases_expired_total"), 1);
     assert_eq!(release(&mut cb, &renewed.lease).await, LeaseStatus::Done);
 }
+
+/// A graceful shutdown releases the leases its streams hold (and tells
+/// their callers) rather than leaving them to their ttl, and does not wait
+/// for the callers to hang up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_held_streams() {
+    let server = TestServer::with_rows(&[cap("slots", "acme", "", "tenant", 2)]).await;
+    let (_tx, mut answers, first) = hold(&server, "job-1").await;
+    assert!(first.granted);
+    let stopping = tokio::spawn(server.stop());
+    let last = answers.message().await.unwrap().unwrap();
+    assert_eq!(last.released, LeaseStatus::Done as i32);
+    assert!(answers.message().await.unwrap().is_none());
+    stopping.await.unwrap();
+}
