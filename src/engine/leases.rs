@@ -80,20 +80,6 @@ impl LeaseBook {
             book.drop_lease(nonce);
         }
     }
-
-    /// Leases held per rule, as the gauge reports them.
-    pub(super) fn held(&self) -> Vec<(String, u64)> {
-        let mut held: Vec<(String, u64)> = self
-            .inner
-            .lock()
-            .held
-            .iter()
-            .filter(|(_, n)| **n > 0)
-            .map(|(r, n)| (r.clone(), *n))
-            .collect();
-        held.sort();
-        held
-    }
 }
 
 impl Engine {
@@ -209,10 +195,5 @@ impl Engine {
     /// every second).
     pub fn sweep_leases(&self) {
         self.leases.sweep(self.clock.now());
-    }
-
-    /// Leases held through this instance, per concurrency rule.
-    pub fn leases_held(&self) -> Vec<(String, u64)> {
-        self.leases.held()
     }
 }

@@ -41,15 +41,6 @@ pub(super) fn record_bytes(record: &HeldLease) -> usize {
 }
 
 impl MemoryStore {
-    /// Leases held now in every set (for tests and the status page).
-    pub fn leases_held(&self) -> usize {
-        let now = self.clock.now();
-        self.lease_sets
-            .iter()
-            .map(|s| s.value().occupancy(1, now).held as usize)
-            .sum()
-    }
-
     /// A cap's occupancy at `now` (pruning its set); `None` when no lease
     /// is held. The caller holds the bucket's stripe.
     pub(super) fn occupancy(&self, bucket: &BucketKey, cap: u64, now: Micros) -> Option<State> {
