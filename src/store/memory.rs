@@ -29,8 +29,9 @@ use smallvec::SmallVec;
 
 use super::reservation::{self, EXPIRED_GRACE, Record};
 use super::{
-    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, Reservation, ReservationId,
-    SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture, StoreStatus, Verdicts,
+    Attach, BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, Reservation,
+    ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture,
+    StoreStatus, Verdicts,
 };
 use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
@@ -540,14 +541,6 @@ impl MemoryStore {
         self.last_sweep_at_cap.store(now, Ordering::Relaxed);
         self.sweep_idle();
     }
-}
-
-/// What a decision writes beside its buckets when it admits.
-#[derive(Clone, Copy)]
-enum Attach<'a> {
-    None,
-    Reservation(&'a Reservation),
-    Lease(&'a Lease),
 }
 
 fn verdicts(result: Result<Plan, AtCapacity>) -> Result<Verdicts, StoreError> {

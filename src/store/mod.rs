@@ -70,6 +70,18 @@ impl fmt::Debug for BucketKey {
     }
 }
 
+/// What a backend writes beside a decision's buckets when it admits: a
+/// reservation's record, or a lease.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Attach<'a> {
+    /// Nothing.
+    None,
+    /// A reservation's record ([`Store::reserve`]).
+    Reservation(&'a Reservation),
+    /// A lease ([`Store::acquire`]).
+    Lease(&'a Lease),
+}
+
 /// A store failure. Details are logged by the caller, never sent to clients.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

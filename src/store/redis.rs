@@ -47,8 +47,9 @@ mod coalesce;
 
 use super::reservation::MAX_TTL;
 use super::{
-    BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, Reservation, ReservationId,
-    SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
+    Attach, BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, Reservation,
+    ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture, Verdicts,
+    lease, redact,
 };
 use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::clock::Clock;
@@ -242,14 +243,6 @@ enum Reply {
     Verdicts(Verdicts),
     Settled(Settled),
     Lease(LeaseAnswer),
-}
-
-/// What a decision writes beside its buckets when it admits.
-#[derive(Clone, Copy)]
-enum Attach<'a> {
-    None,
-    Reservation(&'a Reservation),
-    Lease(&'a Lease),
 }
 
 /// A reserve's record body (see the script's header): the estimate, then
