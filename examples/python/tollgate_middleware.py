@@ -73,6 +73,31 @@ class _Middleware:
         start_response("400 Bad Request", [("Content-Type", "text/plain")])
         return [b"missing API key\n"]
 
+    @staticmethod
+    def refuse(start_response, headers, why):
+        """An honest 429 with Tollgate's headers."""
+        start_response("429 Too Many Requests", [("Content-Type", "text/plain"), *headers])
+        return [why]
+
+    @staticmethod
+    def adding(start_response, headers):
+        """`start_response` adding Tollgate's headers to the application's."""
+        def start_with_headers(status, response_headers, exc_info=None):
+            return start_response(status, list(response_headers) + headers, exc_info)
+        return start_with_headers
+
+    @staticmethod
+    def then(body, done):
+        """Streams the application's `body`, then calls `done`, also when
+        streaming fails."""
+        try:
+            yield from body
+        finally:
+            close = getattr(body, "close", None)
+            if close:
+                close()
+            done()
+
 
 class TollgateMiddleware(_Middleware):
     """WSGI middleware: one ShouldAllow call per request."""
@@ -96,13 +121,9 @@ class TollgateMiddleware(_Middleware):
             return self.app(environ, start_response)
         headers = sorted(decision.headers.items())
         if not decision.allowed:
-            start_response("429 Too Many Requests", [("Content-Type", "text/plain"), *headers])
-            return [b"rate limited; retry after the Retry-After header\n"]
-
-        def start_with_headers(status, response_headers, exc_info=None):
-            return start_response(status, list(response_headers) + headers, exc_info)
-
-        return self.app(environ, start_with_headers)
+            return self.refuse(start_response, headers,
+                               b"rate limited; retry after the Retry-After header\n")
+        return self.app(environ, self.adding(start_response, headers))
 
 
 class TollgateBudgetMiddleware(_Middleware):
@@ -133,8 +154,8 @@ class TollgateBudgetMiddleware(_Middleware):
             return self.app(environ, start_response)
         headers = sorted(reserved.decision.headers.items())
         if not reserved.decision.allowed:
-            start_response("429 Too Many Requests", [("Content-Type", "text/plain"), *headers])
-            return [b"over budget; retry after the Retry-After header\n"]
+            return self.refuse(start_response, headers,
+                               b"over budget; retry after the Retry-After header\n")
         usage = {"tokens": 0}
 
         def start_and_read_usage(status, response_headers, exc_info=None):
@@ -148,17 +169,7 @@ class TollgateBudgetMiddleware(_Middleware):
         except BaseException:
             self.settle(reserved.reservation, usage["tokens"])
             raise
-        return self._settle_after(body, reserved.reservation, usage)
-
-    def _settle_after(self, body, reservation, usage):
-        # The body may still be streaming: settle once it is done, or fails.
-        try:
-            yield from body
-        finally:
-            close = getattr(body, "close", None)
-            if close:
-                close()
-            self.settle(reservation, usage["tokens"])
+        return self.then(body, lambda: self.settle(reserved.reservation, usage["tokens"]))
 
     def settle(self, reservation, actual):
         """Settles; a settle that fails is logged (the reservation then
@@ -218,28 +229,14 @@ class TollgateSlotMiddleware(_Middleware):
         headers = sorted(acquired.decision.headers.items())
         if not acquired.granted:
             done.set()
-            start_response("429 Too Many Requests", [("Content-Type", "text/plain"), *headers])
-            return [b"too many requests in flight; retry after the Retry-After header\n"]
-
-        def start_with_headers(status, response_headers, exc_info=None):
-            return start_response(status, list(response_headers) + headers, exc_info)
-
+            return self.refuse(start_response, headers,
+                               b"too many requests in flight; retry after the Retry-After header\n")
         try:
-            body = self.app(environ, start_with_headers)
+            body = self.app(environ, self.adding(start_response, headers))
         except BaseException:
             done.set()
             raise
-        return self._release_after(body, done)
-
-    @staticmethod
-    def _release_after(body, done):
-        try:
-            yield from body
-        finally:
-            close = getattr(body, "close", None)
-            if close:
-                close()
-            done.set()
+        return self.then(body, done.set)
 
 
 def hello(environ, start_response):
