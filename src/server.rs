@@ -374,31 +374,29 @@ pub async fn run(
         deny_retry_after: config.breaker_cooldown.as_micros() as u64,
     };
     let mut redis_store = None;
-    let (backend, breaker): (Arc<dyn Store>, _) = match &config.store {
+    let backend: Arc<dyn Store> = match &config.store {
         // At its cap the in-process store refuses new buckets, and the
         // fallback answers by each rule's policy.
-        StoreSpec::Memory => (memory.clone(), None),
+        StoreSpec::Memory => memory.clone(),
         StoreSpec::Redis(url) => {
             let redis_config = RedisConfig {
                 prefix: config.redis_prefix.clone(),
                 timeout: config.store_timeout,
                 ca_cert: config.redis_ca_cert.clone(),
                 coalesce: config.redis_coalesce,
+                breaker_threshold: config.breaker_threshold,
+                breaker_cooldown: config.breaker_cooldown,
                 ..RedisConfig::new(url.clone())
             };
             let pinned = config.redis_uses_clock.then(|| clock.clone());
             let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
             redis_store = Some(redis.clone());
-            (
-                redis as Arc<dyn Store>,
-                Some((config.breaker_threshold, config.breaker_cooldown)),
-            )
+            redis as Arc<dyn Store>
         }
     };
     let store = stack::build(
         backend,
         Layers {
-            breaker,
             fallback: Some(fallback),
             deny_cache: config
                 .deny_cache

@@ -1,8 +1,8 @@
-//! A circuit breaker for the shared store, as a layer.
+//! A circuit breaker, one per Redis node (see `redis::node`).
 //!
-//! After `threshold` consecutive failed decisions (transient errors: Redis
-//! down, a timeout) the breaker opens: decisions fail at once, without
-//! waiting for a timeout, for `cooldown`, and the fallback layer above
+//! After `threshold` consecutive failed calls (transient errors: the node
+//! down, a timeout) the breaker opens: calls to that node fail at once,
+//! without waiting for a timeout, for `cooldown`, and the fallback layer
 //! answers them by each rule's policy. Then one decision is let through as
 //! a probe (half-open): its success closes the breaker, its failure opens
 //! it again. So a dead Redis costs each request nothing, and a recovered
@@ -13,12 +13,6 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
-
-use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{
-    LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError, StoreStatus,
-};
-use crate::telemetry::metrics;
 
 /// The breaker's state, as exported in metrics (0, 1, 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,116 +113,6 @@ impl Breaker {
     }
 }
 
-/// [`Breaker`] around a layer.
-pub struct BreakerLayer {
-    inner: Box<dyn Layer>,
-    breaker: Breaker,
-    kind: &'static str,
-}
-
-impl Breaker {
-    /// This breaker around `inner`.
-    pub fn wrap(self, inner: Box<dyn Layer>) -> BreakerLayer {
-        let kind = inner.status().kind;
-        BreakerLayer {
-            inner,
-            breaker: self,
-            kind,
-        }
-    }
-}
-
-/// Reports a call's result to the breaker; a call dropped before it ended
-/// counts as a failure.
-struct Pending<'a> {
-    breaker: &'a Breaker,
-    done: bool,
-}
-
-impl Pending<'_> {
-    fn report<T>(mut self, result: &Result<T, StoreError>) {
-        match result {
-            Err(err) if err.is_transient() => self.breaker.failure(),
-            // A request the store cannot take (it spans cluster slots)
-            // says nothing about the store's health.
-            _ => self.breaker.success(),
-        }
-        self.done = true;
-    }
-}
-
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        if !self.done {
-            self.breaker.failure();
-        }
-    }
-}
-
-impl BreakerLayer {
-    fn admit(&self) -> Result<Pending<'_>, StoreError> {
-        match self.breaker.admit() {
-            Ok(()) => Ok(Pending {
-                breaker: &self.breaker,
-                done: false,
-            }),
-            Err(Open) => {
-                metrics::store_error(self.kind, "circuit_open");
-                Err(StoreError::Unavailable("circuit breaker open".into()))
-            }
-        }
-    }
-}
-
-impl Layer for BreakerLayer {
-    fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
-        let pending = match self.admit() {
-            Ok(pending) => pending,
-            Err(err) => return Box::pin(std::future::ready(Err(err))),
-        };
-        let inner = self.inner.apply(r);
-        Box::pin(async move {
-            let result: Result<Applied, StoreError> = inner.await;
-            pending.report(&result);
-            result
-        })
-    }
-
-    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
-        Box::pin(async move {
-            let pending = self.admit()?;
-            let result = self.inner.settle(id, actual).await;
-            pending.report(&result);
-            result
-        })
-    }
-
-    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
-        Box::pin(async move {
-            let pending = self.admit()?;
-            let result = self.inner.lease(id, op).await;
-            pending.report(&result);
-            result
-        })
-    }
-
-    fn ping(&self) -> PingFuture<'_> {
-        Box::pin(async move {
-            let pending = self.admit()?;
-            let result = self.inner.ping().await;
-            pending.report(&result);
-            result
-        })
-    }
-
-    fn status(&self) -> StoreStatus {
-        StoreStatus {
-            breaker: Some(self.breaker.state()),
-            ..self.inner.status()
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,95 +155,5 @@ mod tests {
         b.success();
         b.failure();
         assert_eq!(b.state(), BreakerState::Closed);
-    }
-
-    /// A layer below the breaker whose answers the test chooses: a
-    /// transient failure, a request it cannot take, or never answering.
-    struct Scripted(parking_lot::Mutex<Vec<Option<StoreError>>>);
-
-    impl Layer for Scripted {
-        fn apply<'a>(&'a self, _: Request<'a>) -> LayerFuture<'a> {
-            let next = self.0.lock().remove(0);
-            Box::pin(async move {
-                match next {
-                    Some(err) => Err(err),
-                    None => std::future::pending().await,
-                }
-            })
-        }
-        fn settle<'a>(&'a self, _: &'a ReservationId, _: u64) -> SettleFuture<'a> {
-            Box::pin(std::future::pending())
-        }
-        fn lease<'a>(&'a self, _: &'a LeaseId, _: LeaseOp) -> LeaseFuture<'a> {
-            unreachable!()
-        }
-        fn ping(&self) -> PingFuture<'_> {
-            Box::pin(std::future::ready(Ok(())))
-        }
-        fn status(&self) -> StoreStatus {
-            StoreStatus {
-                kind: "scripted",
-                breaker: None,
-                local: None,
-                answered: false,
-            }
-        }
-    }
-
-    fn request() -> Request<'static> {
-        Request {
-            buckets: &[],
-            charges: &[],
-            policies: &[],
-            op: crate::algorithm::Op::SPEND,
-            reserve: None,
-            lease: None,
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn as_a_layer_only_transient_failures_count_and_a_dropped_probe_reopens() {
-        let unsupported = || Some(StoreError::Unsupported("two slots".into()));
-        let down = || Some(StoreError::Unavailable("down".into()));
-        let layer = Breaker::new(2, Duration::from_secs(1)).wrap(Box::new(Scripted(
-            parking_lot::Mutex::new(vec![
-                unsupported(),
-                unsupported(),
-                unsupported(),
-                down(),
-                down(),
-                None,
-            ]),
-        )));
-        for _ in 0..3 {
-            assert!(matches!(
-                layer.apply(request()).await,
-                Err(StoreError::Unsupported(_))
-            ));
-        }
-        assert_eq!(
-            layer.status().breaker,
-            Some(BreakerState::Closed),
-            "the caller's mistakes"
-        );
-        for _ in 0..2 {
-            assert!(layer.apply(request()).await.is_err());
-        }
-        assert_eq!(layer.status().breaker, Some(BreakerState::Open));
-        let refused = layer.apply(request()).await.unwrap_err();
-        assert_eq!(
-            refused.to_string(),
-            "store unavailable: circuit breaker open"
-        );
-        tokio::time::advance(Duration::from_secs(1)).await;
-        // The probe's caller goes away before the store answers.
-        let probe = layer.apply(request());
-        assert_eq!(layer.status().breaker, Some(BreakerState::HalfOpen));
-        drop(probe);
-        assert_eq!(
-            layer.status().breaker,
-            Some(BreakerState::Open),
-            "a dropped probe counts as failed, so the breaker probes again later"
-        );
     }
 }

@@ -612,6 +612,7 @@ impl Store for MemoryStore {
         StoreStatus {
             kind: "memory",
             breaker: None,
+            nodes: Vec::new(),
             local: Some(super::stack::memory_status(self)),
             answered: true,
         }

@@ -222,18 +222,40 @@ pub enum OnStoreUnavailable {
 }
 
 /// A store's health and figures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreStatus {
     /// `memory`, `redis`.
     pub kind: &'static str,
-    /// The circuit breaker's state, for a backend that has one.
+    /// The circuit breaker's state, for a backend that has them: on Redis
+    /// the worst of its nodes' (see `nodes`).
     pub breaker: Option<breaker::BreakerState>,
+    /// Each Redis primary: its address, slots, replicas and breaker.
+    pub nodes: Vec<NodeStatus>,
     /// The in-process buckets: the memory backend's, or the local
     /// fallback's.
     pub local: Option<MemoryFigures>,
     /// The backend has answered a decision or a ping since start (set by
     /// the stack's bottom layer; a backend alone reports false).
     pub answered: bool,
+}
+
+/// One Redis primary's health, as the status page and metrics show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// `host:port`.
+    pub address: String,
+    /// Cluster slots it serves (all 16384 for a single Redis).
+    pub slots: usize,
+    /// Its replicas' addresses, as the cluster reports them (under
+    /// Sentinel: the primaries it replaced).
+    pub replicas: Vec<String>,
+    /// Its circuit breaker.
+    pub breaker: breaker::BreakerState,
+    /// A connection is open.
+    pub connected: bool,
+    /// Failed calls since start (timeouts, refused connections, errors
+    /// that mean it cannot serve).
+    pub errors: u64,
 }
 
 /// Figures of in-process buckets.

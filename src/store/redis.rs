@@ -6,6 +6,11 @@
 //! retrying, transparently. Connections are multiplexed: concurrent
 //! decisions are pipelined on one connection per Redis node.
 //!
+//! Which node serves a key is `topology`'s business (a single Redis, a
+//! Redis Cluster's slot map, or the primary Redis Sentinel names); health
+//! is each `node`'s: every node has its own circuit breaker, so a dead
+//! shard's calls fail at once while the other shards' go on.
+//!
 //! With coalescing on ([`RedisConfig::coalesce`]), decisions that arrive
 //! while earlier script calls are in flight wait and go together, up to that
 //! many in one `EVALSHA` (per hash tag on a cluster). The script decides
@@ -25,9 +30,9 @@
 //! Time comes from Redis's own clock (`TIME`, read inside the script), so
 //! instances with skewed clocks agree. Tests can pin it with a [`Clock`].
 //!
-//! Every call has a timeout. The circuit breaker and the store-unavailable
-//! fallback are layers around this store (`super::breaker`,
-//! `super::fallback`), composed in `super::stack`.
+//! Every call has a timeout, redirects and retries included. The
+//! store-unavailable fallback is a layer around this store
+//! (`super::fallback`, composed in `super::stack`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,14 +41,16 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use parking_lot::Mutex;
-use redis::IntoConnectionInfo;
-use redis::aio::ConnectionManager;
-use redis::cluster::ClusterClient;
-use redis::cluster_async::ClusterConnection;
+use redis::Value;
 use smallvec::SmallVec;
-use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
 mod coalesce;
+mod node;
+mod topology;
+
+use node::Answer;
+use topology::{Topology as Routes, slot_of};
 
 use super::reservation::MAX_TTL;
 use super::{
@@ -61,9 +68,11 @@ pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
 /// How to reach Redis and how patient to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
-    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS), or
+    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS),
     /// `redis-cluster://[user:password@]host:port,host:port,…` (also
-    /// `rediss-cluster://`).
+    /// `rediss-cluster://`), or
+    /// `redis-sentinel://[user:password@]host:port,…/SERVICE[/db]` (also
+    /// `rediss-sentinel://`) for the primary that Redis Sentinel names.
     pub url: String,
     /// Prefix of every key.
     pub prefix: String,
@@ -77,6 +86,10 @@ pub struct RedisConfig {
     /// Most decisions coalesced into one script call; 0 or 1 sends each
     /// decision in its own call.
     pub coalesce: usize,
+    /// Consecutive failed calls to one node that open its circuit breaker.
+    pub breaker_threshold: u32,
+    /// How long an open breaker answers at once before probing its node.
+    pub breaker_cooldown: Duration,
 }
 
 impl RedisConfig {
@@ -91,6 +104,8 @@ impl RedisConfig {
             expiry_margin: Duration::from_secs(1),
             ca_cert: None,
             coalesce: 64,
+            breaker_threshold: 5,
+            breaker_cooldown: Duration::from_secs(1),
         }
     }
 
@@ -139,26 +154,69 @@ impl RedisConfig {
             }
             return Ok(Topology::Cluster(nodes));
         }
+        if let Some((scheme, rest)) = self
+            .url
+            .strip_prefix("redis-sentinel://")
+            .map(|r| ("redis", r))
+            .or_else(|| {
+                self.url
+                    .strip_prefix("rediss-sentinel://")
+                    .map(|r| ("rediss", r))
+            })
+        {
+            let (auth, rest) = match rest.rsplit_once('@') {
+                Some((auth, rest)) => (format!("{auth}@"), rest),
+                None => (String::new(), rest),
+            };
+            let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
+            let (service, db) = path.split_once('/').unwrap_or((path, ""));
+            if service.is_empty() {
+                return Err(bad(
+                    "name the Sentinel service after the hosts: redis-sentinel://host:port,host:port/mymaster",
+                ));
+            }
+            let db = if db.is_empty() {
+                String::new()
+            } else {
+                format!("/{db}")
+            };
+            let sentinels: Vec<String> = hosts
+                .split(',')
+                .filter(|h| !h.is_empty())
+                .map(|h| format!("{scheme}://{auth}{h}{db}"))
+                .collect();
+            if sentinels.is_empty() {
+                return Err(bad("name at least one Sentinel host:port"));
+            }
+            for sentinel in &sentinels {
+                redis::parse_redis_url(sentinel)
+                    .ok_or_else(|| bad("a Sentinel is not host:port"))?;
+            }
+            return Ok(Topology::Sentinel {
+                sentinels,
+                service: service.to_owned(),
+            });
+        }
         if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
             redis::parse_redis_url(&self.url).ok_or_else(|| bad("not a valid redis:// URL"))?;
             return Ok(Topology::Standalone(self.url.clone()));
         }
         Err(bad(
-            "use redis://, rediss://, redis-cluster:// or rediss-cluster://",
+            "use redis://, rediss://, redis-cluster://, rediss-cluster://, redis-sentinel:// or rediss-sentinel://",
         ))
     }
 }
 
+/// The parsed URL.
 enum Topology {
     Standalone(String),
     Cluster(Vec<String>),
-}
-
-enum Connection {
-    Standalone(ConnectionManager),
-    /// Connected on first use (and retried on each call until it works), so
-    /// the server can start before the cluster is reachable.
-    Cluster(Box<ClusterClient>, Arc<OnceCell<ClusterConnection>>),
+    /// Each Sentinel as a `redis://` URL carrying the primary's
+    /// credentials and database, and the service name.
+    Sentinel {
+        sentinels: Vec<String>,
+        service: String,
+    },
 }
 
 /// Buckets in Redis or a Redis Cluster.
@@ -168,13 +226,10 @@ pub struct RedisStore {
 
 /// What the store and the tasks that drain its queue share.
 struct Shared {
-    connection: Connection,
+    routes: Arc<Routes>,
     script: redis::Script,
     config: RedisConfig,
     clock: Option<Arc<dyn Clock>>,
-    /// Decisions waiting for a shared script call; `None` when coalescing
-    /// is off.
-    coalesce: Option<Mutex<coalesce::Waiting>>,
     /// Reservations this instance made, by when they expire: checked by
     /// [`RedisStore::count_expired`].
     expiring: Mutex<BinaryHeap<Reverse<(tokio::time::Instant, String)>>>,
@@ -282,9 +337,6 @@ impl RedisStore {
         // rustls needs one process-wide crypto provider for rediss://; an
         // error only means one is installed already.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let bad = |e: &dyn std::fmt::Display| {
-            StoreError::Config(format!("{}: {e}", config.redacted_url()))
-        };
         let certs = match &config.ca_cert {
             Some(path) => Some(redis::TlsCertificates {
                 client_tls: None,
@@ -294,44 +346,10 @@ impl RedisStore {
             }),
             None => None,
         };
-        let connection = match config.topology().map_err(StoreError::Config)? {
-            Topology::Standalone(url) => {
-                let info = url
-                    .as_str()
-                    .into_connection_info()
-                    .map_err(|e| bad(&e))?
-                    .set_tcp_settings(tcp_settings());
-                let client = match certs {
-                    Some(certs) => redis::Client::build_with_tls(info, certs),
-                    None => redis::Client::open(info),
-                }
-                .map_err(|e| bad(&e))?;
-                let manager_config = redis::aio::ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(config.timeout))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(config.timeout);
-                let manager = ConnectionManager::new_lazy_with_config(client, manager_config)
-                    .map_err(|e| bad(&e))?;
-                Connection::Standalone(manager)
-            }
-            Topology::Cluster(nodes) => {
-                let mut builder = ClusterClient::builder(nodes)
-                    .tcp_settings(tcp_settings())
-                    .connection_timeout(config.timeout)
-                    .response_timeout(config.timeout)
-                    .retries(2);
-                if let Some(certs) = certs {
-                    builder = builder.certs(certs);
-                }
-                let client = builder.build().map_err(|e| bad(&e))?;
-                Connection::Cluster(Box::new(client), Arc::new(OnceCell::new()))
-            }
-        };
+        let routes = Routes::new(&config, certs)?;
         let shared = Shared {
-            connection,
+            routes,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
-            coalesce: (config.coalesce > 1).then(Mutex::default),
             expiring: Mutex::default(),
             config,
             clock,
@@ -364,7 +382,7 @@ impl RedisStore {
         attach: Attach<'_>,
     ) -> Result<Verdicts, StoreError> {
         let shared = &self.shared;
-        if matches!(shared.connection, Connection::Cluster(..)) {
+        if shared.routes.is_cluster() {
             let tenant = buckets[0].tenant();
             if let Some(other) = buckets.iter().find(|b| b.tenant() != tenant) {
                 return Err(StoreError::Unsupported(format!(
@@ -478,13 +496,6 @@ impl RedisStore {
     }
 }
 
-/// TCP_NODELAY on every Redis connection: a decision is a small write
-/// answered at once, and with Nagle's algorithm a write behind an
-/// unacknowledged one waits for Redis's delayed ACK (40 ms on Linux).
-fn tcp_settings() -> redis::io::tcp::TcpSettings {
-    redis::io::tcp::TcpSettings::default().set_nodelay(true)
-}
-
 impl RedisStore {
     /// Counts, in `tollgate_reservations_expired_total`, the reservations
     /// this instance made whose time to live has passed (by a second, so
@@ -508,14 +519,22 @@ impl RedisStore {
             due
         };
         let shared = &self.shared;
-        let checks = due.iter().map(|record| {
-            shared.call("record_expiry", move |mut conn| async move {
-                redis::pipe()
-                    .get(record)
-                    .pttl(record)
-                    .query_async::<(Option<String>, i64)>(&mut conn)
-                    .await
-            })
+        let checks = due.iter().map(|record| async move {
+            let value: Option<String> = shared
+                .exec_as(
+                    "record_expiry",
+                    record,
+                    &redis::cmd("GET").arg(record).clone(),
+                )
+                .await?;
+            let pttl: i64 = shared
+                .exec_as(
+                    "record_expiry",
+                    record,
+                    &redis::cmd("PTTL").arg(record).clone(),
+                )
+                .await?;
+            Ok::<_, StoreError>((value, pttl))
         });
         // A lease's record lives its time to live plus the grace period
         // and the margin: with more left than that, it was renewed (and
@@ -549,15 +568,21 @@ impl Shared {
         }
     }
 
-    /// Sends one request, coalesced with others when coalescing is on.
+    /// Sends one request, coalesced with others bound for the same node
+    /// when coalescing is on.
     async fn send(self: &Arc<Self>, request: Request) -> Result<Reply, StoreError> {
-        match &self.coalesce {
-            Some(waiting) => coalesce::decide(self, waiting, request).await,
-            None => {
-                let mut outcomes = self.run(std::slice::from_ref(&request)).await?;
-                Ok(outcomes.swap_remove(0))
+        if self.config.coalesce > 1 {
+            let deadline = Instant::now() + self.config.timeout;
+            let node = self
+                .routes
+                .route(slot_of(&request.keys[0]), deadline)
+                .await?;
+            if node.waiting.is_some() {
+                return coalesce::decide(self, node, request).await;
             }
         }
+        let mut outcomes = self.run(std::slice::from_ref(&request)).await?;
+        Ok(outcomes.swap_remove(0))
     }
 
     /// The Redis key of a reservation's record: beside its tenant's
@@ -585,66 +610,117 @@ impl Shared {
         format!("{}{{{tag}}}:{rest}", self.config.prefix)
     }
 
-    /// Sends PING (with the timeout).
-    /// Checks that Redis answers. On a single Redis this also loads the
-    /// decision script, so that once the service is ready its first
-    /// decision is one round trip (on a cluster each node loads it on its
-    /// first NOSCRIPT).
+    /// Checks that Redis answers: the primary of a single or
+    /// Sentinel-managed Redis, which also loads the decision script so that
+    /// once the service is ready its first decision is one round trip; on a
+    /// cluster, one primary (each loads the script on its first NOSCRIPT).
     async fn ping(&self) -> Result<(), StoreError> {
-        let script = &self.script;
-        self.call("ping", |mut conn| async move {
-            match conn {
-                AnyConnection::Standalone(_) => script
-                    .prepare_invoke()
-                    .load_async(&mut conn)
-                    .await
-                    .map(|_| ()),
-                AnyConnection::Cluster(_) => redis::cmd("PING")
-                    .query_async::<String>(&mut conn)
-                    .await
-                    .map(|_| ()),
-            }
-        })
-        .await
-    }
-
-    /// Runs `op` on a connection with the timeout and metrics.
-    async fn call<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, StoreError>
-    where
-        F: FnOnce(AnyConnection) -> Fut,
-        Fut: std::future::Future<Output = redis::RedisResult<T>>,
-    {
-        let started = tokio::time::Instant::now();
-        let result = tokio::time::timeout(self.config.timeout, async {
-            let conn = self.connection().await?;
-            f(conn).await
-        })
-        .await;
-        metrics::store_call("redis", op, started.elapsed());
-        let err = match result {
-            Ok(Ok(value)) => return Ok(value),
-            Ok(Err(e)) => {
-                metrics::store_error("redis", error_kind(&e));
-                StoreError::Unavailable(e.to_string())
-            }
-            Err(_) => {
-                metrics::store_error("redis", "timeout");
-                StoreError::Unavailable(format!("no answer within {:?}", self.config.timeout))
-            }
-        };
-        Err(err)
-    }
-
-    async fn connection(&self) -> redis::RedisResult<AnyConnection> {
-        match &self.connection {
-            Connection::Standalone(manager) => Ok(AnyConnection::Standalone(manager.clone())),
-            Connection::Cluster(client, cell) => {
-                let conn = cell
-                    .get_or_try_init(|| client.get_async_connection())
-                    .await?;
-                Ok(AnyConnection::Cluster(conn.clone()))
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
+        let result = async {
+            let node = self.routes.route(0, deadline).await?;
+            let cmd = if self.routes.is_cluster() {
+                redis::cmd("PING")
+            } else {
+                redis::cmd("SCRIPT")
+                    .arg("LOAD")
+                    .arg(TOKEN_BUCKET_LUA)
+                    .clone()
+            };
+            match node.call(&cmd, false, deadline).await? {
+                Answer::Value(_) => Ok(()),
+                _ => Err(StoreError::Unavailable(format!(
+                    "Redis node {} did not answer PING",
+                    node.addr
+                ))),
             }
         }
+        .await;
+        metrics::store_call("redis", "ping", started.elapsed());
+        result
+    }
+
+    /// Runs `cmd` on the node serving `key`'s slot, by the store's
+    /// timeout, following redirects and loading the script where missing.
+    async fn exec(
+        &self,
+        op: &'static str,
+        key: &str,
+        cmd: &redis::Cmd,
+    ) -> Result<Value, StoreError> {
+        let started = Instant::now();
+        let result = self.exec_by(started + self.config.timeout, key, cmd).await;
+        metrics::store_call("redis", op, started.elapsed());
+        result
+    }
+
+    /// [`Shared::exec`], the reply converted to `T`.
+    async fn exec_as<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        key: &str,
+        cmd: &redis::Cmd,
+    ) -> Result<T, StoreError> {
+        let value = self.exec(op, key, cmd).await?;
+        redis::from_redis_value(value)
+            .map_err(|e| StoreError::Protocol(format!("Redis answered {op} unexpectedly: {e}")))
+    }
+
+    async fn exec_by(
+        &self,
+        deadline: Instant,
+        key: &str,
+        cmd: &redis::Cmd,
+    ) -> Result<Value, StoreError> {
+        let slot = slot_of(key);
+        let mut node = self.routes.route(slot, deadline).await?;
+        let mut asking = false;
+        let mut loaded = false;
+        for _ in 0..MAX_REDIRECTS {
+            let answer = match node.call(cmd, asking, deadline).await {
+                Ok(answer) => answer,
+                Err(err) => {
+                    // A failing node may have been replaced: look again.
+                    self.routes.refresh_soon();
+                    return Err(err);
+                }
+            };
+            match answer {
+                Answer::Value(value) => return Ok(value),
+                Answer::Redirect { moved, addr } => {
+                    metrics::store_redirect(if moved { "moved" } else { "ask" });
+                    node = self.routes.node_at(&addr)?;
+                    if moved {
+                        self.routes.moved(slot, &node);
+                    }
+                    asking = !moved;
+                }
+                Answer::TryAgain => {
+                    metrics::store_redirect("tryagain");
+                    let pause = (Instant::now() + TRYAGAIN_PAUSE).min(deadline);
+                    tokio::time::sleep_until(pause).await;
+                }
+                // Redis lost its scripts (a restart, a failover, SCRIPT
+                // FLUSH), or this node never had it: load it and ask again.
+                Answer::NoScript if !loaded => {
+                    loaded = true;
+                    let load = redis::cmd("SCRIPT")
+                        .arg("LOAD")
+                        .arg(TOKEN_BUCKET_LUA)
+                        .clone();
+                    node.call(&load, false, deadline).await?;
+                }
+                Answer::NoScript => {
+                    return Err(StoreError::Unavailable(format!(
+                        "Redis node {} keeps forgetting the decision script",
+                        node.addr
+                    )));
+                }
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "Redis redirected a call {MAX_REDIRECTS} times; the cluster is resharding or misconfigured"
+        )))
     }
 
     /// Decides `requests` in one script call, in order.
@@ -702,77 +778,21 @@ impl Shared {
                 _ => continue,
             };
         }
-        metrics::store_decisions("redis", requests.len());
-        let script = &self.script;
-        let reply: Vec<i64> = self
-            .call("decide", |mut conn| async move {
-                match evalsha.query_async(&mut conn).await {
-                    // Redis lost its scripts (a restart, a failover, SCRIPT
-                    // FLUSH): load it and ask again, once.
-                    Err(e)
-                        if e.kind()
-                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                    {
-                        script.load_async(&mut conn).await?;
-                        evalsha.query_async(&mut conn).await
-                    }
-                    reply => reply,
-                }
-            })
-            .await?;
+        let key = &requests[0].keys[0];
+        // Counted as sent unless the node's breaker refuses it outright.
+        if !self.routes.map().refuses(slot_of(key)) {
+            metrics::store_decisions("redis", requests.len());
+        }
+        let reply: Vec<i64> = self.exec_as("decide", key, &evalsha).await?;
         parse_reply(&reply, requests.iter().map(|r| (&r.kind, r.charges.len())))
     }
 }
 
-/// Either kind of connection, as one `ConnectionLike`.
-#[derive(Clone)]
-enum AnyConnection {
-    Standalone(ConnectionManager),
-    Cluster(ClusterConnection),
-}
+/// Most redirects (and `TRYAGAIN` pauses) one call follows.
+const MAX_REDIRECTS: usize = 16;
 
-impl redis::aio::ConnectionLike for AnyConnection {
-    fn req_packed_command<'a>(
-        &'a mut self,
-        cmd: &'a redis::Cmd,
-    ) -> redis::RedisFuture<'a, redis::Value> {
-        match self {
-            Self::Standalone(c) => c.req_packed_command(cmd),
-            Self::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        cmd: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        match self {
-            Self::Standalone(c) => c.req_packed_commands(cmd, offset, count),
-            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Standalone(c) => c.get_db(),
-            Self::Cluster(c) => c.get_db(),
-        }
-    }
-}
-
-fn error_kind(e: &redis::RedisError) -> &'static str {
-    if e.is_timeout() {
-        "timeout"
-    } else if e.is_connection_refusal() {
-        "connection_refused"
-    } else if e.is_io_error() || e.is_connection_dropped() {
-        "io"
-    } else {
-        "server"
-    }
-}
+/// The pause before asking again after `TRYAGAIN`.
+const TRYAGAIN_PAUSE: Duration = Duration::from_millis(2);
 
 /// A verdict from a bucket's four reply values: allowed, balance (negative:
 /// tokens owed), retry_after (a charge: tokens forgiven) and reset_after.
@@ -913,9 +933,22 @@ impl Store for RedisStore {
     }
 
     fn status(&self) -> super::StoreStatus {
+        let map = self.shared.routes.map();
         super::StoreStatus {
             kind: "redis",
-            breaker: None,
+            breaker: Some(topology::worst(&map)),
+            nodes: map
+                .primaries
+                .iter()
+                .map(|(node, slots, replicas)| super::NodeStatus {
+                    address: node.addr.clone(),
+                    slots: *slots,
+                    replicas: replicas.clone(),
+                    breaker: node.breaker_state(),
+                    connected: node.connected(),
+                    errors: node.errors(),
+                })
+                .collect(),
             local: None,
             answered: false,
         }

@@ -6,20 +6,20 @@
 //! the next, and [`build`] composes them in one place:
 //!
 //! ```text
-//! DenyCache  ->  Fallback  ->  Breaker  ->  backend (memory, or Redis)
+//! DenyCache  ->  Fallback  ->  backend (memory, or Redis)
 //! ```
 //!
 //! The deny cache answers buckets it knows are exhausted without a store
 //! call; the fallback answers by each rule's policy when what is below it
-//! fails with a transient error; the breaker stops calling a backend that
-//! keeps failing. The Redis backend keeps its timeout on each Redis call.
+//! fails with a transient error. The Redis backend keeps its timeout on
+//! each call and a circuit breaker per node, so that a dead node costs its
+//! callers nothing and the other nodes' callers are not touched.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::breaker::Breaker;
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
 use super::{
@@ -169,9 +169,6 @@ impl Layer for Backend {
 
 /// The layers to put around a backend.
 pub struct Layers {
-    /// Open after this many consecutive failed decisions, for this long;
-    /// only for a shared backend.
-    pub breaker: Option<(u32, std::time::Duration)>,
     /// Decide by each rule's policy when the backend is unavailable (Redis
     /// down, or the in-process store at its cap).
     pub fallback: Option<Fallback>,
@@ -186,9 +183,6 @@ pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> 
         store: backend,
         answered: AtomicBool::new(false),
     });
-    if let Some((threshold, cooldown)) = layers.breaker {
-        stack = Box::new(Breaker::new(threshold, cooldown).wrap(stack));
-    }
     if let Some(fallback) = layers.fallback {
         stack = Box::new(fallback.wrap(stack));
     }

@@ -158,6 +158,26 @@ pub fn handle() -> &'static PrometheusHandle {
             BREAKER_STATE,
             "Circuit breaker state: 0 closed, 1 open, 2 half-open."
         );
+        describe_gauge!(
+            NODE_BREAKER_STATE,
+            "Each Redis primary's circuit breaker: 0 closed, 1 open, 2 half-open."
+        );
+        describe_counter!(
+            NODE_ERRORS,
+            "Failed calls to a Redis node, by node and kind."
+        );
+        describe_counter!(
+            FAILOVERS,
+            "Redis failovers seen: a replica took over a failed primary, or Sentinel named a new primary."
+        );
+        describe_counter!(
+            TOPOLOGY_REFRESHES,
+            "Reads of the Redis Cluster slot map or of Sentinel's primary, by result."
+        );
+        describe_counter!(
+            REDIRECTS,
+            "Redis Cluster redirects followed, by kind (moved, ask, tryagain)."
+        );
         describe_counter!(
             ENVOY_RELOADS,
             "Envoy configuration loads and reloads, by result."
@@ -293,6 +313,47 @@ pub fn store_error(store: &'static str, kind: &'static str) {
 /// Publishes the circuit breaker's state.
 pub fn breaker_state(store: &'static str, state: u8) {
     gauge!(BREAKER_STATE, "store" => store).set(f64::from(state));
+}
+
+/// Each Redis primary's circuit breaker, by `node` (`host:port`): 0 closed,
+/// 1 open, 2 half-open.
+pub const NODE_BREAKER_STATE: &str = "tollgate_store_node_circuit_state";
+/// Failed calls to a Redis node, by `node` and `kind`.
+pub const NODE_ERRORS: &str = "tollgate_store_node_errors_total";
+/// Redis failovers seen: a replica took over a failed primary's slots (or
+/// Sentinel named a new primary).
+pub const FAILOVERS: &str = "tollgate_store_failovers_total";
+/// Reads of the Redis slot map (or of Sentinel's primary), by `result`
+/// (`changed`, `unchanged`, `failed`).
+pub const TOPOLOGY_REFRESHES: &str = "tollgate_store_topology_refreshes_total";
+/// Redis Cluster redirects followed, by `kind` (`moved`, `ask`,
+/// `tryagain`).
+pub const REDIRECTS: &str = "tollgate_store_redirects_total";
+
+/// Publishes a Redis node's breaker state.
+pub fn node_breaker_state(node: &str, state: u8) {
+    gauge!(NODE_BREAKER_STATE, "node" => node.to_owned()).set(f64::from(state));
+}
+
+/// Counts a failed call to a Redis node (`node` is bounded: the store
+/// labels at most 64 nodes, the rest `other`).
+pub fn node_error(node: &str, kind: &'static str) {
+    counter!(NODE_ERRORS, "node" => node.to_owned(), "kind" => kind).increment(1);
+}
+
+/// Counts failovers.
+pub fn failovers(count: u64) {
+    counter!(FAILOVERS).increment(count);
+}
+
+/// Counts a slot-map (or Sentinel) read.
+pub fn topology_refresh(result: &'static str) {
+    counter!(TOPOLOGY_REFRESHES, "result" => result).increment(1);
+}
+
+/// Counts a redirect followed.
+pub fn store_redirect(kind: &'static str) {
+    counter!(REDIRECTS, "kind" => kind).increment(1);
 }
 
 /// Envoy configuration reloads, by `result`.

@@ -310,16 +310,32 @@ async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
         per_second.insert(outcome.label().into(), rates[i].into());
     }
     let store = state.store.status();
-    let breaker = store.breaker.map(|b| match b {
+    let name = |b: BreakerState| match b {
         BreakerState::Closed => "closed",
         BreakerState::Open => "open",
         BreakerState::HalfOpen => "half-open",
-    });
+    };
+    let breaker = store.breaker.map(name);
+    let nodes: Vec<serde_json::Value> = store
+        .nodes
+        .iter()
+        .map(|n| {
+            json!({
+                "address": n.address,
+                "slots": n.slots,
+                "replicas": n.replicas,
+                "breaker": name(n.breaker),
+                "connected": n.connected,
+                "errors": n.errors,
+            })
+        })
+        .collect();
     Json(json!({
         "ready": state.ready.check(state.store.as_ref()),
         "store": {
             "kind": store.kind,
             "breaker": breaker,
+            "nodes": nodes,
             "buckets_in_memory": store.local.map_or(0, |m| m.buckets),
         },
         "decisions_total": total,
@@ -372,6 +388,9 @@ async fn render_metrics(State(state): State<Arc<AdminState>>) -> Response {
     }
     if let Some(breaker) = store.breaker {
         metrics::breaker_state(store.kind, breaker as u8);
+    }
+    for node in &store.nodes {
+        metrics::node_breaker_state(&node.address, node.breaker as u8);
     }
     metrics::grpc_in_flight(state.grpc_in_flight.in_flight());
     let mut text = metrics::handle().render();

@@ -1,6 +1,8 @@
 //! Coalescing: concurrent decisions share script calls.
 //!
-//! At most [`COALESCE_IN_FLIGHT`] script calls are in flight. A decision
+//! Each Redis node has its own queue: at most [`COALESCE_IN_FLIGHT`]
+//! script calls are in flight to one node, so a slow or dead node holds up
+//! only the decisions bound for it. A decision
 //! that finds a slot free is sent at once from its own task, together with
 //! whatever had queued; one that finds none queues, and the slot's holder
 //! takes the queue when its call returns. The script decides the decisions
@@ -17,11 +19,11 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
-use super::{Connection, Reply, Request, Shared};
+use super::node::Node;
+use super::{Reply, Request, Shared};
 use crate::store::StoreError;
 use crate::telemetry::metrics;
 
@@ -109,9 +111,12 @@ const COALESCE_IN_FLIGHT: usize = 2;
 /// Decides `request` through a shared script call (see the module docs).
 pub(super) async fn decide(
     shared: &Arc<Shared>,
-    coalesce: &Mutex<Waiting>,
+    node: Arc<Node>,
     request: Request,
 ) -> Result<Reply, StoreError> {
+    let Some(coalesce) = &node.waiting else {
+        unreachable!("decide is called for nodes that coalesce")
+    };
     let (reply, answer) = oneshot::channel();
     let mine = Queued { request, reply };
     let batch = {
@@ -131,7 +136,7 @@ pub(super) async fn decide(
         // with no hop. The guard frees the slot (or drains what queued
         // meanwhile) even if this caller is cancelled mid-call.
         Some(batch) if batch.len() == 1 => {
-            let _slot = Slot(shared);
+            let _slot = Slot(shared, &node);
             send_coalesced(shared, batch).await;
         }
         // A free slot and others waiting: the call carries their
@@ -139,8 +144,9 @@ pub(super) async fn decide(
         // cancelled caller cannot abandon half-way.
         Some(batch) => {
             let shared = shared.clone();
+            let node = node.clone();
             tokio::spawn(async move {
-                let _slot = Slot(&shared);
+                let _slot = Slot(&shared, &node);
                 send_coalesced(&shared, batch).await;
             });
         }
@@ -165,19 +171,19 @@ pub(super) async fn decide(
 
 /// A coalescing slot held by a script call in flight; dropping it (after
 /// the call, or when the call is cancelled) hands it on.
-struct Slot<'a>(&'a Arc<Shared>);
+struct Slot<'a>(&'a Arc<Shared>, &'a Arc<Node>);
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        release_or_drain(self.0);
+        release_or_drain(self.0, self.1);
     }
 }
 
 /// After a coalesced call: frees its slot if nothing is queued, otherwise
 /// keeps the slot and drains the queue in a task of its own (so the caller
 /// that made the call gets its answer now).
-fn release_or_drain(shared: &Arc<Shared>) {
-    let Some(coalesce) = &shared.coalesce else {
+fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
+    let Some(coalesce) = &node.waiting else {
         return;
     };
     {
@@ -188,8 +194,9 @@ fn release_or_drain(shared: &Arc<Shared>) {
         }
     }
     let shared = shared.clone();
+    let node = node.clone();
     tokio::spawn(async move {
-        let Some(coalesce) = &shared.coalesce else {
+        let Some(coalesce) = &node.waiting else {
             return;
         };
         loop {
@@ -211,7 +218,7 @@ fn release_or_drain(shared: &Arc<Shared>) {
 /// a script on one slot; a single Redis takes them all in one call), and
 /// answers each.
 async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
-    let cluster = matches!(shared.connection, Connection::Cluster(..));
+    let cluster = shared.routes.is_cluster();
     let (requests, mut replies): (Vec<Request>, Vec<_>) = taken
         .into_iter()
         .map(|q| (q.request, Some(q.reply)))

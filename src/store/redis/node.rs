@@ -1,0 +1,379 @@
+//! One Redis server as the store sees it: its connection, its breaker and
+//! its queue of coalesced decisions.
+//!
+//! Health is per node. A node that keeps failing opens its own breaker, and
+//! calls routed to it fail at once (the fallback answers them by policy)
+//! while calls to every other node go on as before. Connecting runs in a
+//! task of its own beside the traffic: callers wait for it only up to their
+//! own deadline, and a connection found broken is dropped so the next call
+//! (the breaker's probe, once open) connects again.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
+use parking_lot::Mutex;
+use redis::aio::MultiplexedConnection;
+use redis::{Cmd, ServerErrorKind, Value};
+use tokio::time::Instant;
+
+use super::coalesce::Waiting;
+use crate::store::StoreError;
+use crate::store::breaker::{Breaker, BreakerState, Open};
+use crate::telemetry::metrics;
+
+/// How a node answered a command, as routing needs to know it.
+pub(super) enum Answer {
+    /// The reply.
+    Value(Value),
+    /// `MOVED slot addr` (`moved`), or `ASK slot addr`.
+    Redirect { moved: bool, addr: String },
+    /// `TRYAGAIN`: a multi-key call during a slot migration; ask again soon.
+    TryAgain,
+    /// `NOSCRIPT`: load the script on this node and ask again.
+    NoScript,
+}
+
+/// The connection's state.
+enum Conn {
+    Idle,
+    Connecting(Shared<BoxFuture<'static, Result<(MultiplexedConnection, u64), String>>>),
+    Ready(MultiplexedConnection, u64),
+}
+
+/// See the module docs.
+pub(super) struct Node {
+    /// `host:port`, as the cluster or Sentinel names it.
+    pub addr: String,
+    /// The metric label: the address, or `other` past [`MAX_NODE_LABELS`].
+    pub label: String,
+    client: redis::Client,
+    connect_timeout: Duration,
+    conn: Mutex<Conn>,
+    generation: AtomicU64,
+    breaker: Breaker,
+    errors: AtomicU64,
+    /// Decisions waiting for a shared script call to this node; `None`
+    /// when coalescing is off.
+    pub waiting: Option<Mutex<Waiting>>,
+}
+
+/// Most node addresses used as metric labels; further nodes share `other`.
+pub(super) const MAX_NODE_LABELS: usize = 64;
+
+impl Node {
+    pub fn new(
+        addr: String,
+        label: String,
+        client: redis::Client,
+        connect_timeout: Duration,
+        breaker: Breaker,
+        coalesce: bool,
+    ) -> Self {
+        Self {
+            addr,
+            label,
+            client,
+            connect_timeout,
+            conn: Mutex::new(Conn::Idle),
+            generation: AtomicU64::new(0),
+            breaker,
+            errors: AtomicU64::new(0),
+            waiting: coalesce.then(Mutex::default),
+        }
+    }
+
+    /// The breaker's state.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.state()
+    }
+
+    /// True while the breaker lets calls through (closed, or a probe due).
+    pub fn healthy(&self) -> bool {
+        self.breaker.state() == BreakerState::Closed
+    }
+
+    /// True when the breaker would refuse a call now.
+    pub fn refuses(&self) -> bool {
+        self.breaker.refuses()
+    }
+
+    /// Failed calls since start.
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    /// True when a connection is open.
+    pub fn connected(&self) -> bool {
+        matches!(*self.conn.lock(), Conn::Ready(..))
+    }
+
+    /// The connection, connecting first when there is none (in a task of
+    /// its own, shared by every caller that waits for it).
+    async fn connection(self: &Arc<Self>) -> Result<(MultiplexedConnection, u64), String> {
+        let connecting = {
+            let mut conn = self.conn.lock();
+            match &*conn {
+                Conn::Ready(c, generation) => return Ok((c.clone(), *generation)),
+                Conn::Connecting(f) => f.clone(),
+                Conn::Idle => {
+                    let node = self.clone();
+                    // The lock is held until the state says Connecting, so
+                    // the task's own update always comes after.
+                    let task = tokio::spawn(async move {
+                        let config = redis::AsyncConnectionConfig::new()
+                            .set_connection_timeout(Some(node.connect_timeout))
+                            .set_response_timeout(None);
+                        let made = node
+                            .client
+                            .get_multiplexed_async_connection_with_config(&config)
+                            .await;
+                        let mut conn = node.conn.lock();
+                        match made {
+                            Ok(c) => {
+                                let generation =
+                                    node.generation.fetch_add(1, Ordering::Relaxed) + 1;
+                                *conn = Conn::Ready(c.clone(), generation);
+                                Ok((c, generation))
+                            }
+                            Err(e) => {
+                                *conn = Conn::Idle;
+                                Err(e.to_string())
+                            }
+                        }
+                    });
+                    let shared = async move {
+                        task.await
+                            .unwrap_or_else(|e| Err(format!("connecting: {e}")))
+                    }
+                    .boxed()
+                    .shared();
+                    *conn = Conn::Connecting(shared.clone());
+                    shared
+                }
+            }
+        };
+        connecting.await
+    }
+
+    /// Drops connection `generation` after an I/O error, so that the next
+    /// call connects again.
+    fn broken(&self, generation: u64) {
+        let mut conn = self.conn.lock();
+        if matches!(&*conn, Conn::Ready(_, g) if *g == generation) {
+            *conn = Conn::Idle;
+        }
+    }
+
+    /// Sends `cmd` (after `ASKING` when `asking`), by `deadline`, through
+    /// the breaker: a transient failure counts against this node, and an
+    /// open breaker refuses at once.
+    pub async fn call(
+        self: &Arc<Self>,
+        cmd: &Cmd,
+        asking: bool,
+        deadline: Instant,
+    ) -> Result<Answer, StoreError> {
+        let pending = match self.breaker.admit() {
+            Ok(()) => Pending {
+                node: self,
+                done: false,
+            },
+            Err(Open) => {
+                metrics::store_error("redis", "circuit_open");
+                return Err(StoreError::Unavailable(format!(
+                    "Redis node {}: circuit breaker open",
+                    self.addr
+                )));
+            }
+        };
+        let result = self.send(cmd, asking, deadline).await;
+        let healthy = match &result {
+            Ok(_) => true,
+            Err(Failure::Transient(_)) => false,
+            // An error in the script or a refused command says nothing
+            // about the node's health.
+            Err(Failure::Other(_)) => true,
+        };
+        pending.report(healthy);
+        result.map_err(|f| match f {
+            Failure::Transient(e) | Failure::Other(e) => e,
+        })
+    }
+
+    /// Sends `cmd` without the breaker (slot-map and Sentinel queries).
+    pub async fn query(
+        self: &Arc<Self>,
+        cmd: &Cmd,
+        deadline: Instant,
+    ) -> Result<Value, StoreError> {
+        match self.send(cmd, false, deadline).await {
+            Ok(Answer::Value(v)) => Ok(v),
+            Ok(_) => Err(StoreError::Unavailable(format!(
+                "Redis node {} redirected a query",
+                self.addr
+            ))),
+            Err(Failure::Transient(e) | Failure::Other(e)) => Err(e),
+        }
+    }
+
+    async fn send(
+        self: &Arc<Self>,
+        cmd: &Cmd,
+        asking: bool,
+        deadline: Instant,
+    ) -> Result<Answer, Failure> {
+        let late = || {
+            self.failed("timeout");
+            Failure::Transient(StoreError::Unavailable(format!(
+                "Redis node {}: no answer in time",
+                self.addr
+            )))
+        };
+        let (mut conn, generation) =
+            match tokio::time::timeout_at(deadline, self.connection()).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => {
+                    self.failed("connect");
+                    return Err(Failure::Transient(StoreError::Unavailable(format!(
+                        "Redis node {}: {e}",
+                        self.addr
+                    ))));
+                }
+                Err(_) => return Err(late()),
+            };
+        let sent = if asking {
+            let mut pipe = redis::pipe();
+            pipe.cmd("ASKING").add_command(cmd.clone());
+            tokio::time::timeout_at(deadline, async {
+                let mut replies = conn.send_packed_commands(&pipe, 1, 1).await?;
+                Ok(replies.pop().unwrap_or(Value::Nil))
+            })
+            .await
+        } else {
+            tokio::time::timeout_at(deadline, conn.send_packed_command(cmd)).await
+        };
+        let value = match sent {
+            Err(_) => return Err(late()),
+            Ok(Err(e)) => match e.kind() {
+                redis::ErrorKind::Server(kind) => {
+                    let code = e.code().unwrap_or_default().to_owned();
+                    let detail = e.detail().unwrap_or_default().to_owned();
+                    return self.server_error(Some(kind), &code, &detail);
+                }
+                _ => {
+                    if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() {
+                        self.broken(generation);
+                    }
+                    self.failed(io_kind(&e));
+                    return Err(Failure::Transient(StoreError::Unavailable(format!(
+                        "Redis node {}: {e}",
+                        self.addr
+                    ))));
+                }
+            },
+            Ok(Ok(value)) => value,
+        };
+        match value {
+            Value::ServerError(err) => {
+                self.server_error(err.kind(), err.code(), err.details().unwrap_or_default())
+            }
+            value => Ok(Answer::Value(value)),
+        }
+    }
+
+    /// What an error reply means for routing and for the node's health.
+    fn server_error(
+        &self,
+        kind: Option<ServerErrorKind>,
+        code: &str,
+        detail: &str,
+    ) -> Result<Answer, Failure> {
+        let target = || {
+            detail
+                .split_ascii_whitespace()
+                .nth(1)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let error =
+            || StoreError::Unavailable(format!("Redis node {}: {code} {detail}", self.addr));
+        match kind {
+            Some(ServerErrorKind::Moved) => Ok(Answer::Redirect {
+                moved: true,
+                addr: target(),
+            }),
+            Some(ServerErrorKind::Ask) => Ok(Answer::Redirect {
+                moved: false,
+                addr: target(),
+            }),
+            Some(ServerErrorKind::TryAgain) => Ok(Answer::TryAgain),
+            Some(ServerErrorKind::NoScript) => Ok(Answer::NoScript),
+            Some(
+                ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::ReadOnly,
+            ) => {
+                self.failed("server");
+                Err(Failure::Transient(error()))
+            }
+            _ => {
+                metrics::store_error("redis", "server");
+                Err(Failure::Other(error()))
+            }
+        }
+    }
+
+    fn failed(&self, kind: &'static str) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        metrics::store_error("redis", kind);
+        metrics::node_error(&self.label, kind);
+    }
+}
+
+enum Failure {
+    /// The node is down, slow or not serving: counts against its breaker.
+    Transient(StoreError),
+    /// Anything else.
+    Other(StoreError),
+}
+
+fn io_kind(e: &redis::RedisError) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connection_refusal() {
+        "connection_refused"
+    } else {
+        "io"
+    }
+}
+
+/// Reports a call's health to the breaker; a call dropped before it ended
+/// counts as failed, so a probe whose caller went away never leaves the
+/// breaker half-open.
+struct Pending<'a> {
+    node: &'a Node,
+    done: bool,
+}
+
+impl Pending<'_> {
+    fn report(mut self, healthy: bool) {
+        if healthy {
+            self.node.breaker.success();
+        } else {
+            self.node.breaker.failure();
+        }
+        self.done = true;
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.node.breaker.failure();
+        }
+    }
+}

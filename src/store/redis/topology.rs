@@ -1,0 +1,623 @@
+//! Which Redis node serves which key, kept current beside the traffic.
+//!
+//! - A single Redis: one node, always.
+//! - A Redis Cluster: a slot map (`CLUSTER SLOTS`) read from any node that
+//!   answers. A `MOVED` reply updates its slot at once and asks for a full
+//!   refresh; `ASK` and `TRYAGAIN` (a slot being migrated) are answered by
+//!   the caller without touching the map.
+//! - Redis Sentinel: the primary that the Sentinels name
+//!   (`SENTINEL get-master-addr-by-name`).
+//!
+//! A refresher task re-reads the map (or asks the Sentinels) every
+//! [`CALM_REFRESH`], every [`URGENT_REFRESH`] while a node is failing, and
+//! when a caller asks (a redirect, a failure, a slot with no node yet).
+//! Callers never wait for a refresh, except a first call that finds no map
+//! at all; a refresh that finds a new primary for a failed one counts a
+//! failover.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use super::node::{MAX_NODE_LABELS, Node};
+use super::{RedisConfig, Topology as Url};
+use crate::store::StoreError;
+use crate::store::breaker::{Breaker, BreakerState};
+use crate::telemetry::metrics;
+
+/// Slots in a Redis Cluster.
+pub(super) const SLOTS: usize = 16384;
+
+/// The refresh period while every node is healthy.
+pub(super) const CALM_REFRESH: Duration = Duration::from_secs(5);
+/// The refresh period while a node fails (its breaker not closed) or no map
+/// has been read yet.
+pub(super) const URGENT_REFRESH: Duration = Duration::from_millis(250);
+/// Least time between two refreshes, however often callers ask.
+const MIN_REFRESH_GAP: Duration = Duration::from_millis(50);
+
+/// How a node's connection is made.
+struct Template {
+    info: ConnectionInfo,
+    certs: Option<redis::TlsCertificates>,
+    timeout: Duration,
+    breaker: (u32, Duration),
+    coalesce: bool,
+}
+
+impl Template {
+    fn client(&self, host: &str, port: u16, auth: bool) -> Result<redis::Client, StoreError> {
+        let addr = match self.info.addr() {
+            ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
+                host: host.to_owned(),
+                port,
+                insecure: *insecure,
+                tls_params: None,
+            },
+            _ => ConnectionAddr::Tcp(host.to_owned(), port),
+        };
+        let mut info = self.info.clone().set_addr(addr);
+        if !auth {
+            info = info.set_redis_settings(redis::RedisConnectionInfo::default());
+        }
+        match &self.certs {
+            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
+            None => redis::Client::open(info),
+        }
+        .map_err(|e| StoreError::Config(format!("Redis node {host}:{port}: {e}")))
+    }
+}
+
+/// What the store routes by.
+#[derive(Clone)]
+pub(super) struct Map {
+    /// A cluster's node per slot (empty otherwise).
+    slots: Vec<Option<Arc<Node>>>,
+    /// The one primary of a single Redis or a Sentinel-managed one.
+    primary: Option<Arc<Node>>,
+    /// Each primary, its count of slots and its replicas' addresses.
+    pub primaries: Vec<(Arc<Node>, usize, Vec<String>)>,
+}
+
+impl Map {
+    fn empty() -> Self {
+        Self {
+            slots: Vec::new(),
+            primary: None,
+            primaries: Vec::new(),
+        }
+    }
+
+    /// True when the node serving `slot` would refuse a call now (its
+    /// breaker open).
+    pub fn refuses(&self, slot: u16) -> bool {
+        self.node(slot).is_some_and(|n| n.refuses())
+    }
+
+    fn node(&self, slot: u16) -> Option<Arc<Node>> {
+        match &self.primary {
+            Some(primary) => Some(primary.clone()),
+            None => self.slots.get(usize::from(slot)).cloned().flatten(),
+        }
+    }
+}
+
+enum Mode {
+    Standalone,
+    Cluster {
+        seeds: Vec<(String, u16)>,
+    },
+    Sentinel {
+        sentinels: Vec<Arc<Node>>,
+        service: String,
+    },
+}
+
+/// See the module docs.
+pub(super) struct Topology {
+    mode: Mode,
+    template: Template,
+    /// Every node seen, by address: a node keeps its connection and its
+    /// breaker across refreshes.
+    nodes: Mutex<HashMap<String, Arc<Node>>>,
+    map: ArcSwap<Map>,
+    /// Bumped on every new map.
+    generation: watch::Sender<u64>,
+    wake: Arc<Notify>,
+    refresher: AtomicBool,
+}
+
+impl Topology {
+    pub fn new(
+        config: &RedisConfig,
+        certs: Option<redis::TlsCertificates>,
+    ) -> Result<Arc<Self>, StoreError> {
+        let bad = |e: &dyn std::fmt::Display| {
+            StoreError::Config(format!("{}: {e}", config.redacted_url()))
+        };
+        let info_of = |url: &str| -> Result<ConnectionInfo, StoreError> {
+            url.into_connection_info().map_err(|e| bad(&e))
+        };
+        let (mode, info, sentinel_addrs) = match config.topology().map_err(StoreError::Config)? {
+            Url::Standalone(url) => (Mode::Standalone, info_of(&url)?, Vec::new()),
+            Url::Cluster(urls) => {
+                let infos = urls
+                    .iter()
+                    .map(|u| info_of(u))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let seeds = infos.iter().filter_map(host_port).collect();
+                (Mode::Cluster { seeds }, infos[0].clone(), Vec::new())
+            }
+            Url::Sentinel { sentinels, service } => {
+                let infos = sentinels
+                    .iter()
+                    .map(|u| info_of(u))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let addrs = infos.iter().filter_map(host_port).collect();
+                let mode = Mode::Sentinel {
+                    sentinels: Vec::new(),
+                    service,
+                };
+                (mode, infos[0].clone(), addrs)
+            }
+        };
+        let info = info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+        let template = Template {
+            info,
+            certs,
+            timeout: config.timeout,
+            breaker: (config.breaker_threshold, config.breaker_cooldown),
+            coalesce: config.coalesce > 1,
+        };
+        let mut topology = Self {
+            mode,
+            template,
+            nodes: Mutex::default(),
+            map: ArcSwap::from_pointee(Map::empty()),
+            generation: watch::channel(0).0,
+            wake: Arc::new(Notify::new()),
+            refresher: AtomicBool::new(false),
+        };
+        match &mut topology.mode {
+            Mode::Standalone => {
+                let (host, port) = host_port(&topology.template.info)
+                    .ok_or_else(|| bad(&"a single Redis is reached over TCP: host:port"))?;
+                let node = topology.node(&host, port)?;
+                topology.map.store(Arc::new(Map {
+                    slots: Vec::new(),
+                    primary: Some(node.clone()),
+                    primaries: vec![(node, SLOTS, Vec::new())],
+                }));
+            }
+            Mode::Sentinel { sentinels, .. } => {
+                for (host, port) in sentinel_addrs {
+                    // Sentinels are asked without the primary's credentials.
+                    let client = topology.template.client(&host, port, false)?;
+                    sentinels.push(Arc::new(Node::new(
+                        format!("{host}:{port}"),
+                        "sentinel".into(),
+                        client,
+                        topology.template.timeout,
+                        Breaker::new(1, Duration::ZERO),
+                        false,
+                    )));
+                }
+            }
+            Mode::Cluster { .. } => {}
+        }
+        Ok(Arc::new(topology))
+    }
+
+    /// True for a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.mode, Mode::Cluster { .. })
+    }
+
+    /// The current map.
+    pub fn map(&self) -> Arc<Map> {
+        self.map.load_full()
+    }
+
+    /// The node for `host:port`, made on first sight.
+    fn node(&self, host: &str, port: u16) -> Result<Arc<Node>, StoreError> {
+        let addr = format!("{host}:{port}");
+        let mut nodes = self.nodes.lock();
+        if let Some(node) = nodes.get(&addr) {
+            return Ok(node.clone());
+        }
+        let label = if nodes.len() < MAX_NODE_LABELS {
+            addr.clone()
+        } else {
+            "other".to_owned()
+        };
+        let (threshold, cooldown) = self.template.breaker;
+        let node = Arc::new(Node::new(
+            addr.clone(),
+            label,
+            self.template.client(host, port, true)?,
+            self.template.timeout,
+            Breaker::new(threshold, cooldown),
+            self.template.coalesce,
+        ));
+        nodes.insert(addr, node.clone());
+        Ok(node)
+    }
+
+    /// The node for a redirect's `host:port`.
+    pub fn node_at(&self, addr: &str) -> Result<Arc<Node>, StoreError> {
+        let (host, port) = split_addr(addr).ok_or_else(|| {
+            StoreError::Protocol(format!("Redis redirected to {addr:?}, not host:port"))
+        })?;
+        self.node(host, port)
+    }
+
+    /// The node serving `slot`, waiting (until `deadline`) only when no map
+    /// has been read yet.
+    pub async fn route(
+        self: &Arc<Self>,
+        slot: u16,
+        deadline: Instant,
+    ) -> Result<Arc<Node>, StoreError> {
+        let mut changed = self.generation.subscribe();
+        loop {
+            if let Some(node) = self.map.load().node(slot) {
+                return Ok(node);
+            }
+            self.refresh_soon();
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                return Err(StoreError::Unavailable(match &self.mode {
+                    Mode::Sentinel { service, .. } => {
+                        format!("no Sentinel has named a primary for {service:?} yet")
+                    }
+                    _ => format!("no Redis Cluster node has claimed slot {slot} yet"),
+                }));
+            }
+        }
+    }
+
+    /// After `MOVED slot addr`: points the slot at `addr` now, and asks
+    /// for a full refresh.
+    pub fn moved(self: &Arc<Self>, slot: u16, node: &Arc<Node>) {
+        let map = self.map.load();
+        if !map.slots.is_empty() && !map.node(slot).is_some_and(|n| Arc::ptr_eq(&n, node)) {
+            let mut next = Map::clone(&map);
+            next.slots[usize::from(slot)] = Some(node.clone());
+            self.map.store(Arc::new(next));
+            self.generation.send_modify(|g| *g += 1);
+        }
+        self.refresh_soon();
+    }
+
+    /// Asks the refresher for a refresh (starting it on first use).
+    pub fn refresh_soon(self: &Arc<Self>) {
+        if matches!(self.mode, Mode::Standalone) {
+            return;
+        }
+        if !self.refresher.swap(true, Ordering::Relaxed) {
+            tokio::spawn(refresher(Arc::downgrade(self), self.wake.clone()));
+        }
+        self.wake.notify_one();
+    }
+
+    /// Reads the map (or the Sentinels' answer) once. Returns true when a
+    /// node is unhealthy or nothing could be read, so the refresher comes
+    /// back soon.
+    async fn refresh(self: &Arc<Self>) -> bool {
+        let next = match &self.mode {
+            Mode::Standalone => return false,
+            Mode::Cluster { seeds } => self.read_slots(seeds).await,
+            Mode::Sentinel { sentinels, service } => self.ask_sentinels(sentinels, service).await,
+        };
+        let Some(next) = next else {
+            metrics::topology_refresh("failed");
+            return true;
+        };
+        let old = self.map.load_full();
+        let changed = differs(&old, &next);
+        if changed {
+            let failovers = failovers(&old, &next);
+            if failovers > 0 {
+                tracing::warn!(
+                    failovers,
+                    "Redis failover: a replica now serves a failed primary's slots"
+                );
+                metrics::failovers(failovers);
+            }
+            self.map.store(Arc::new(next));
+            self.generation.send_modify(|g| *g += 1);
+        }
+        metrics::topology_refresh(if changed { "changed" } else { "unchanged" });
+        self.map
+            .load()
+            .primaries
+            .iter()
+            .any(|(node, _, _)| !node.healthy())
+    }
+
+    /// `CLUSTER SLOTS` from the first node that answers: healthy known
+    /// primaries first, then the others, then the URL's seeds.
+    async fn read_slots(self: &Arc<Self>, seeds: &[(String, u16)]) -> Option<Map> {
+        let map = self.map.load_full();
+        let mut asked: Vec<Arc<Node>> = Vec::new();
+        let mut candidates: Vec<Arc<Node>> =
+            map.primaries.iter().map(|(n, _, _)| n.clone()).collect();
+        candidates.sort_by_key(|n| !n.healthy());
+        for replica in map.primaries.iter().flat_map(|(_, _, r)| r) {
+            if let Ok(node) = self.node_at(replica) {
+                candidates.push(node);
+            }
+        }
+        for (host, port) in seeds {
+            if let Ok(node) = self.node(host, *port) {
+                candidates.push(node);
+            }
+        }
+        for node in candidates {
+            if asked.iter().any(|a| Arc::ptr_eq(a, &node)) {
+                continue;
+            }
+            asked.push(node.clone());
+            let deadline = Instant::now() + self.template.timeout;
+            let Ok(reply) = node
+                .query(&redis::cmd("CLUSTER").arg("SLOTS").clone(), deadline)
+                .await
+            else {
+                continue;
+            };
+            let asked_host = node.addr.rsplit_once(':').map_or("", |(h, _)| h).to_owned();
+            match self.parse_slots(reply, &asked_host) {
+                Some(next) => return Some(next),
+                None => continue,
+            }
+        }
+        None
+    }
+
+    fn parse_slots(&self, reply: Value, asked_host: &str) -> Option<Map> {
+        let Value::Array(ranges) = reply else {
+            return None;
+        };
+        let mut slots: Vec<Option<Arc<Node>>> = vec![None; SLOTS];
+        let mut primaries: Vec<(Arc<Node>, usize, Vec<String>)> = Vec::new();
+        for range in ranges {
+            let Value::Array(parts) = range else {
+                return None;
+            };
+            let (Some(Value::Int(start)), Some(Value::Int(end))) = (parts.first(), parts.get(1))
+            else {
+                return None;
+            };
+            let mut addrs = parts[2..].iter().filter_map(|n| endpoint(n, asked_host));
+            let (host, port) = addrs.next()?;
+            let replicas: Vec<String> = addrs.map(|(h, p)| format!("{h}:{p}")).collect();
+            let node = self.node(&host, port).ok()?;
+            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
+            if start > end || end >= SLOTS {
+                return None;
+            }
+            for slot in &mut slots[start..=end] {
+                *slot = Some(node.clone());
+            }
+            match primaries.iter_mut().find(|(n, _, _)| Arc::ptr_eq(n, &node)) {
+                Some((_, count, known)) => {
+                    *count += end - start + 1;
+                    for r in replicas {
+                        if !known.contains(&r) {
+                            known.push(r);
+                        }
+                    }
+                }
+                None => primaries.push((node, end - start + 1, replicas)),
+            }
+        }
+        primaries.sort_by(|a, b| a.0.addr.cmp(&b.0.addr));
+        Some(Map {
+            slots,
+            primary: None,
+            primaries,
+        })
+    }
+
+    /// The primary the first answering Sentinel names.
+    async fn ask_sentinels(
+        self: &Arc<Self>,
+        sentinels: &[Arc<Node>],
+        service: &str,
+    ) -> Option<Map> {
+        for sentinel in sentinels {
+            let deadline = Instant::now() + self.template.timeout;
+            let ask = redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(service)
+                .clone();
+            let Ok(Value::Array(reply)) = sentinel.query(&ask, deadline).await else {
+                continue;
+            };
+            let Some((host, port)) = endpoint_pair(&reply) else {
+                continue;
+            };
+            let node = self.node(&host, port).ok()?;
+            let old = self.map.load();
+            let replicas = old
+                .primaries
+                .iter()
+                .filter(|(n, _, _)| !Arc::ptr_eq(n, &node))
+                .map(|(n, _, _)| n.addr.clone())
+                .collect();
+            return Some(Map {
+                slots: Vec::new(),
+                primary: Some(node.clone()),
+                primaries: vec![(node, SLOTS, replicas)],
+            });
+        }
+        None
+    }
+}
+
+/// Re-reads the map when woken, on its period, and stops with the store.
+async fn refresher(topology: Weak<Topology>, wake: Arc<Notify>) {
+    loop {
+        let urgent = match topology.upgrade() {
+            Some(t) => t.refresh().await || t.map.load().primaries.is_empty(),
+            None => return,
+        };
+        tokio::time::sleep(MIN_REFRESH_GAP).await;
+        let period = if urgent { URGENT_REFRESH } else { CALM_REFRESH };
+        let _ = tokio::time::timeout(period, wake.notified()).await;
+    }
+}
+
+/// True when some slot (or the primary) is served by another node.
+fn differs(old: &Map, new: &Map) -> bool {
+    let same = |a: &Option<Arc<Node>>, b: &Option<Arc<Node>>| match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        (None, None) => true,
+        _ => false,
+    };
+    !same(&old.primary, &new.primary)
+        || old.slots.len() != new.slots.len()
+        || old.slots.iter().zip(&new.slots).any(|(a, b)| !same(a, b))
+        || old.primaries.len() != new.primaries.len()
+}
+
+/// Primaries of `old` whose slots (or whose role, under Sentinel) one of
+/// their replicas now holds.
+fn failovers(old: &Map, new: &Map) -> u64 {
+    let mut count = 0;
+    for (primary, _, replicas) in &old.primaries {
+        let still = new
+            .primaries
+            .iter()
+            .any(|(n, _, _)| Arc::ptr_eq(n, primary));
+        let promoted = new
+            .primaries
+            .iter()
+            .any(|(n, _, _)| replicas.contains(&n.addr));
+        if !still && promoted {
+            count += 1;
+        }
+    }
+    count
+}
+
+fn endpoint(node: &Value, asked_host: &str) -> Option<(String, u16)> {
+    let Value::Array(parts) = node else {
+        return None;
+    };
+    endpoint_pair(parts).map(|(host, port)| {
+        if host.is_empty() || host == "?" {
+            (asked_host.to_owned(), port)
+        } else {
+            (host, port)
+        }
+    })
+}
+
+fn endpoint_pair(parts: &[Value]) -> Option<(String, u16)> {
+    let host = match parts.first()? {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok()?,
+        Value::SimpleString(s) => s.clone(),
+        _ => return None,
+    };
+    let port = match parts.get(1)? {
+        Value::Int(p) => u16::try_from(*p).ok()?,
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok()?,
+        _ => return None,
+    };
+    Some((host, port))
+}
+
+fn host_port(info: &ConnectionInfo) -> Option<(String, u16)> {
+    match info.addr() {
+        ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+            Some((host.clone(), *port))
+        }
+        _ => None,
+    }
+}
+
+/// `host:port` (IPv6 hosts possibly in brackets).
+fn split_addr(addr: &str) -> Option<(&str, u16)> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    Some((host, port.parse().ok()?))
+}
+
+/// The cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
+pub(super) fn slot_of(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&b| b == b'{').and_then(|open| {
+        let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+    });
+    crc16(tagged.unwrap_or(bytes)) % SLOTS as u16
+}
+
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The worst breaker state among the map's primaries.
+pub(super) fn worst(map: &Map) -> BreakerState {
+    let mut worst = BreakerState::Closed;
+    for (node, _, _) in &map.primaries {
+        match node.breaker_state() {
+            BreakerState::Open => return BreakerState::Open,
+            BreakerState::HalfOpen => worst = BreakerState::HalfOpen,
+            BreakerState::Closed => {}
+        }
+    }
+    worst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis_cluster() {
+        // Values from the Redis Cluster specification and CLUSTER KEYSLOT.
+        assert_eq!(crc16(b"123456789"), 0x31c3);
+        assert_eq!(slot_of("foo"), 12182);
+        assert_eq!(
+            slot_of("{user1000}.following"),
+            slot_of("{user1000}.followers")
+        );
+        assert_eq!(slot_of("tollgate:{acme}:k::alice"), slot_of("acme"));
+        assert_eq!(
+            slot_of("foo{}{bar}"),
+            slot_of("foo{}{bar}"),
+            "an empty tag hashes the whole key"
+        );
+        assert_ne!(slot_of("foo{}{bar}"), slot_of("bar"));
+    }
+
+    #[test]
+    fn redirect_targets_parse_with_and_without_brackets() {
+        assert_eq!(split_addr("127.0.0.1:7001"), Some(("127.0.0.1", 7001)));
+        assert_eq!(split_addr("[::1]:7001"), Some(("::1", 7001)));
+        assert_eq!(split_addr("::1:7001"), Some(("::1", 7001)));
+        assert_eq!(split_addr("nope"), None);
+    }
+}
