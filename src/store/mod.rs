@@ -246,8 +246,7 @@ pub struct NodeStatus {
     pub address: String,
     /// Cluster slots it serves (all 16384 for a single Redis).
     pub slots: usize,
-    /// Its replicas' addresses, as the cluster reports them (under
-    /// Sentinel: the primaries it replaced).
+    /// Its replicas' addresses, as the cluster (or Sentinel) reports them.
     pub replicas: Vec<String>,
     /// Its circuit breaker.
     pub breaker: breaker::BreakerState,

@@ -36,7 +36,7 @@ pub struct TestServer {
     pub table: LimitsTable,
     pub limits_path: String,
     stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<Result<(), ServeError>>>,
+    task: parking_lot::Mutex<Option<JoinHandle<Result<(), ServeError>>>>,
     _dir: tempfile::TempDir,
 }
 
@@ -129,7 +129,7 @@ impl TestServer {
             table,
             limits_path,
             stop: Some(stop),
-            task: Some(task),
+            task: parking_lot::Mutex::new(Some(task)),
             _dir: dir,
         };
         // Listening as soon as the admin port answers at all.
@@ -156,6 +156,16 @@ impl TestServer {
         for _ in 0..1500 {
             if matches!(self.http_get("/readyz").await, Ok((200, _))) {
                 return;
+            }
+            let ended = {
+                let mut task = self.task.lock();
+                match task.as_ref() {
+                    Some(t) if t.is_finished() => task.take(),
+                    _ => None,
+                }
+            };
+            if let Some(ended) = ended {
+                panic!("the server stopped before it was ready: {:?}", ended.await);
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -229,8 +239,11 @@ impl TestServer {
     }
 
     pub async fn stop(mut self) {
-        self.stop.take().unwrap().send(()).unwrap();
-        self.task.take().unwrap().await.unwrap().unwrap();
+        // A server that stopped by itself has dropped the receiver; its
+        // result says why.
+        let _ = self.stop.take().unwrap().send(());
+        let task = self.task.get_mut().take().expect("running");
+        task.await.unwrap().unwrap();
     }
 }
 

@@ -228,24 +228,31 @@ impl Drop for RedisServer {
     }
 }
 
-/// Three masters, no replicas, slots spread by `redis-cli --cluster create`.
+/// A Redis Cluster on loopback: three masters (and, with
+/// [`RedisCluster::start_with`], a replica each), slots spread by
+/// `redis-cli --cluster create`.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
+    /// Three masters, no replicas.
     pub fn start() -> Self {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
-            })
+        Self::start_with(0, &["--cluster-node-timeout", "2000"])
+    }
+
+    /// Three masters with `replicas` replicas each, every node started
+    /// with `extra` arguments.
+    pub fn start_with(replicas: usize, extra: &[&str]) -> Self {
+        let mut args = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+        ];
+        args.extend_from_slice(extra);
+        let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
+            .map(|_| RedisServer::start_with(&args))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()
@@ -254,7 +261,7 @@ impl RedisCluster {
         let out = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap();
         assert!(
@@ -262,16 +269,22 @@ impl RedisCluster {
             "cluster create: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        for _ in 0..1000 {
-            if nodes
+        let cluster = Self { nodes };
+        for _ in 0..1500 {
+            let ok = cluster
+                .nodes
                 .iter()
-                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
-            {
-                return Self { nodes };
+                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            let synced = cluster.nodes.iter().all(|n| {
+                let info = redis_cli(n.port, &["INFO", "replication"]);
+                info.contains("role:master") || info.contains("master_link_status:up")
+            });
+            if ok && synced {
+                return cluster;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        panic!("the cluster never reached cluster_state:ok");
+        panic!("the cluster never reached cluster_state:ok with its replicas in sync");
     }
 
     pub fn url(&self) -> String {
@@ -281,6 +294,94 @@ impl RedisCluster {
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         format!("redis-cluster://{}", hosts.join(","))
+    }
+
+    /// The slot of tenant `tenant`'s keys: CRC16 of the hash tag, as
+    /// Redis Cluster computes it.
+    pub fn slot_of(&self, tenant: &str) -> u16 {
+        let mut crc: u16 = 0;
+        for &b in tenant.as_bytes() {
+            crc ^= u16::from(b) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+        }
+        crc % 16384
+    }
+
+    /// Each live master's index with its slot ranges, from the first live
+    /// node's `CLUSTER NODES`.
+    pub fn slot_ranges(&self) -> Vec<(usize, Vec<(u16, u16)>)> {
+        let Some(alive) = self.nodes.iter().find(|n| n.child.is_some()) else {
+            return Vec::new();
+        };
+        let text = redis_cli(alive.port, &["CLUSTER", "NODES"]);
+        let mut out = Vec::new();
+        for line in text.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 8 || !fields[2].contains("master") || fields[2].contains("fail") {
+                continue;
+            }
+            let port: u16 = fields[1]
+                .split('@')
+                .next()
+                .and_then(|a| a.rsplit_once(':'))
+                .and_then(|(_, p)| p.parse().ok())
+                .unwrap_or(0);
+            let Some(index) = self.nodes.iter().position(|n| n.port == port) else {
+                continue;
+            };
+            let ranges = fields[8..]
+                .iter()
+                .filter(|r| !r.starts_with('['))
+                .filter_map(|r| {
+                    let (a, b) = r.split_once('-').unwrap_or((r, r));
+                    Some((a.parse().ok()?, b.parse().ok()?))
+                })
+                .collect();
+            out.push((index, ranges));
+        }
+        out
+    }
+
+    /// The index of the master serving `slot`, as the cluster says.
+    pub fn owner(&self, slot: u16) -> Option<usize> {
+        self.slot_ranges()
+            .into_iter()
+            .find(|(_, ranges)| ranges.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+            .map(|(index, _)| index)
+    }
+
+    /// A tenant name starting with `prefix` whose slot master `node` serves.
+    pub fn tenant_on(&self, node: usize, prefix: &str) -> String {
+        let ranges = self.slot_ranges();
+        let mine = &ranges.iter().find(|(i, _)| *i == node).expect("a master").1;
+        (0..100_000)
+            .map(|i| format!("{prefix}{i}"))
+            .find(|t| {
+                let slot = self.slot_of(t);
+                mine.iter().any(|&(a, b)| (a..=b).contains(&slot))
+            })
+            .expect("some tenant hashes to every master")
+    }
+
+    /// The node ID of node `node` (`CLUSTER MYID`).
+    pub fn id(&self, node: usize) -> String {
+        redis_cli(self.nodes[node].port, &["CLUSTER", "MYID"])
+    }
+
+    /// The indexes of the masters.
+    pub fn masters(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| {
+                self.nodes[i].child.is_some()
+                    && redis_cli(self.nodes[i].port, &["ROLE"]).starts_with("master")
+            })
+            .collect()
     }
 }
 

@@ -1,8 +1,8 @@
 //! Which Redis node serves which key, kept current beside the traffic.
 //!
 //! - A single Redis: one node, always.
-//! - A Redis Cluster: a slot map (`CLUSTER SLOTS`) read from any node that
-//!   answers. A `MOVED` reply updates its slot at once and asks for a full
+//! - A Redis Cluster: a slot map (`CLUSTER NODES`: each primary's slots and
+//!   its replicas) read from any node that answers. A `MOVED` reply updates its slot at once and asks for a full
 //!   refresh; `ASK` and `TRYAGAIN` (a slot being migrated) are answered by
 //!   the caller without touching the map.
 //! - Redis Sentinel: the primary that the Sentinels name
@@ -344,8 +344,9 @@ impl Topology {
             .any(|(node, _, _)| !node.healthy())
     }
 
-    /// `CLUSTER SLOTS` from the first node that answers: healthy known
-    /// primaries first, then the others, then the URL's seeds.
+    /// `CLUSTER NODES` from the first node that answers: healthy known
+    /// primaries first, then the others, their replicas, then the URL's
+    /// seeds.
     async fn read_slots(self: &Arc<Self>, seeds: &[(String, u16)]) -> Option<Map> {
         let map = self.map.load_full();
         let mut asked: Vec<Arc<Node>> = Vec::new();
@@ -368,57 +369,78 @@ impl Topology {
             }
             asked.push(node.clone());
             let deadline = Instant::now() + self.template.timeout;
-            let Ok(reply) = node
-                .query(&redis::cmd("CLUSTER").arg("SLOTS").clone(), deadline)
-                .await
-            else {
-                continue;
+            let ask = redis::cmd("CLUSTER").arg("NODES").clone();
+            let text = match node.query(&ask, deadline).await {
+                Ok(Value::BulkString(b)) => String::from_utf8(b).ok(),
+                Ok(Value::VerbatimString { text, .. }) => Some(text),
+                _ => None,
             };
-            let asked_host = node.addr.rsplit_once(':').map_or("", |(h, _)| h).to_owned();
-            match self.parse_slots(reply, &asked_host) {
-                Some(next) => return Some(next),
-                None => continue,
+            let asked_host = node.addr.rsplit_once(':').map_or("", |(h, _)| h);
+            if let Some(next) = text.and_then(|t| self.parse_nodes(&t, asked_host)) {
+                return Some(next);
             }
         }
         None
     }
 
-    fn parse_slots(&self, reply: Value, asked_host: &str) -> Option<Map> {
-        let Value::Array(ranges) = reply else {
-            return None;
-        };
+    /// A map from `CLUSTER NODES`: each primary's slot ranges, and which
+    /// nodes replicate it. `None` when the answer covers no slot.
+    fn parse_nodes(&self, text: &str, asked_host: &str) -> Option<Map> {
+        struct Line<'a> {
+            id: &'a str,
+            addr: (String, u16),
+            master: bool,
+            of: &'a str,
+            ranges: Vec<(usize, usize)>,
+        }
+        let mut lines = Vec::new();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 8 || f[2].contains("noaddr") || f[2].contains("handshake") {
+                continue;
+            }
+            let endpoint = f[1].split(['@', ',']).next().unwrap_or_default();
+            let Some((host, port)) = split_addr(endpoint) else {
+                continue;
+            };
+            let host = if host.is_empty() { asked_host } else { host };
+            let ranges = f[8..]
+                .iter()
+                .filter(|r| !r.starts_with('['))
+                .filter_map(|r| {
+                    let (a, b) = r.split_once('-').unwrap_or((r, r));
+                    let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+                    (a <= b && b < SLOTS).then_some((a, b))
+                })
+                .collect();
+            lines.push(Line {
+                id: f[0],
+                addr: (host.to_owned(), port),
+                master: f[2].contains("master"),
+                of: f[3],
+                ranges,
+            });
+        }
         let mut slots: Vec<Option<Arc<Node>>> = vec![None; SLOTS];
         let mut primaries: Vec<(Arc<Node>, usize, Vec<String>)> = Vec::new();
-        for range in ranges {
-            let Value::Array(parts) = range else {
-                return None;
-            };
-            let (Some(Value::Int(start)), Some(Value::Int(end))) = (parts.first(), parts.get(1))
-            else {
-                return None;
-            };
-            let mut addrs = parts[2..].iter().filter_map(|n| endpoint(n, asked_host));
-            let (host, port) = addrs.next()?;
-            let replicas: Vec<String> = addrs.map(|(h, p)| format!("{h}:{p}")).collect();
-            let node = self.node(&host, port).ok()?;
-            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
-            if start > end || end >= SLOTS {
-                return None;
-            }
-            for slot in &mut slots[start..=end] {
-                *slot = Some(node.clone());
-            }
-            match primaries.iter_mut().find(|(n, _, _)| Arc::ptr_eq(n, &node)) {
-                Some((_, count, known)) => {
-                    *count += end - start + 1;
-                    for r in replicas {
-                        if !known.contains(&r) {
-                            known.push(r);
-                        }
-                    }
+        for line in lines.iter().filter(|l| l.master && !l.ranges.is_empty()) {
+            let node = self.node(&line.addr.0, line.addr.1).ok()?;
+            let mut count = 0;
+            for &(a, b) in &line.ranges {
+                for slot in &mut slots[a..=b] {
+                    *slot = Some(node.clone());
                 }
-                None => primaries.push((node, end - start + 1, replicas)),
+                count += b - a + 1;
             }
+            let replicas = lines
+                .iter()
+                .filter(|r| !r.master && r.of == line.id)
+                .map(|r| format!("{}:{}", r.addr.0, r.addr.1))
+                .collect();
+            primaries.push((node, count, replicas));
+        }
+        if primaries.is_empty() {
+            return None;
         }
         primaries.sort_by(|a, b| a.0.addr.cmp(&b.0.addr));
         Some(Map {
@@ -447,13 +469,13 @@ impl Topology {
                 continue;
             };
             let node = self.node(&host, port).ok()?;
-            let old = self.map.load();
-            let replicas = old
-                .primaries
-                .iter()
-                .filter(|(n, _, _)| !Arc::ptr_eq(n, &node))
-                .map(|(n, _, _)| n.addr.clone())
-                .collect();
+            let ask = redis::cmd("SENTINEL").arg("replicas").arg(service).clone();
+            let replicas = match sentinel.query(&ask, deadline).await {
+                Ok(Value::Array(replicas)) => {
+                    replicas.iter().filter_map(sentinel_replica).collect()
+                }
+                _ => Vec::new(),
+            };
             return Some(Map {
                 slots: Vec::new(),
                 primary: Some(node.clone()),
@@ -510,17 +532,35 @@ fn failovers(old: &Map, new: &Map) -> u64 {
     count
 }
 
-fn endpoint(node: &Value, asked_host: &str) -> Option<(String, u16)> {
-    let Value::Array(parts) = node else {
-        return None;
+/// A replica's `ip:port` from `SENTINEL replicas` (a flat list of field
+/// names and values, or a map under RESP3), unless Sentinel sees it down.
+fn sentinel_replica(entry: &Value) -> Option<String> {
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
     };
-    endpoint_pair(parts).map(|(host, port)| {
-        if host.is_empty() || host == "?" {
-            (asked_host.to_owned(), port)
-        } else {
-            (host, port)
-        }
-    })
+    let pairs: Vec<(String, String)> = match entry {
+        Value::Array(flat) => flat
+            .chunks_exact(2)
+            .filter_map(|kv| Some((text(&kv[0])?, text(&kv[1])?)))
+            .collect(),
+        Value::Map(map) => map
+            .iter()
+            .filter_map(|(k, v)| Some((text(k)?, text(v)?)))
+            .collect(),
+        _ => return None,
+    };
+    let field = |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    if field("flags").is_some_and(|f| f.contains("down")) {
+        return None;
+    }
+    Some(format!("{}:{}", field("ip")?, field("port")?))
 }
 
 fn endpoint_pair(parts: &[Value]) -> Option<(String, u16)> {
