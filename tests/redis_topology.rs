@@ -137,7 +137,7 @@ fn p99(samples: &[u64]) -> u64 {
         .unwrap_or(0)
 }
 
-fn status_node<'a>(status: &'a serde_json::Value, port: u16) -> &'a serde_json::Value {
+fn status_node(status: &serde_json::Value, port: u16) -> &serde_json::Value {
     status["store"]["nodes"]
         .as_array()
         .unwrap()
