@@ -68,57 +68,8 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         assert!(granted);
     }
 
-    let profile = tempfile::tempdir().unwrap();
-    let url = format!("http://{}/", server.admin);
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("chromium")
-            .args([
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--virtual-time-budget=10000",
-                "--dump-dom",
-            ])
-            .arg(format!("--user-data-dir={}", profile.path().display()))
-            .arg(url)
-            .output()
-            .expect("chromium runs (scripts/test installs Debian's chromium)")
-    })
-    .await
-    .unwrap();
-    let dom = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    let section = |id: &str| -> String {
-        let start = dom
-            .find(&format!("<section id=\"{id}\""))
-            .unwrap_or_else(|| panic!("no #{id} in {dom}"));
-        let end = dom[start..].find("</section>").unwrap() + start;
-        // Text only: drop the tags.
-        let mut text = String::new();
-        let mut in_tag = false;
-        for c in dom[start..end].chars() {
-            match c {
-                '<' => in_tag = true,
-                '>' => {
-                    in_tag = false;
-                    text.push(' ');
-                }
-                c if !in_tag => text.push(c),
-                _ => {}
-            }
-        }
-        text.split_whitespace().collect::<Vec<_>>().join(" ")
-    };
+    let page = render(&server).await;
+    let section = |id: &str| page.section(id);
     let store = section("store");
     assert!(store.contains("healthy"), "{store}");
     assert!(store.contains("store memory"), "{store}");
@@ -180,5 +131,130 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
             .contains("batch-slots concurrency batch (any) tenant 4 4 concurrent 0 enforce allow"),
         "{limits}"
     );
+    server.stop().await;
+}
+
+/// The page as headless Chromium leaves it after its scripts ran.
+struct Page(String);
+
+async fn render(server: &TestServer) -> Page {
+    let profile = tempfile::tempdir().unwrap();
+    let url = format!("http://{}/", server.admin);
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("chromium")
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--virtual-time-budget=10000",
+                "--dump-dom",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(url)
+            .output()
+            .expect("chromium runs (scripts/test installs Debian's chromium)")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Page(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+impl Page {
+    /// A section's text, tags dropped, whitespace collapsed.
+    fn section(&self, id: &str) -> String {
+        let dom = &self.0;
+        let start = dom
+            .find(&format!("<section id=\"{id}\""))
+            .unwrap_or_else(|| panic!("no #{id} in {dom}"));
+        let end = dom[start..].find("</section>").unwrap() + start;
+        let mut text = String::new();
+        let mut in_tag = false;
+        for c in dom[start..end].chars() {
+            match c {
+                '<' => in_tag = true,
+                '>' => {
+                    in_tag = false;
+                    text.push(' ');
+                }
+                c if !in_tag => text.push(c),
+                _ => {}
+            }
+        }
+        text.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+}
+
+/// On a Redis Cluster with one master dead, the store section lists every
+/// primary with its slots and breaker: the dead one open, the others
+/// closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chromium_shows_each_redis_nodes_state() {
+    let mut cluster = common::redis::RedisCluster::start_with(
+        0,
+        &[
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-require-full-coverage",
+            "no",
+        ],
+    );
+    let tenant = cluster.tenant_on(2, "t");
+    let url = cluster.url();
+    let server = TestServer::launch(
+        Some(&[row("r", &tenant, "", "key", 10, "1/second")]),
+        move |c| {
+            c.store = tollgate::server::StoreSpec::Redis(url);
+        },
+    )
+    .await;
+    let mut client = server.client().await;
+    ask(&mut client, req(&tenant, "k")).await;
+    let ranges = cluster.slot_ranges();
+    let counts: Vec<usize> = (0..3)
+        .map(|i| {
+            let mine = &ranges.iter().find(|(n, _)| *n == i).unwrap().1;
+            mine.iter().map(|(a, b)| usize::from(b - a + 1)).sum()
+        })
+        .collect();
+    let dead = cluster.nodes[2].port;
+    cluster.nodes[2].kill();
+    let mut open = false;
+    for _ in 0..200 {
+        ask(&mut client, req(&tenant, "k")).await;
+        let (_, body) = server.http_get("/v1/status").await.unwrap();
+        if body.contains("\"open\"") {
+            open = true;
+            break;
+        }
+    }
+    assert!(open, "the dead master's breaker opened");
+    let store = render(&server).await.section("store");
+    assert!(store.contains("degraded"), "{store}");
+    assert!(store.contains("store redis"), "{store}");
+    assert!(store.contains("circuit breaker open"), "{store}");
+    assert!(
+        store.contains("node slots replicas circuit breaker connected errors"),
+        "{store}"
+    );
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        // A live node is connected once a call went to it.
+        let state = if node.port == dead {
+            "open no"
+        } else {
+            "closed"
+        };
+        let row = format!("127.0.0.1:{} {} - {state}", node.port, counts[i]);
+        assert!(store.contains(&row), "{row} in {store}");
+    }
     server.stop().await;
 }
