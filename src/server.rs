@@ -39,7 +39,7 @@ pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 pub enum StoreSpec {
     /// In this process.
     Memory,
-    /// In Redis or a Redis Cluster, at this URL.
+    /// In Redis, a Redis Cluster or a Sentinel-managed Redis, at this URL.
     Redis(String),
 }
 
@@ -52,7 +52,7 @@ impl std::str::FromStr for StoreSpec {
         }
         let config = RedisConfig::new(s);
         config.validate().map_err(|e| {
-            format!("{e}\n(--store takes `memory`, redis://, rediss://, redis-cluster:// or rediss-cluster://)")
+            format!("{e}\n(--store takes `memory`, redis://, rediss://, redis-cluster://, rediss-cluster://, redis-sentinel:// or rediss-sentinel://)")
         })?;
         Ok(Self::Redis(s.to_owned()))
     }

@@ -576,7 +576,15 @@ fn store_urls_are_checked_and_passwords_never_shown() {
         ("rediss://user:secret@redis.example:6380/2", true),
         ("redis-cluster://10.0.0.1:7000,10.0.0.2:7000", true),
         ("rediss-cluster://:secret@a:7000,b:7000", true),
+        (
+            "redis-sentinel://10.0.0.1:26379,10.0.0.2:26379/mymaster",
+            true,
+        ),
+        ("rediss-sentinel://user:secret@s1:26379/mymaster/3", true),
         ("redis-cluster://", false),
+        ("redis-sentinel://10.0.0.1:26379", false),
+        ("redis-sentinel:///mymaster", false),
+        ("redis-sentinel://:secret@s1:notaport/mymaster", false),
         ("memcached://x:1", false),
     ] {
         let config = RedisConfig::new(url);
@@ -586,6 +594,15 @@ fn store_urls_are_checked_and_passwords_never_shown() {
             assert!(!e.contains("secret"), "{e}");
         }
     }
+    // What a wrong Sentinel URL says to fix.
+    assert_eq!(
+        RedisConfig::new("redis-sentinel://s1:26379").validate(),
+        Err(
+            "store URL \"redis-sentinel://s1:26379\": name the Sentinel service after the hosts: \
+             redis-sentinel://host:port,host:port/mymaster"
+                .into()
+        )
+    );
     assert_eq!(
         RedisConfig::new("redis://:secret@h:1").redacted_url(),
         "redis://:***@h:1"

@@ -48,8 +48,10 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_LIMITS")]
     pub limits: Option<String>,
     /// Where bucket state lives: `memory` (in this process),
-    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS), or
-    /// `redis-cluster://[user:password@]host:port,host:port,…`.
+    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS),
+    /// `redis-cluster://[user:password@]host:port,host:port,…`, or
+    /// `redis-sentinel://[user:password@]host:port,…/SERVICE[/db]` (also
+    /// `rediss-cluster://`, `rediss-sentinel://`).
     #[arg(long, env = "TOLLGATE_STORE", hide_env_values = true)]
     pub store: Option<String>,
     /// PEM file of the CA that signed the Redis server's certificate (for
