@@ -92,7 +92,8 @@ pub struct ServeConfig {
     pub redis_coalesce: usize,
     /// Longest wait for one store call.
     pub store_timeout: Duration,
-    /// Consecutive store failures that open the circuit breaker.
+    /// Consecutive failed calls to one Redis node that open its circuit
+    /// breaker.
     pub breaker_threshold: u32,
     /// How long the breaker stays open before probing again; also the
     /// `retry_after` of requests refused by a fail-closed rule.

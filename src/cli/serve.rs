@@ -71,7 +71,8 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub store_timeout: Option<Duration>,
-    /// Consecutive store failures that open the circuit breaker.
+    /// Consecutive failed calls to one Redis node that open its circuit
+    /// breaker.
     #[arg(long, env = "TOLLGATE_BREAKER_THRESHOLD")]
     pub breaker_threshold: Option<u32>,
     /// How long the open breaker skips the store before probing it again.
