@@ -677,11 +677,16 @@ impl Shared {
         let mut asking = false;
         let mut loaded = false;
         for _ in 0..MAX_REDIRECTS {
+            let refused = node.refuses();
             let answer = match node.call(cmd, asking, deadline).await {
                 Ok(answer) => answer,
                 Err(err) => {
-                    // A failing node may have been replaced: look again.
-                    self.routes.refresh_soon();
+                    // A node that just failed may have been replaced: look
+                    // again (one whose breaker is open already is looked
+                    // at on the refresher's own period).
+                    if !refused {
+                        self.routes.refresh_soon();
+                    }
                     return Err(err);
                 }
             };

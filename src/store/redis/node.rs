@@ -377,3 +377,61 @@ impl Drop for Pending<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node where nothing listens: every connection is refused at once.
+    fn unreachable(threshold: u32, cooldown: Duration) -> Arc<Node> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+        Arc::new(Node::new(
+            format!("127.0.0.1:{port}"),
+            "test".into(),
+            client,
+            Duration::from_secs(1),
+            Breaker::new(threshold, cooldown),
+            false,
+        ))
+    }
+
+    #[tokio::test]
+    async fn failures_open_the_breaker_and_a_dropped_probe_counts_as_failed() {
+        let node = unreachable(2, Duration::from_millis(50));
+        let ping = redis::cmd("PING");
+        let deadline = || Instant::now() + Duration::from_secs(1);
+        for _ in 0..2 {
+            let err = node.call(&ping, false, deadline()).await.err().unwrap();
+            assert!(err.to_string().contains(&node.addr), "{err}");
+        }
+        assert_eq!(node.breaker_state(), BreakerState::Open);
+        assert_eq!(node.errors(), 2);
+        let refused = node.call(&ping, false, deadline()).await.err().unwrap();
+        assert_eq!(
+            refused.to_string(),
+            format!(
+                "store unavailable: Redis node {}: circuit breaker open",
+                node.addr
+            )
+        );
+        assert_eq!(node.errors(), 2, "a refused call never reached the node");
+
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // The probe's caller goes away before the node answers.
+        let mut probe = Box::pin(node.call(&ping, false, deadline()));
+        assert!(futures_util::poll!(probe.as_mut()).is_pending());
+        assert_eq!(node.breaker_state(), BreakerState::HalfOpen);
+        drop(probe);
+        assert_eq!(
+            node.breaker_state(),
+            BreakerState::Open,
+            "a dropped probe counts as failed, so the breaker probes again later"
+        );
+        assert!(!node.connected());
+    }
+}

@@ -660,4 +660,72 @@ mod tests {
         assert_eq!(split_addr("::1:7001"), Some(("::1", 7001)));
         assert_eq!(split_addr("nope"), None);
     }
+
+    const NODES: &str = "\
+a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460 [5461->-b2]
+b2 127.0.0.1:7002@17002 master - 0 1 2 connected 5461-10922
+c3 :7003@17003 master - 0 1 3 connected 10923-16383
+d4 127.0.0.1:7004@17004 slave a1 0 1 1 connected
+e5 127.0.0.1:7005@17005 slave c3 0 1 3 connected
+f6 127.0.0.1:7006@17006 master,fail - 0 1 0 disconnected
+";
+
+    #[tokio::test]
+    async fn the_map_comes_from_cluster_nodes_and_a_promotion_counts_as_a_failover() {
+        let config = RedisConfig::new("redis-cluster://127.0.0.1:7001");
+        let topology = Topology::new(&config, None).unwrap();
+        let map = topology.parse_nodes(NODES, "127.0.0.1").unwrap();
+        let at = |slot: u16| map.node(slot).unwrap().addr.clone();
+        assert_eq!(at(0), "127.0.0.1:7001");
+        assert_eq!(at(5460), "127.0.0.1:7001");
+        assert_eq!(
+            at(5461),
+            "127.0.0.1:7002",
+            "a slot being migrated stays with its owner"
+        );
+        assert_eq!(
+            at(16383),
+            "127.0.0.1:7003",
+            "an empty host is the asked node's"
+        );
+        let summary: Vec<(String, usize, Vec<String>)> = map
+            .primaries
+            .iter()
+            .map(|(n, slots, replicas)| (n.addr.clone(), *slots, replicas.clone()))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("127.0.0.1:7001".into(), 5461, vec!["127.0.0.1:7004".into()]),
+                ("127.0.0.1:7002".into(), 5462, vec![]),
+                ("127.0.0.1:7003".into(), 5461, vec!["127.0.0.1:7005".into()]),
+            ]
+        );
+        // 7001 fails and its replica 7004 takes its slots; 7003's slots
+        // move to 7002 by a reshard, which is no failover.
+        let after = NODES
+            .replace(
+                "myself,master - 0 0 1 connected 0-5460 [5461->-b2]",
+                "master,fail - 0 0 1 disconnected",
+            )
+            .replace(
+                "slave a1 0 1 1 connected",
+                "master - 0 1 4 connected 0-5460",
+            )
+            .replace("connected 5461-10922", "connected 5461-16383")
+            .replace("connected 10923-16383", "connected");
+        let next = topology.parse_nodes(&after, "127.0.0.1").unwrap();
+        assert_eq!(next.node(0).unwrap().addr, "127.0.0.1:7004");
+        assert_eq!(next.node(16383).unwrap().addr, "127.0.0.1:7002");
+        assert!(differs(&map, &next));
+        assert_eq!(failovers(&map, &next), 1);
+        assert!(!differs(
+            &next,
+            &topology.parse_nodes(&after, "127.0.0.1").unwrap()
+        ));
+        assert!(
+            topology.parse_nodes("", "127.0.0.1").is_none(),
+            "no slots, no map"
+        );
+    }
 }
