@@ -296,14 +296,25 @@ async fn a_dead_master_is_only_its_own_shards_problem() {
     server.stop().await;
 }
 
+/// What a failover cost.
+struct Failover {
+    /// Admitted by Redis, all told.
+    admitted: u64,
+    /// From the kill to the replica's `ROLE` saying master.
+    promoted: Duration,
+    /// From the kill to the first decision Redis answered again.
+    back: Duration,
+    tally: Arc<Tally>,
+}
+
 /// Runs `tenant`'s load until Redis answers again after `kill` (by
-/// promotion), then a little longer; returns (admitted by Redis, time from
-/// the kill to the first decision Redis answered again).
+/// promoting the server on port `replica`), then a little longer.
 async fn through_a_failover(
     server: &TestServer,
     tenant: &str,
+    replica: u16,
     kill: impl FnOnce(),
-) -> (u64, Duration, Arc<Tally>) {
+) -> Failover {
     let (mark, stop) = (
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicBool::new(false)),
@@ -327,6 +338,16 @@ async fn through_a_failover(
     kill();
     let killed = Instant::now();
     mark.store(true, Ordering::Relaxed);
+    let promotion = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(30) {
+            if redis_cli(replica, &["ROLE"]).lines().next() == Some("master") {
+                return Some(started.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    });
     // Wait for the outage to show, then for Redis to answer again.
     while tally.degraded_marked.load(Ordering::Relaxed) == 0 {
         assert!(
@@ -350,7 +371,13 @@ async fn through_a_failover(
     for task in tasks {
         task.await.expect("no call failed");
     }
-    (tally.admitted.load(Ordering::Relaxed), back, tally)
+    let promoted = promotion.await.unwrap().expect("the replica was promoted");
+    Failover {
+        admitted: tally.admitted.load(Ordering::Relaxed),
+        promoted,
+        back,
+        tally,
+    }
 }
 
 /// What the bucket has left, by Redis.
@@ -387,18 +414,30 @@ async fn a_replica_promoted_under_load_is_followed() {
     .await;
     server.wait_ready().await;
     let dead_port = cluster.nodes[master].port;
-    let (admitted, back, tally) = through_a_failover(&server, &tenant, || {
+    let replica = cluster.replicas_of(master);
+    assert_eq!(replica.len(), 1);
+    let replica_port = cluster.nodes[replica[0]].port;
+    let f = through_a_failover(&server, &tenant, replica_port, || {
         cluster.nodes[master].kill();
     })
     .await;
+    let admitted = f.admitted;
     let left = remaining(&server, &tenant).await;
     let overshoot = admitted as i64 + left - PLENTY;
     let m = metrics(&server).await;
     let s = status(&server).await;
     eprintln!(
-        "replica promotion: Redis again after {back:?}; {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot}",
-        tally.decided.load(Ordering::Relaxed),
-        tally.degraded.load(Ordering::Relaxed),
+        "replica promotion: promoted after {:?}, Redis again after {:?} ({:?} later); {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot}",
+        f.promoted,
+        f.back,
+        f.back.saturating_sub(f.promoted),
+        f.tally.decided.load(Ordering::Relaxed),
+        f.tally.degraded.load(Ordering::Relaxed),
+    );
+    assert_eq!(
+        cluster.owner(cluster.slot_of(&tenant)),
+        Some(replica[0]),
+        "the replica serves the slot"
     );
     assert!(
         sample(&m, "tollgate_store_failovers_total") >= 1,
@@ -469,13 +508,17 @@ async fn a_sentinel_failover_is_followed() {
     server.wait_ready().await;
     let s = status(&server).await;
     assert_eq!(status_node(&s, primary.port)["breaker"], "closed");
-    let (admitted, back, tally) = through_a_failover(&server, tenant, || primary.kill()).await;
+    let f = through_a_failover(&server, tenant, replica.port, || primary.kill()).await;
+    let admitted = f.admitted;
     let left = remaining(&server, tenant).await;
     let overshoot = admitted as i64 + left - PLENTY;
     eprintln!(
-        "Sentinel failover: Redis again after {back:?}; {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot}",
-        tally.decided.load(Ordering::Relaxed),
-        tally.degraded.load(Ordering::Relaxed),
+        "Sentinel failover: promoted after {:?}, Redis again after {:?} ({:?} later); {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot}",
+        f.promoted,
+        f.back,
+        f.back.saturating_sub(f.promoted),
+        f.tally.decided.load(Ordering::Relaxed),
+        f.tally.degraded.load(Ordering::Relaxed),
     );
     let s = status(&server).await;
     let nodes = s["store"]["nodes"].as_array().unwrap();

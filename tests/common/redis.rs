@@ -374,6 +374,20 @@ impl RedisCluster {
         redis_cli(self.nodes[node].port, &["CLUSTER", "MYID"])
     }
 
+    /// The indexes of `node`'s replicas.
+    pub fn replicas_of(&self, node: usize) -> Vec<usize> {
+        let id = self.id(node);
+        (0..self.nodes.len())
+            .filter(|&i| {
+                i != node
+                    && self.nodes[i].child.is_some()
+                    && redis_cli(self.nodes[i].port, &["CLUSTER", "NODES"])
+                        .lines()
+                        .any(|l| l.contains("myself") && l.contains(&format!("slave {id}")))
+            })
+            .collect()
+    }
+
     /// The indexes of the masters.
     pub fn masters(&self) -> Vec<usize> {
         (0..self.nodes.len())

@@ -6,7 +6,9 @@
 //!   refresh; `ASK` and `TRYAGAIN` (a slot being migrated) are answered by
 //!   the caller without touching the map.
 //! - Redis Sentinel: the primary that the Sentinels name
-//!   (`SENTINEL get-master-addr-by-name`).
+//!   (`SENTINEL get-master-addr-by-name`), or, while that one fails, a
+//!   replica of it that already says it is the primary (`ROLE`: Sentinel
+//!   promotes a replica up to a second before it announces the switch).
 //!
 //! A refresher task re-reads the map (or asks the Sentinels) every
 //! [`CALM_REFRESH`], every [`URGENT_REFRESH`] while a node is failing, and
@@ -476,6 +478,25 @@ impl Topology {
                 }
                 _ => Vec::new(),
             };
+            if !node.healthy() {
+                // Sentinel still names a primary that fails. A replica it
+                // has promoted says so (ROLE) up to a second before Sentinel
+                // announces the switch: use it at once.
+                for addr in &replicas {
+                    let Ok(replica) = self.node_at(addr) else {
+                        continue;
+                    };
+                    let role = replica.query(&redis::cmd("ROLE"), deadline).await;
+                    if matches!(&role, Ok(Value::Array(r)) if r.first() == Some(&Value::BulkString(b"master".to_vec())))
+                    {
+                        return Some(Map {
+                            slots: Vec::new(),
+                            primary: Some(replica.clone()),
+                            primaries: vec![(replica, SLOTS, Vec::new())],
+                        });
+                    }
+                }
+            }
             return Some(Map {
                 slots: Vec::new(),
                 primary: Some(node.clone()),
