@@ -339,10 +339,9 @@ async fn through_a_failover(
     let killed = Instant::now();
     mark.store(true, Ordering::Relaxed);
     let promotion = tokio::task::spawn_blocking(move || {
-        let started = std::time::Instant::now();
-        while started.elapsed() < Duration::from_secs(30) {
+        while killed.elapsed() < Duration::from_secs(30) {
             if redis_cli(replica, &["ROLE"]).lines().next() == Some("master") {
-                return Some(started.elapsed());
+                return Some(killed.elapsed());
             }
             std::thread::sleep(Duration::from_millis(5));
         }
