@@ -166,3 +166,95 @@ async fn redis_over_tls_with_a_private_ca() {
     let logs = logs_of(server);
     assert!(!logs.contains(PASSWORD), "{logs}");
 }
+
+/// A Sentinel-managed primary with a password, reached over TLS through a
+/// Sentinel that also speaks TLS: `rediss-sentinel://:PASSWORD@…/mymaster`.
+/// The password goes to the primary (the Sentinel is asked without it) and
+/// never appears in what Tollgate prints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_over_tls_with_a_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    common::tls::certificates(d);
+    let tls = [
+        "--tls-cert-file",
+        "server.pem",
+        "--tls-key-file",
+        "server.key",
+        "--tls-ca-cert-file",
+        "ca.pem",
+        "--tls-auth-clients",
+        "no",
+    ];
+    let cacert = ["--tls", "--cacert", d.join("ca.pem").to_str().unwrap()].map(String::from);
+    let cacert: Vec<&str> = cacert.iter().map(String::as_str).collect();
+    let port = free_port(false);
+    let mut args = vec!["--port", "0", "--tls-port"];
+    let port_text = port.to_string();
+    args.push(&port_text);
+    args.extend(tls);
+    let _redis = start_redis(d, &args);
+    wait_for(port, &cacert);
+
+    let sentinel_port = free_port(false);
+    let conf = d.join("sentinel.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port 0\ntls-port {sentinel_port}\nbind 127.0.0.1\nprotected-mode no\n\
+             tls-cert-file server.pem\ntls-key-file server.key\ntls-ca-cert-file ca.pem\n\
+             tls-auth-clients no\ntls-replication yes\n\
+             sentinel monitor mymaster 127.0.0.1 {port} 1\n\
+             sentinel auth-pass mymaster {PASSWORD}\n"
+        ),
+    )
+    .unwrap();
+    let _sentinel = Redis {
+        child: Command::new("redis-server")
+            .current_dir(d)
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    };
+    for _ in 0..500 {
+        let mut cli = vec!["-h", "127.0.0.1", "-p"];
+        let sp = sentinel_port.to_string();
+        cli.push(&sp);
+        cli.extend(&cacert);
+        cli.extend(["SENTINEL", "get-master-addr-by-name", "mymaster"]);
+        let out = Command::new("redis-cli").args(&cli).output().unwrap();
+        if String::from_utf8_lossy(&out.stdout).contains(&port_text) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let url = format!("rediss-sentinel://:{PASSWORD}@127.0.0.1:{sentinel_port}/mymaster");
+    let ca = d.join("ca.pem");
+    let server = ServeProcess::start(
+        d,
+        &["--store", &url, "--redis-ca-cert", ca.to_str().unwrap()],
+    );
+    server.wait_ready();
+    let r = decide(&server.grpc).await;
+    if r.degraded != 0 {
+        panic!(
+            "not decided by Redis through Sentinel: {r:?}\n{}",
+            logs_of(server)
+        );
+    }
+    assert!(r.allowed);
+    assert_eq!(decide(&server.grpc).await.remaining, 28);
+    let listening = server.listening.clone();
+    assert!(
+        listening.contains(&format!(
+            "store=rediss-sentinel://:***@127.0.0.1:{sentinel_port}/mymaster "
+        )),
+        "{listening}"
+    );
+    let logs = logs_of(server);
+    assert!(!logs.contains(PASSWORD), "{logs}");
+}
