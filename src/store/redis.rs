@@ -785,7 +785,7 @@ impl Shared {
         }
         let key = &requests[0].keys[0];
         // Counted as sent unless the node's breaker refuses it outright.
-        if !self.routes.map().refuses(slot_of(key)) {
+        if !self.routes.refuses(slot_of(key)) {
             metrics::store_decisions("redis", requests.len());
         }
         let reply: Vec<i64> = self.exec_as("decide", key, &evalsha).await?;

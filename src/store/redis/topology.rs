@@ -2,9 +2,10 @@
 //!
 //! - A single Redis: one node, always.
 //! - A Redis Cluster: a slot map (`CLUSTER NODES`: each primary's slots and
-//!   its replicas) read from any node that answers. A `MOVED` reply updates its slot at once and asks for a full
-//!   refresh; `ASK` and `TRYAGAIN` (a slot being migrated) are answered by
-//!   the caller without touching the map.
+//!   its replicas) read from any node that answers. A `MOVED` reply updates
+//!   its slot at once and asks for a full refresh; `ASK` and `TRYAGAIN` (a
+//!   slot being migrated) are answered by the caller without touching the
+//!   map.
 //! - Redis Sentinel: the primary that the Sentinels name
 //!   (`SENTINEL get-master-addr-by-name`), or, while that one fails, a
 //!   replica of it that already says it is the primary (`ROLE`: Sentinel
@@ -225,6 +226,12 @@ impl Topology {
     /// The current map.
     pub fn map(&self) -> Arc<Map> {
         self.map.load_full()
+    }
+
+    /// True when the node serving `slot` would refuse a call now (its
+    /// breaker open).
+    pub fn refuses(&self, slot: u16) -> bool {
+        self.map.load().refuses(slot)
     }
 
     /// The node for `host:port`, made on first sight.
