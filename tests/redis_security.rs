@@ -13,6 +13,19 @@ use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 
 const PASSWORD: &str = "s3cret-Pa55word";
 
+/// A redis-server's TLS settings: the certificates of `tls::certificates`,
+/// clients not asked for theirs.
+const TLS: [&str; 8] = [
+    "--tls-cert-file",
+    "server.pem",
+    "--tls-key-file",
+    "server.key",
+    "--tls-ca-cert-file",
+    "ca.pem",
+    "--tls-auth-clients",
+    "no",
+];
+
 struct Redis {
     child: std::process::Child,
 }
@@ -127,23 +140,10 @@ async fn redis_over_tls_with_a_private_ca() {
     let d = dir.path();
     common::tls::certificates(d);
     let port = free_port(false);
-    let _redis = start_redis(
-        d,
-        &[
-            "--port",
-            "0",
-            "--tls-port",
-            &port.to_string(),
-            "--tls-cert-file",
-            "server.pem",
-            "--tls-key-file",
-            "server.key",
-            "--tls-ca-cert-file",
-            "ca.pem",
-            "--tls-auth-clients",
-            "no",
-        ],
-    );
+    let port_text = port.to_string();
+    let mut args = vec!["--port", "0", "--tls-port", &port_text];
+    args.extend(TLS);
+    let _redis = start_redis(d, &args);
     wait_for(
         port,
         &["--tls", "--cacert", d.join("ca.pem").to_str().unwrap()],
@@ -176,23 +176,13 @@ async fn sentinel_over_tls_with_a_password() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     common::tls::certificates(d);
-    let tls = [
-        "--tls-cert-file",
-        "server.pem",
-        "--tls-key-file",
-        "server.key",
-        "--tls-ca-cert-file",
-        "ca.pem",
-        "--tls-auth-clients",
-        "no",
-    ];
     let cacert = ["--tls", "--cacert", d.join("ca.pem").to_str().unwrap()].map(String::from);
     let cacert: Vec<&str> = cacert.iter().map(String::as_str).collect();
     let port = free_port(false);
     let mut args = vec!["--port", "0", "--tls-port"];
     let port_text = port.to_string();
     args.push(&port_text);
-    args.extend(tls);
+    args.extend(TLS);
     let _redis = start_redis(d, &args);
     wait_for(port, &cacert);
 

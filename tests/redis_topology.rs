@@ -129,6 +129,60 @@ fn load(
         .collect()
 }
 
+/// A server on `url` with `rules` and a store timeout.
+async fn serve(rules: Vec<LimitRow>, url: String, timeout: Duration) -> TestServer {
+    TestServer::launch(Some(&rules), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = timeout;
+    })
+    .await
+}
+
+/// Loads on several tenants at once.
+struct Loads {
+    tallies: Vec<Arc<Tally>>,
+    mark: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Loads {
+    fn start(server: &TestServer, tenants: &[String], workers: usize, keys: u64) -> Self {
+        let (mark, stop) = (Arc::default(), Arc::<AtomicBool>::default());
+        let tallies: Vec<Arc<Tally>> = tenants.iter().map(|_| Arc::default()).collect();
+        let tasks = tenants
+            .iter()
+            .zip(&tallies)
+            .flat_map(|(tenant, tally)| {
+                load(
+                    server,
+                    tenant,
+                    workers,
+                    keys,
+                    tally.clone(),
+                    Arc::clone(&mark),
+                    stop.clone(),
+                )
+            })
+            .collect();
+        Self {
+            tallies,
+            mark,
+            stop,
+            tasks,
+        }
+    }
+
+    /// Stops the loads; panics if any call failed.
+    async fn finish(self) -> Vec<Arc<Tally>> {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.expect("no call failed");
+        }
+        self.tallies
+    }
+}
+
 fn p99(samples: &[u64]) -> u64 {
     let mut s = samples.to_vec();
     s.sort_unstable();
@@ -189,32 +243,11 @@ async fn one_master_down(outage: impl FnOnce(&mut RedisServer)) {
     );
     let tenants: Vec<String> = (0..3).map(|n| cluster.tenant_on(n, "t")).collect();
     let rules: Vec<LimitRow> = tenants.iter().map(|t| rule(t, "key", "allow")).collect();
-    let url = cluster.url();
-    let server = TestServer::launch(Some(&rules), move |c| {
-        c.store = StoreSpec::Redis(url);
-        c.store_timeout = Duration::from_millis(100);
-    })
-    .await;
-    server.wait_ready().await;
-    let (mark, stop) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let tallies: Vec<Arc<Tally>> = (0..3).map(|_| Arc::default()).collect();
-    let mut tasks = Vec::new();
-    for (tenant, tally) in tenants.iter().zip(&tallies) {
-        tasks.extend(load(
-            &server,
-            tenant,
-            2,
-            50,
-            tally.clone(),
-            mark.clone(),
-            stop.clone(),
-        ));
-    }
+    let server = serve(rules, cluster.url(), Duration::from_millis(100)).await;
+    let loads = Loads::start(&server, &tenants, 2, 50);
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let before: Vec<u64> = tallies
+    let before: Vec<u64> = loads
+        .tallies
         .iter()
         .map(|t| t.decided.load(Ordering::Relaxed))
         .collect();
@@ -232,12 +265,9 @@ async fn one_master_down(outage: impl FnOnce(&mut RedisServer)) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let opened = opened.expect("the dead master's breaker opened");
-    mark.store(true, Ordering::Relaxed);
+    loads.mark.store(true, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.expect("no call failed");
-    }
+    let tallies = loads.finish().await;
 
     let s = status(&server).await;
     for n in 0..2 {
@@ -324,20 +354,8 @@ async fn through_a_failover(
     replica: u16,
     kill: impl FnOnce(),
 ) -> Failover {
-    let (mark, stop) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let tally: Arc<Tally> = Arc::default();
-    let tasks = load(
-        server,
-        tenant,
-        4,
-        1,
-        tally.clone(),
-        mark.clone(),
-        stop.clone(),
-    );
+    let loads = Loads::start(server, &[tenant.to_owned()], 4, 1);
+    let tally = loads.tallies[0].clone();
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(
         tally.degraded.load(Ordering::Relaxed),
@@ -346,7 +364,7 @@ async fn through_a_failover(
     );
     kill();
     let killed = Instant::now();
-    mark.store(true, Ordering::Relaxed);
+    loads.mark.store(true, Ordering::Relaxed);
     let promotion = tokio::task::spawn_blocking(move || {
         while killed.elapsed() < Duration::from_secs(30) {
             if redis_cli(replica, &["ROLE"]).lines().next() == Some("master") {
@@ -375,10 +393,7 @@ async fn through_a_failover(
     }
     let back = back.expect("decisions went back to Redis after the promotion");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.expect("no call failed");
-    }
+    loads.finish().await;
     let promoted = promotion.await.unwrap().expect("the replica was promoted");
     Failover {
         admitted: tally.admitted.load(Ordering::Relaxed),
@@ -414,13 +429,7 @@ async fn a_replica_promoted_under_load_is_followed() {
     let master = masters[0];
     let tenant = cluster.tenant_on(master, "f");
     let rules = vec![rule(&tenant, "key", "deny")];
-    let url = cluster.url();
-    let server = TestServer::launch(Some(&rules), move |c| {
-        c.store = StoreSpec::Redis(url);
-        c.store_timeout = Duration::from_millis(100);
-    })
-    .await;
-    server.wait_ready().await;
+    let server = serve(rules, cluster.url(), Duration::from_millis(100)).await;
     let dead_port = cluster.nodes[master].port;
     let replica = cluster.replicas_of(master);
     assert_eq!(replica.len(), 1);
@@ -508,12 +517,7 @@ async fn a_sentinel_failover_is_followed() {
     let url = format!("redis-sentinel://{}/mymaster", hosts.join(","));
     let tenant = "sentinel";
     let rules = vec![rule(tenant, "key", "deny")];
-    let server = TestServer::launch(Some(&rules), move |c| {
-        c.store = StoreSpec::Redis(url);
-        c.store_timeout = Duration::from_millis(100);
-    })
-    .await;
-    server.wait_ready().await;
+    let server = serve(rules, url, Duration::from_millis(100)).await;
     let s = status(&server).await;
     assert_eq!(status_node(&s, primary.port)["breaker"], "closed");
     let f = through_a_failover(&server, tenant, replica.port, || primary.kill()).await;
@@ -573,30 +577,8 @@ async fn a_reshard_under_load_loses_nothing() {
         .iter()
         .flat_map(|t| [rule(t, "key", "deny"), rule(t, "tenant", "deny")])
         .collect();
-    let url = cluster.url();
-    let server = TestServer::launch(Some(&rules), move |c| {
-        c.store = StoreSpec::Redis(url);
-        c.store_timeout = Duration::from_millis(200);
-    })
-    .await;
-    server.wait_ready().await;
-    let (mark, stop) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let tallies: Vec<Arc<Tally>> = (0..4).map(|_| Arc::default()).collect();
-    let mut tasks = Vec::new();
-    for (tenant, tally) in tenants.iter().zip(&tallies) {
-        tasks.extend(load(
-            &server,
-            tenant,
-            1,
-            20,
-            tally.clone(),
-            mark.clone(),
-            stop.clone(),
-        ));
-    }
+    let server = serve(rules, cluster.url(), Duration::from_millis(200)).await;
+    let loads = Loads::start(&server, &tenants, 1, 20);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (from, to) = (cluster.id(*source), cluster.id(*target));
     let entry = format!("127.0.0.1:{}", cluster.nodes[*source].port);
@@ -617,10 +599,7 @@ async fn a_reshard_under_load_loses_nothing() {
         String::from_utf8_lossy(&moved.stdout)
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.expect("no call failed");
-    }
+    let tallies = loads.finish().await;
     for tenant in &tenants {
         assert_eq!(
             cluster.owner(cluster.slot_of(tenant)),

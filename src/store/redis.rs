@@ -48,6 +48,7 @@ use tokio::time::Instant;
 mod coalesce;
 mod node;
 mod topology;
+mod url;
 
 use node::Answer;
 use topology::{Topology as Routes, slot_of};
@@ -124,99 +125,9 @@ impl RedisConfig {
         self.topology().map(|_| ())
     }
 
-    fn topology(&self) -> Result<Topology, String> {
-        let bad = |why: &str| format!("store URL {:?}: {why}", self.redacted_url());
-        if let Some((scheme, rest)) = self
-            .url
-            .strip_prefix("redis-cluster://")
-            .map(|r| ("redis", r))
-            .or_else(|| {
-                self.url
-                    .strip_prefix("rediss-cluster://")
-                    .map(|r| ("rediss", r))
-            })
-        {
-            let (auth, hosts) = match rest.rsplit_once('@') {
-                Some((auth, hosts)) => (format!("{auth}@"), hosts),
-                None => (String::new(), rest),
-            };
-            let nodes: Vec<String> = hosts
-                .trim_end_matches('/')
-                .split(',')
-                .filter(|h| !h.is_empty())
-                .map(|h| format!("{scheme}://{auth}{h}"))
-                .collect();
-            if nodes.is_empty() {
-                return Err(bad("name at least one host:port after redis-cluster://"));
-            }
-            for node in &nodes {
-                redis::parse_redis_url(node).ok_or_else(|| bad("a node is not host:port"))?;
-            }
-            return Ok(Topology::Cluster(nodes));
-        }
-        if let Some((scheme, rest)) = self
-            .url
-            .strip_prefix("redis-sentinel://")
-            .map(|r| ("redis", r))
-            .or_else(|| {
-                self.url
-                    .strip_prefix("rediss-sentinel://")
-                    .map(|r| ("rediss", r))
-            })
-        {
-            let (auth, rest) = match rest.rsplit_once('@') {
-                Some((auth, rest)) => (format!("{auth}@"), rest),
-                None => (String::new(), rest),
-            };
-            let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
-            let (service, db) = path.split_once('/').unwrap_or((path, ""));
-            if service.is_empty() {
-                return Err(bad(
-                    "name the Sentinel service after the hosts: redis-sentinel://host:port,host:port/mymaster",
-                ));
-            }
-            let db = if db.is_empty() {
-                String::new()
-            } else {
-                format!("/{db}")
-            };
-            let sentinels: Vec<String> = hosts
-                .split(',')
-                .filter(|h| !h.is_empty())
-                .map(|h| format!("{scheme}://{auth}{h}{db}"))
-                .collect();
-            if sentinels.is_empty() {
-                return Err(bad("name at least one Sentinel host:port"));
-            }
-            for sentinel in &sentinels {
-                redis::parse_redis_url(sentinel)
-                    .ok_or_else(|| bad("a Sentinel is not host:port"))?;
-            }
-            return Ok(Topology::Sentinel {
-                sentinels,
-                service: service.to_owned(),
-            });
-        }
-        if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
-            redis::parse_redis_url(&self.url).ok_or_else(|| bad("not a valid redis:// URL"))?;
-            return Ok(Topology::Standalone(self.url.clone()));
-        }
-        Err(bad(
-            "use redis://, rediss://, redis-cluster://, rediss-cluster://, redis-sentinel:// or rediss-sentinel://",
-        ))
+    fn topology(&self) -> Result<url::Url, String> {
+        url::parse(&self.url, &self.redacted_url())
     }
-}
-
-/// The parsed URL.
-enum Topology {
-    Standalone(String),
-    Cluster(Vec<String>),
-    /// Each Sentinel as a `redis://` URL carrying the primary's
-    /// credentials and database, and the service name.
-    Sentinel {
-        sentinels: Vec<String>,
-        service: String,
-    },
 }
 
 /// Buckets in Redis or a Redis Cluster.

@@ -29,8 +29,9 @@ use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
+use super::RedisConfig;
 use super::node::{MAX_NODE_LABELS, Node};
-use super::{RedisConfig, Topology as Url};
+use super::url::Url;
 use crate::store::StoreError;
 use crate::store::breaker::{Breaker, BreakerState};
 use crate::telemetry::metrics;
