@@ -99,7 +99,8 @@ pub struct LoadOptions {
     pub keys: u64,
     /// How keys are drawn.
     pub distribution: Distribution,
-    /// Tenant of the native calls / domain of the Envoy calls.
+    /// Tenant of the native calls / domain of the Envoy calls; a
+    /// comma-separated list spreads the workers over them.
     pub tenant: String,
     /// Resource of the native calls (empty: none).
     pub resource: String,
@@ -508,7 +509,10 @@ pub async fn run(options: LoadOptions) -> Result<Summary, String> {
         let mut client = Client::open(options.api, channel, options.batch).await?;
         let (histogram, counters, tickets) = (histogram.clone(), counters.clone(), tickets.clone());
         let mut keys = Keys::new(options.keys, cdf.clone(), 0x9e37_79b9 + w as u64);
-        let (tenant, resource) = (options.tenant.clone(), options.resource.clone());
+        // A list of tenants spreads the workers over them, in turn.
+        let tenants: Vec<&str> = options.tenant.split(',').collect();
+        let tenant = tenants[w % tenants.len()].to_owned();
+        let resource = options.resource.clone();
         workers.push(tokio::spawn(async move {
             let mut local = latency_histogram();
             loop {

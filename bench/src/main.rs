@@ -87,7 +87,8 @@ struct RunArgs {
     /// Key distribution: uniform, zipf or zipf:EXPONENT.
     #[arg(long, default_value = "uniform")]
     distribution: load::Distribution,
-    /// Tenant (native) or domain (Envoy) of the calls.
+    /// Tenant (native) or domain (Envoy) of the calls; a comma-separated
+    /// list (`a,b,c`) spreads the workers over them in turn.
     #[arg(long, default_value = "bench")]
     tenant: String,
     /// Resource of the native, batch and stream calls (none by default).
