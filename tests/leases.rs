@@ -526,11 +526,12 @@ async fn killed_holders_free_their_slots() {
     );
 
     // A caller that takes a plain lease and goes away without releasing it
-    // (its client dropped): the slot frees at the ttl, not before.
+    // (its client dropped): the slot frees at the ttl, not before. (A ttl
+    // of 5 s: a loaded machine can stall a second between two calls.)
     {
         let mut gone = client_of(&instances[1]).await;
         assert!(
-            acquire(&mut gone, acquire_req("jobs", "e", "", 1, 0))
+            acquire(&mut gone, acquire_req("jobs", "e", "", 5, 0))
                 .await
                 .granted
         );
@@ -539,7 +540,7 @@ async fn killed_holders_free_their_slots() {
     assert!(!refused.granted, "c and e hold both slots");
     let wait = micros(&refused.decision.unwrap().retry_after);
     assert!(
-        (1..=1_000_000).contains(&wait),
+        (1..=5_000_000).contains(&wait),
         "retry_after {wait} µs: e's ttl"
     );
     tokio::time::sleep(Duration::from_micros(wait)).await;

@@ -77,13 +77,27 @@ fn bucket_bytes(bucket: &BucketKey) -> usize {
 
 /// The bytes a reservation record is counted as: its entry, and per bucket
 /// its name and charge.
-fn record_bytes(record: &Held) -> usize {
+fn record_bytes(record: &impl HeldRecord) -> usize {
     BUCKET_OVERHEAD_BYTES
         + record
-            .buckets
+            .names()
             .iter()
             .map(|b| 64 + b.as_str().len())
             .sum::<usize>()
+}
+
+/// A record held beside the buckets (a reservation's, or a lease's):
+/// counted against the caps, its expiry counted once, dropped
+/// [`EXPIRED_GRACE`] after it expires.
+trait HeldRecord {
+    /// The buckets (or lease sets) it names.
+    fn names(&self) -> &[BucketKey];
+    /// When its time to live ends.
+    fn expires_at(&self) -> Micros;
+    /// Settled or released: its expiry is never counted.
+    fn finished(&self) -> bool;
+    /// Whether its expiry has been counted.
+    fn expiry_counted(&mut self) -> &mut bool;
 }
 
 /// A reservation record held in memory.
@@ -93,6 +107,21 @@ struct Held {
     buckets: Vec<BucketKey>,
     /// Its expiry has been counted (`tollgate_reservations_expired_total`).
     expiry_counted: bool,
+}
+
+impl HeldRecord for Held {
+    fn names(&self) -> &[BucketKey] {
+        &self.buckets
+    }
+    fn expires_at(&self) -> Micros {
+        self.record.expires_at
+    }
+    fn finished(&self) -> bool {
+        self.record.settled.is_some()
+    }
+    fn expiry_counted(&mut self) -> &mut bool {
+        &mut self.expiry_counted
+    }
 }
 
 /// Buckets held in this process.
@@ -227,19 +256,27 @@ impl MemoryStore {
     /// Counts reservations whose time to live passed unsettled, and drops
     /// records past their grace period.
     fn sweep_reservations(&self, now: Micros) {
-        if self.reservations.is_empty() {
-            return;
+        if !self.reservations.is_empty() {
+            let expired = self.sweep_records(&self.reservations, now);
+            crate::telemetry::metrics::reservations_expired(expired);
         }
+    }
+
+    /// Counts the records of `map` whose time to live passed unfinished
+    /// (each once), drops those past their grace period, and returns how
+    /// many it counted.
+    fn sweep_records<R: HeldRecord>(
+        &self,
+        map: &DashMap<BucketKey, R, RandomState>,
+        now: Micros,
+    ) -> u64 {
         let (mut expired, mut removed, mut bytes) = (0, 0, 0);
-        self.reservations.retain(|_, held| {
-            if held.record.expires_at <= now
-                && held.record.settled.is_none()
-                && !held.expiry_counted
-            {
-                held.expiry_counted = true;
+        map.retain(|_, held| {
+            if held.expires_at() <= now && !held.finished() && !*held.expiry_counted() {
+                *held.expiry_counted() = true;
                 expired += 1;
             }
-            let keep = held.record.expires_at.saturating_add(EXPIRED_GRACE) > now;
+            let keep = held.expires_at().saturating_add(EXPIRED_GRACE) > now;
             if !keep {
                 removed += 1;
                 bytes += record_bytes(held);
@@ -248,7 +285,7 @@ impl MemoryStore {
         });
         self.held.fetch_sub(removed, Ordering::Relaxed);
         self.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
-        crate::telemetry::metrics::reservations_expired(expired);
+        expired
     }
 
     /// Synchronous form of [`Store::apply`]. Refused, writing nothing, when
@@ -348,8 +385,8 @@ impl MemoryStore {
             }
             _ => (None, None),
         };
-        let attached_bytes = record.as_ref().map_or(0, record_bytes)
-            + lease.as_ref().map_or(0, leases::record_bytes);
+        let attached_bytes =
+            record.as_ref().map_or(0, record_bytes) + lease.as_ref().map_or(0, record_bytes);
         // Far from the caps (the usual case) this is two loads and a sum.
         let over = |store: &Self, count: usize, bytes: usize| {
             store.held.load(Ordering::Relaxed).saturating_add(count) > store.max_buckets
@@ -427,7 +464,7 @@ impl MemoryStore {
         if let (Some(held), Attach::Lease(l)) = (lease, attach) {
             self.held.fetch_add(1, Ordering::Relaxed);
             self.held_bytes
-                .fetch_add(leases::record_bytes(&held), Ordering::Relaxed);
+                .fetch_add(record_bytes(&held), Ordering::Relaxed);
             self.leases.insert(l.id.record_name(), held);
         }
         drop(guards);

@@ -9,10 +9,10 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{BUCKET_OVERHEAD_BYTES, MemoryStore, Plan, bucket_bytes};
+use super::{HeldRecord, MemoryStore, Plan, bucket_bytes};
 use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, State};
-use crate::store::lease::{EXPIRED_GRACE, MAX_TTL};
+use crate::store::lease::MAX_TTL;
 use crate::store::{BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus};
 
 /// A lease's record held in memory.
@@ -30,14 +30,19 @@ pub(super) struct HeldLease {
     pub(super) expiry_counted: bool,
 }
 
-/// The bytes a lease record is counted as against the byte cap.
-pub(super) fn record_bytes(record: &HeldLease) -> usize {
-    BUCKET_OVERHEAD_BYTES
-        + record
-            .sets
-            .iter()
-            .map(|b| 64 + b.as_str().len())
-            .sum::<usize>()
+impl HeldRecord for HeldLease {
+    fn names(&self) -> &[BucketKey] {
+        &self.sets
+    }
+    fn expires_at(&self) -> Micros {
+        self.expires_at
+    }
+    fn finished(&self) -> bool {
+        self.released
+    }
+    fn expiry_counted(&mut self) -> &mut bool {
+        &mut self.expiry_counted
+    }
 }
 
 impl MemoryStore {
@@ -172,21 +177,9 @@ impl MemoryStore {
             }
             keep
         });
-        let mut expired = 0;
-        self.leases.retain(|_, held| {
-            if held.expires_at <= now && !held.released && !held.expiry_counted {
-                held.expiry_counted = true;
-                expired += 1;
-            }
-            let keep = held.expires_at.saturating_add(EXPIRED_GRACE) > now;
-            if !keep {
-                removed += 1;
-                bytes += record_bytes(held);
-            }
-            keep
-        });
         self.held.fetch_sub(removed, Ordering::Relaxed);
         self.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        let expired = self.sweep_records(&self.leases, now);
         crate::telemetry::metrics::leases_expired(expired);
     }
 }
