@@ -10,10 +10,7 @@
 //! outlives it by [`EXPIRED_GRACE`] so that a late release or renew is
 //! answered "expired" rather than "unknown".
 
-use std::fmt;
-
-use super::BucketKey;
-use super::reservation::{new_nonce, parse_token, write_token};
+use super::record_id::{RecordId, RecordKind};
 use crate::algorithm::Micros;
 
 pub use super::reservation::EXPIRED_GRACE;
@@ -22,61 +19,18 @@ pub use super::reservation::EXPIRED_GRACE;
 /// hour (longer work renews).
 pub const MAX_TTL: Micros = 3_600_000_000;
 
-/// A lease's identity: the tenant whose caps it holds (the Redis hash tag
-/// its record and sets live under) and a random nonce. Written for callers
-/// as an opaque token, `l1.NONCE.TENANT`.
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct LeaseId {
-    tenant: String,
-    nonce: u128,
-}
+/// A lease's identity: the tenant whose caps it holds and a random nonce
+/// (its member in the caps' sets); its token is `l1.NONCE.TENANT`, its
+/// record `tenant:l::NONCE` (see [`RecordId`]).
+pub type LeaseId = RecordId<Leases>;
 
-impl LeaseId {
-    /// A new, random id for a lease on `tenant`'s caps.
-    pub fn new(tenant: &str) -> Self {
-        Self {
-            tenant: tenant.to_owned(),
-            nonce: new_nonce(),
-        }
-    }
+/// The kind of [`LeaseId`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Leases;
 
-    /// The tenant.
-    pub fn tenant(&self) -> &str {
-        &self.tenant
-    }
-
-    /// The nonce: the lease's member in its sets.
-    pub fn nonce(&self) -> u128 {
-        self.nonce
-    }
-
-    /// The nonce as the sets' member, 32 hex digits.
-    pub fn member(&self) -> String {
-        format!("{:032x}", self.nonce)
-    }
-
-    /// The record's name in a store, `tenant:l::NONCE`.
-    pub fn record_name(&self) -> BucketKey {
-        BucketKey::new(&self.tenant, "l", "", &self.member())
-    }
-
-    /// Reads a token written by [`fmt::Display`]; `None` when it is not one.
-    pub fn parse(token: &str) -> Option<Self> {
-        let (tenant, nonce) = parse_token(token, "l1.")?;
-        Some(Self { tenant, nonce })
-    }
-}
-
-impl fmt::Display for LeaseId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_token(f, "l1.", self.nonce, &self.tenant)
-    }
-}
-
-impl fmt::Debug for LeaseId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
+impl RecordKind for Leases {
+    const PREFIX: &'static str = "l1.";
+    const SCOPE: &'static str = "l";
 }
 
 /// What an acquire writes beside its decision.

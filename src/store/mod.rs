@@ -15,6 +15,7 @@ pub mod deny_cache;
 pub mod fallback;
 pub mod lease;
 pub mod memory;
+pub mod record_id;
 pub mod redis;
 pub mod reservation;
 pub mod stack;

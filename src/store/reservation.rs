@@ -11,8 +11,7 @@
 //! settle cannot refund more than was charged; a settle repeated answers
 //! what the first one did; a record expires by itself.
 
-use std::fmt;
-
+use super::record_id::{RecordId, RecordKind};
 use crate::algorithm::{Charge, Micros, Op, State, Verdict, apply_any, current};
 
 /// The longest time to live a reservation may ask for: one hour.
@@ -22,96 +21,18 @@ pub const MAX_TTL: Micros = 3_600_000_000;
 /// answered "expired" (its estimate stays charged) rather than "unknown".
 pub const EXPIRED_GRACE: Micros = 600_000_000;
 
-/// A reservation's identity: the tenant whose buckets it charged (the
-/// Redis hash tag its record lives under) and a random nonce. Written for
-/// callers as an opaque token, `r1.NONCE.TENANT` (nonce in 32 hex digits,
-/// tenant hex-encoded).
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct ReservationId {
-    tenant: String,
-    nonce: u128,
-}
+/// A reservation's identity: the tenant whose buckets it charged and a
+/// random nonce; its token is `r1.NONCE.TENANT`, its record
+/// `tenant:r::NONCE` (see [`RecordId`]).
+pub type ReservationId = RecordId<Reservations>;
 
-impl ReservationId {
-    /// A new, random id for a reservation of `tenant`'s buckets.
-    pub fn new(tenant: &str) -> Self {
-        Self {
-            tenant: tenant.to_owned(),
-            nonce: new_nonce(),
-        }
-    }
+/// The kind of [`ReservationId`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Reservations;
 
-    /// The tenant whose buckets the reservation charged.
-    pub fn tenant(&self) -> &str {
-        &self.tenant
-    }
-
-    /// The record's name in a store, `tenant:r::NONCE`: a bucket name of
-    /// its own scope, so that a store files it with the tenant's buckets.
-    pub fn record_name(&self) -> super::BucketKey {
-        super::BucketKey::new(&self.tenant, "r", "", &format!("{:032x}", self.nonce))
-    }
-
-    /// Reads a token written by [`fmt::Display`]; `None` when it is not one.
-    pub fn parse(token: &str) -> Option<Self> {
-        let (tenant, nonce) = parse_token(token, "r1.")?;
-        Some(Self { tenant, nonce })
-    }
-}
-
-/// A fresh random nonce.
-pub(crate) fn new_nonce() -> u128 {
-    let mut nonce = [0u8; 16];
-    // The operating system's generator; it only fails on systems without
-    // one, where Tollgate cannot run safely anyway.
-    getrandom::fill(&mut nonce).expect("the operating system's random number generator");
-    u128::from_le_bytes(nonce)
-}
-
-/// Reads a record token, `PREFIX NONCE.TENANT` (nonce in 32 hex digits,
-/// tenant hex-encoded): the tenant and the nonce.
-pub(crate) fn parse_token(token: &str, prefix: &str) -> Option<(String, u128)> {
-    let rest = token.strip_prefix(prefix)?;
-    let (nonce, tenant) = rest.split_once('.')?;
-    if nonce.len() != 32 || tenant.len() % 2 != 0 || tenant.len() > 2 * 256 {
-        return None;
-    }
-    let nonce = u128::from_str_radix(nonce, 16).ok()?;
-    let bytes = (0..tenant.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(tenant.get(i..i + 2)?, 16).ok())
-        .collect::<Option<Vec<u8>>>()?;
-    let tenant = String::from_utf8(bytes).ok()?;
-    if tenant.contains(':') {
-        return None;
-    }
-    Some((tenant, nonce))
-}
-
-/// Writes a record token read by [`parse_token`].
-pub(crate) fn write_token(
-    f: &mut fmt::Formatter<'_>,
-    prefix: &str,
-    nonce: u128,
-    tenant: &str,
-) -> fmt::Result {
-    write!(f, "{prefix}{nonce:032x}.")?;
-    for b in tenant.bytes() {
-        write!(f, "{b:02x}")?;
-    }
-    Ok(())
-}
-
-impl fmt::Display for ReservationId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_token(f, "r1.", self.nonce, &self.tenant)
-    }
-}
-
-impl fmt::Debug for ReservationId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
+impl RecordKind for Reservations {
+    const PREFIX: &'static str = "r1.";
+    const SCOPE: &'static str = "r";
 }
 
 /// What a reserve writes beside its decision.
@@ -249,10 +170,7 @@ mod tests {
             assert_eq!(ReservationId::parse(&token), Some(id.clone()), "{token}");
             assert!(token.starts_with("r1."));
         }
-        let id = ReservationId {
-            tenant: "ab".into(),
-            nonce: 255,
-        };
+        let id = ReservationId::from_parts("ab", 255);
         assert_eq!(id.to_string(), "r1.000000000000000000000000000000ff.6162");
         assert_eq!(
             id.record_name().as_str(),
