@@ -140,6 +140,19 @@ impl RateLimiterService {
         self
     }
 
+    /// Completes when shutdown begins (never, without `with_shutdown`).
+    fn stopping(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut stop = self.stop.clone();
+        async move {
+            match stop.as_mut() {
+                Some(stop) => {
+                    let _ = stop.wait_for(|s| *s).await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+    }
+
     /// Decides the items of one request (one item, or a batch's) with `op`
     /// and returns each item's answer with the rule that decided it; with
     /// `reserve` (one item), records a reservation of that time to live.
@@ -386,17 +399,9 @@ impl RateLimiter for RateLimiterService {
         let metadata = request.metadata().clone();
         let mut inbound = request.into_inner();
         let service = self.clone();
-        let mut stop = self.stop.clone();
+        let stopping = self.stopping();
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
-            let stopping = async {
-                match stop.as_mut() {
-                    Some(stop) => {
-                        let _ = stop.wait_for(|s| *s).await;
-                    }
-                    None => std::future::pending().await,
-                }
-            };
             tokio::pin!(stopping);
             // One at a time, in order: each answer is sent before the next
             // message is read. At shutdown the stream ends between messages.

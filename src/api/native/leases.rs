@@ -196,15 +196,7 @@ impl RateLimiterService {
     ) -> LeaseStatus {
         let every = Duration::from_micros(ttl / 3);
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        let mut stop = self.stop.clone();
-        let stopping = async move {
-            match stop.as_mut() {
-                Some(stop) => {
-                    let _ = stop.wait_for(|s| *s).await;
-                }
-                None => std::future::pending().await,
-            }
-        };
+        let stopping = self.stopping();
         tokio::pin!(stopping);
         loop {
             tokio::select! {
