@@ -484,43 +484,66 @@ async fn a_replica_promoted_under_load_is_followed() {
     server.stop().await;
 }
 
+/// A primary, its replica and three Sentinels watching them (`mymaster`,
+/// `down-after-milliseconds 500`), each Sentinel aware of the replica and
+/// of the other two.
+struct Watched {
+    primary: RedisServer,
+    replica: RedisServer,
+    _sentinels: Vec<Sentinel>,
+    url: String,
+}
+
+impl Watched {
+    fn start() -> Self {
+        let primary = RedisServer::start();
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary.port)).collect();
+        for _ in 0..1000 {
+            let ready = sentinels.iter().all(|s| {
+                let info = redis_cli(s.port, &["SENTINEL", "MASTER", "mymaster"]);
+                let field = |name: &str| -> Option<u64> {
+                    let lines: Vec<&str> = info.lines().collect();
+                    let i = lines.iter().position(|l| *l == name)?;
+                    lines.get(i + 1)?.parse().ok()
+                };
+                field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
+            });
+            let synced =
+                redis_cli(replica.port, &["INFO", "replication"]).contains("master_link_status:up");
+            if ready && synced {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let hosts: Vec<String> = sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        let url = format!("redis-sentinel://{}/mymaster", hosts.join(","));
+        Self {
+            primary,
+            replica,
+            _sentinels: sentinels,
+            url,
+        }
+    }
+}
+
 /// A Sentinel-watched primary with one replica and three Sentinels;
 /// `redis-sentinel://` names them; the primary is killed under load and
 /// Tollgate follows the promoted replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_is_followed() {
-    let mut primary = RedisServer::start();
-    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
-    let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary.port)).collect();
-    // Each Sentinel knows the replica and the other two.
-    for _ in 0..1000 {
-        let ready = sentinels.iter().all(|s| {
-            let info = redis_cli(s.port, &["SENTINEL", "MASTER", "mymaster"]);
-            let field = |name: &str| -> Option<u64> {
-                let lines: Vec<&str> = info.lines().collect();
-                let i = lines.iter().position(|l| *l == name)?;
-                lines.get(i + 1)?.parse().ok()
-            };
-            field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
-        });
-        let synced =
-            redis_cli(replica.port, &["INFO", "replication"]).contains("master_link_status:up");
-        if ready && synced {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let hosts: Vec<String> = sentinels
-        .iter()
-        .map(|s| format!("127.0.0.1:{}", s.port))
-        .collect();
-    let url = format!("redis-sentinel://{}/mymaster", hosts.join(","));
+    let mut watched = Watched::start();
     let tenant = "sentinel";
     let rules = vec![rule(tenant, "key", "deny")];
-    let server = serve(rules, url, Duration::from_millis(100)).await;
+    let server = serve(rules, watched.url.clone(), Duration::from_millis(100)).await;
     let s = status(&server).await;
-    assert_eq!(status_node(&s, primary.port)["breaker"], "closed");
-    let f = through_a_failover(&server, tenant, replica.port, || primary.kill()).await;
+    assert_eq!(status_node(&s, watched.primary.port)["breaker"], "closed");
+    let replica = watched.replica.port;
+    let f = through_a_failover(&server, tenant, replica, || watched.primary.kill()).await;
     let admitted = f.admitted;
     let left = remaining(&server, tenant).await;
     let overshoot = admitted as i64 + left - PLENTY;
@@ -535,15 +558,8 @@ async fn a_sentinel_failover_is_followed() {
     let s = status(&server).await;
     let nodes = s["store"]["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 1);
-    assert_eq!(
-        nodes[0]["address"],
-        format!("127.0.0.1:{}", replica.port),
-        "{s}"
-    );
-    assert_eq!(
-        redis_cli(replica.port, &["ROLE"]).lines().next(),
-        Some("master")
-    );
+    assert_eq!(nodes[0]["address"], format!("127.0.0.1:{replica}"), "{s}");
+    assert_eq!(redis_cli(replica, &["ROLE"]).lines().next(), Some("master"));
     let m = metrics(&server).await;
     assert_eq!(sample(&m, "tollgate_store_failovers_total"), 1, "{m}");
     assert!(overshoot >= 0);
