@@ -430,7 +430,10 @@ async fn a_replica_promoted_under_load_is_followed() {
     let master = masters[0];
     let tenant = cluster.tenant_on(master, "f");
     let rules = vec![rule(&tenant, "key", "deny")];
-    let server = serve(rules, cluster.url(), Duration::from_millis(100)).await;
+    // A long timeout, so that no call misses it under a stall yet spends in
+    // Redis (the overshoot count would be short by it); the dead master's
+    // calls fail at once (refused connections) whatever the timeout.
+    let server = serve(rules, cluster.url(), Duration::from_secs(1)).await;
     let dead_port = cluster.nodes[master].port;
     let replica = cluster.replicas_of(master);
     assert_eq!(replica.len(), 1);
@@ -540,7 +543,8 @@ async fn a_sentinel_failover_is_followed() {
     let mut watched = Watched::start();
     let tenant = "sentinel";
     let rules = vec![rule(tenant, "key", "deny")];
-    let server = serve(rules, watched.url.clone(), Duration::from_millis(100)).await;
+    // A long timeout, as for the cluster's failover.
+    let server = serve(rules, watched.url.clone(), Duration::from_secs(1)).await;
     let s = status(&server).await;
     assert_eq!(status_node(&s, watched.primary.port)["breaker"], "closed");
     let replica = watched.replica.port;
@@ -594,7 +598,9 @@ async fn a_reshard_under_load_loses_nothing() {
         .iter()
         .flat_map(|t| [rule(t, "key", "deny"), rule(t, "tenant", "deny")])
         .collect();
-    let server = serve(rules, cluster.url(), Duration::from_millis(200)).await;
+    // A long timeout: a call that missed it under a stall could still have
+    // spent in Redis, and the count of admissions would be short by it.
+    let server = serve(rules, cluster.url(), Duration::from_secs(1)).await;
     let loads = Loads::start(&server, &tenants, 1, 20);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (from, to) = (cluster.id(*source), cluster.id(*target));
