@@ -601,7 +601,7 @@ async fn a_reshard_under_load_loses_nothing() {
     // A long timeout: a call that missed it under a stall could still have
     // spent in Redis, and the count of admissions would be short by it.
     let server = serve(rules, cluster.url(), Duration::from_secs(1)).await;
-    let loads = Loads::start(&server, &tenants, 1, 20);
+    let loads = Loads::start(&server, &tenants, 2, 20);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (from, to) = (cluster.id(*source), cluster.id(*target));
     let entry = format!("127.0.0.1:{}", cluster.nodes[*source].port);
