@@ -1,0 +1,234 @@
+//! One call of the decision script, `lua/token_bucket.lua`: how requests
+//! are written into one `EVALSHA` (see the script's header for the
+//! arguments) and how its reply is read back.
+
+use smallvec::SmallVec;
+
+use crate::algorithm::{Algorithm, Charge, Micros, Verdict};
+use crate::store::{
+    LeaseAnswer, LeaseOp, LeaseStatus, Reservation, SettleStatus, Settled, StoreError, Verdicts,
+};
+
+/// One request's part of a script call.
+pub(super) struct Request {
+    /// The buckets' keys, then a reserve's or a settle's record key.
+    pub keys: SmallVec<[String; 4]>,
+    /// One per bucket.
+    pub charges: SmallVec<[Charge; 4]>,
+    pub kind: Kind,
+}
+
+/// What a request asks of the script.
+#[derive(Debug, Clone)]
+pub(super) enum Kind {
+    Decide { spend: bool },
+    Charge,
+    Reserve { ttl: Micros, body: String },
+    Settle { actual: u64 },
+    Acquire { ttl: Micros, member: String },
+    Lease(LeaseOp),
+}
+
+impl Kind {
+    /// The operation letter and argument in the script's ARGV[2].
+    fn write_shape(&self, n: usize, shape: &mut String) {
+        shape.push_str(itoa::Buffer::new().format(n));
+        match self {
+            Self::Decide { spend: true } => shape.push('s'),
+            Self::Decide { spend: false } => shape.push('d'),
+            Self::Charge => shape.push('c'),
+            Self::Reserve { ttl, .. } => {
+                shape.push('v');
+                shape.push_str(itoa::Buffer::new().format(*ttl));
+            }
+            Self::Settle { actual } => {
+                shape.push('u');
+                shape.push_str(itoa::Buffer::new().format(*actual));
+            }
+            Self::Acquire { ttl, .. } => {
+                shape.push('a');
+                shape.push_str(itoa::Buffer::new().format(*ttl));
+            }
+            Self::Lease(LeaseOp::Release) => shape.push('x'),
+            Self::Lease(LeaseOp::Renew { ttl }) => {
+                shape.push('e');
+                shape.push_str(itoa::Buffer::new().format(*ttl));
+            }
+        }
+    }
+}
+
+/// A request's answer.
+#[derive(Debug, Clone)]
+pub(super) enum Reply {
+    Verdicts(Verdicts),
+    Settled(Settled),
+    Lease(LeaseAnswer),
+}
+
+/// A reserve's record body (see the script's header): the estimate, then
+/// per charge its limit, cost, lines and bucket key.
+pub(super) fn record_body(
+    keys: &[String],
+    charges: &[Charge],
+    reservation: &Reservation,
+) -> String {
+    let mut body = format!("{}\n", reservation.estimate);
+    for ((key, charge), lines) in keys.iter().zip(charges).zip(&reservation.lines) {
+        let l = &charge.limit;
+        body.push_str(&format!(
+            "{} {} {} {} {} {} {}\n{key}",
+            algorithm_letter(l.algorithm()),
+            l.interval(),
+            l.burst(),
+            l.debt(),
+            charge.cost,
+            lines,
+            key.len()
+        ));
+    }
+    body
+}
+
+fn algorithm_letter(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::TokenBucket => "t",
+        Algorithm::FixedWindow => "f",
+        Algorithm::SlidingWindow => "s",
+        Algorithm::Concurrency => "l",
+    }
+}
+
+/// The `EVALSHA` of script `sha` deciding `requests` in order, at `now`
+/// (empty: Redis's clock), with each bucket's expiry `margin_ms` past the
+/// moment it is full again. Written straight into one command (redis-rs's
+/// `ScriptInvocation` would allocate a vector per key and argument first,
+/// then copy them: ~20 allocations per decision).
+pub(super) fn evalsha(sha: &str, requests: &[&Request], now: &str, margin_ms: u64) -> redis::Cmd {
+    let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
+    let mut shape = String::with_capacity(4 * requests.len());
+    for request in requests {
+        if !shape.is_empty() {
+            shape.push(',');
+        }
+        request.kind.write_shape(request.charges.len(), &mut shape);
+    }
+    let mut evalsha = redis::cmd("EVALSHA");
+    evalsha.arg(sha).arg(keys);
+    for key in requests.iter().flat_map(|r| &r.keys) {
+        evalsha.arg(key.as_str());
+    }
+    evalsha.arg(now).arg(shape).arg(margin_ms);
+    for c in requests.iter().flat_map(|r| &r.charges) {
+        evalsha
+            .arg(algorithm_letter(c.limit.algorithm()))
+            .arg(c.limit.interval())
+            .arg(c.limit.burst());
+        if c.need > c.cost {
+            evalsha.arg(format!("{}/{}", c.cost, c.need));
+        } else {
+            evalsha.arg(c.cost);
+        }
+        match (c.enforce, c.limit.debt()) {
+            (true, 0) => evalsha.arg("1"),
+            (false, 0) => evalsha.arg("0"),
+            (enforce, debt) => evalsha.arg(format!("{}:{debt}", u8::from(enforce))),
+        };
+    }
+    for request in requests {
+        match &request.kind {
+            Kind::Reserve { body, .. } => evalsha.arg(body.as_str()),
+            Kind::Acquire { member, .. } => evalsha.arg(member.as_str()),
+            _ => continue,
+        };
+    }
+    evalsha
+}
+
+/// A verdict from a bucket's four reply values: allowed, balance (negative:
+/// tokens owed), retry_after (a charge: tokens forgiven) and reset_after.
+fn verdict(v: &[i64], charge: bool) -> Verdict {
+    let as_micros = |v: i64| -> Micros { if v < 0 { Micros::MAX } else { v as Micros } };
+    Verdict {
+        allowed: v[0] == 1,
+        remaining: v[1].max(0) as u64,
+        debt: v[1].min(0).unsigned_abs(),
+        forgiven: if charge { v[2].max(0) as u64 } else { 0 },
+        retry_after: if charge { 0 } else { as_micros(v[2]) },
+        reset_after: as_micros(v[3]),
+    }
+}
+
+/// Splits the script's reply: `now`, then per request its answer (see the
+/// script's header).
+pub(super) fn parse_reply<'a>(
+    reply: &[i64],
+    requests: impl ExactSizeIterator<Item = (&'a Kind, usize)>,
+) -> Result<Vec<Reply>, StoreError> {
+    let short = || {
+        StoreError::Protocol(format!(
+            "token_bucket.lua returned {} values, fewer than its requests need",
+            reply.len()
+        ))
+    };
+    let mut rest = reply.get(1..).ok_or_else(short)?;
+    let mut outcomes = Vec::with_capacity(requests.len());
+    for (kind, n) in requests {
+        if let Kind::Lease(_) = kind {
+            let [status, expires_in, ..] = *rest else {
+                return Err(short());
+            };
+            rest = &rest[2..];
+            let status = match status {
+                1 => LeaseStatus::Done,
+                2 => LeaseStatus::AlreadyReleased,
+                3 => LeaseStatus::Expired,
+                _ => LeaseStatus::Unknown,
+            };
+            outcomes.push(Reply::Lease(LeaseAnswer {
+                status,
+                expires_in: expires_in.max(0) as Micros,
+            }));
+            continue;
+        }
+        if let Kind::Settle { .. } = kind {
+            let [status, actual, estimate, n, ..] = *rest else {
+                return Err(short());
+            };
+            let n = usize::try_from(n).map_err(|_| short())?;
+            let this = rest.get(4..4 + 4 * n).ok_or_else(short)?;
+            rest = &rest[4 + 4 * n..];
+            let status = match status {
+                1 => SettleStatus::Settled,
+                2 => SettleStatus::AlreadySettled {
+                    actual: actual as u64,
+                },
+                3 => SettleStatus::Expired,
+                _ => SettleStatus::Unknown,
+            };
+            outcomes.push(Reply::Settled(Settled {
+                status,
+                estimate: estimate.max(0) as u64,
+                verdicts: this.chunks_exact(4).map(|v| verdict(v, true)).collect(),
+            }));
+            continue;
+        }
+        let this = rest.get(..1 + 4 * n).ok_or_else(short)?;
+        rest = &rest[1 + 4 * n..];
+        let charge = matches!(kind, Kind::Charge);
+        outcomes.push(Reply::Verdicts(Verdicts {
+            allowed: this[0] == 1,
+            verdicts: this[1..]
+                .chunks_exact(4)
+                .map(|v| verdict(v, charge))
+                .collect(),
+        }));
+    }
+    if !rest.is_empty() {
+        return Err(StoreError::Protocol(format!(
+            "token_bucket.lua returned {} values more than its requests need",
+            rest.len()
+        )));
+    }
+    Ok(outcomes)
+}
