@@ -90,6 +90,11 @@ pub struct ServeConfig {
     pub redis_prefix: String,
     /// Most decisions coalesced into one Redis script call (0 or 1: off).
     pub redis_coalesce: usize,
+    /// Spread each tenant's per-key buckets over Redis Cluster slots
+    /// (`--redis-spread-keys`).
+    pub redis_spread_keys: bool,
+    /// Answer hot tenant-wide buckets from token slices (`--token-slices`).
+    pub token_slices: bool,
     /// Longest wait for one store call.
     pub store_timeout: Duration,
     /// Consecutive failed calls to one Redis node that open its circuit
@@ -140,6 +145,8 @@ impl Default for ServeConfig {
             unmatched: Unmatched::Allow,
             redis_prefix: redis.prefix,
             redis_coalesce: redis.coalesce,
+            redis_spread_keys: redis.spread_keys,
+            token_slices: false,
             store_timeout: redis.timeout,
             breaker_threshold: 5,
             breaker_cooldown: Duration::from_secs(1),
@@ -156,6 +163,9 @@ impl Default for ServeConfig {
         }
     }
 }
+
+/// Most tenant-wide buckets one instance holds token slices for at once.
+const MAX_SLICED_BUCKETS: usize = 100_000;
 
 /// PEM files for TLS on the gRPC port.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -385,6 +395,7 @@ pub async fn run(
                 timeout: config.store_timeout,
                 ca_cert: config.redis_ca_cert.clone(),
                 coalesce: config.redis_coalesce,
+                spread_keys: config.redis_spread_keys,
                 breaker_threshold: config.breaker_threshold,
                 breaker_cooldown: config.breaker_cooldown,
                 ..RedisConfig::new(url.clone())
@@ -402,6 +413,7 @@ pub async fn run(
             deny_cache: config
                 .deny_cache
                 .then_some((config.max_buckets, config.max_bucket_bytes)),
+            slices: config.token_slices.then_some(MAX_SLICED_BUCKETS),
         },
         clock.clone(),
     );

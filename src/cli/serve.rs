@@ -66,6 +66,15 @@ pub struct ServeArgs {
     /// 0 or 1 sends every decision in its own call.
     #[arg(long, env = "TOLLGATE_REDIS_COALESCE")]
     pub redis_coalesce: Option<usize>,
+    /// Spread each tenant's per-key buckets over the Redis Cluster's slots
+    /// (a hash tag per key) instead of one slot per tenant; use with
+    /// --token-slices when rules have tenant-wide buckets.
+    #[arg(long, env = "TOLLGATE_REDIS_SPREAD_KEYS", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub redis_spread_keys: Option<bool>,
+    /// Answer tenant-wide buckets from slices of tokens taken ahead from
+    /// the store (exact; may refuse early by what other instances hold).
+    #[arg(long, env = "TOLLGATE_TOKEN_SLICES", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub token_slices: Option<bool>,
     /// Longest wait for one store call before the rule's store-unavailable
     /// policy decides instead.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", value_parser = parse_duration)]
@@ -379,6 +388,8 @@ impl ServeArgs {
             unmatched: self.unmatched.unwrap_or(d.unmatched),
             redis_prefix: self.redis_prefix.clone().unwrap_or(d.redis_prefix),
             redis_coalesce: self.redis_coalesce.unwrap_or(d.redis_coalesce),
+            redis_spread_keys: self.redis_spread_keys.unwrap_or(d.redis_spread_keys),
+            token_slices: self.token_slices.unwrap_or(d.token_slices),
             store_timeout: or(self.store_timeout, d.store_timeout),
             breaker_threshold: self.breaker_threshold.unwrap_or(d.breaker_threshold),
             breaker_cooldown: or(self.breaker_cooldown, d.breaker_cooldown),
@@ -462,6 +473,8 @@ impl ServeArgs {
             redis_ca_cert: d.redis_ca_cert,
             redis_prefix: Some(d.redis_prefix),
             redis_coalesce: Some(d.redis_coalesce),
+            redis_spread_keys: Some(d.redis_spread_keys),
+            token_slices: Some(d.token_slices),
             store_timeout: Some(d.store_timeout),
             breaker_threshold: Some(d.breaker_threshold),
             breaker_cooldown: Some(d.breaker_cooldown),

@@ -18,6 +18,7 @@ pub mod memory;
 pub mod record_id;
 pub mod redis;
 pub mod reservation;
+pub mod slices;
 pub mod stack;
 
 use std::fmt;

@@ -92,6 +92,20 @@ pub struct RedisConfig {
     pub breaker_threshold: u32,
     /// How long an open breaker answers at once before probing its node.
     pub breaker_cooldown: Duration,
+    /// Spread each tenant's per-key buckets over the cluster's slots (hash
+    /// tag per key) instead of keeping all of a tenant's keys on one slot.
+    /// Decisions that spend must then touch one key's buckets (a
+    /// tenant-wide bucket beside them comes from `--token-slices`), and
+    /// reservations and leases cannot span a per-key and a tenant-wide
+    /// bucket.
+    pub spread_keys: bool,
+}
+
+/// The 32-bit FNV-1a hash: a stable spread of keys over hash tags.
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5, |h: u32, &b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 impl RedisConfig {
@@ -108,6 +122,7 @@ impl RedisConfig {
             coalesce: 64,
             breaker_threshold: 5,
             breaker_cooldown: Duration::from_secs(1),
+            spread_keys: false,
         }
     }
 
@@ -219,6 +234,25 @@ impl RedisStore {
             }
         }
         let mut keys: SmallVec<[String; 4]> = buckets.iter().map(|b| shared.redis_key(b)).collect();
+        if shared.config.spread_keys
+            && keys[1..]
+                .iter()
+                .any(|k| coalesce::hash_tag(k) != coalesce::hash_tag(&keys[0]))
+        {
+            return match (op, attach) {
+                // Reads and unconditional charges need no atomicity across
+                // slots: each slot's part is applied on its own.
+                (Op::DRY | Op::Charge, Attach::None) => {
+                    self.decide_per_slot(buckets, charges, op, &keys).await
+                }
+                _ => Err(StoreError::Unsupported(
+                    "with --redis-spread-keys, a decision that spends, a reservation or a lease \
+                     must touch one key's buckets (tenant-wide buckets come from --token-slices); \
+                     send each key in its own call"
+                        .into(),
+                )),
+            };
+        }
         let kind = match (op, attach) {
             (_, Attach::Lease(lease)) => {
                 if buckets.iter().any(|b| b.tenant() != lease.id.tenant()) {
@@ -278,6 +312,53 @@ impl RedisStore {
                 "token_bucket.lua answered a decision as a settle or a lease".into(),
             )),
         }
+    }
+
+    /// A dry run or a charge over buckets on several slots
+    /// (`--redis-spread-keys`): one call per slot, verdicts in order.
+    async fn decide_per_slot(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+        op: Op,
+        keys: &[String],
+    ) -> Result<Verdicts, StoreError> {
+        let mut verdicts = vec![crate::algorithm::Verdict::admitted(); buckets.len()];
+        let mut allowed = true;
+        let mut done = vec![false; buckets.len()];
+        for first in 0..buckets.len() {
+            if done[first] {
+                continue;
+            }
+            let tag = coalesce::hash_tag(&keys[first]);
+            let group: SmallVec<[usize; 4]> = (first..buckets.len())
+                .filter(|&i| !done[i] && coalesce::hash_tag(&keys[i]) == tag)
+                .collect();
+            let kind = match op {
+                Op::Decide { spend } => Kind::Decide { spend },
+                _ => Kind::Charge,
+            };
+            let request = Request {
+                keys: group.iter().map(|&i| keys[i].clone()).collect(),
+                charges: group.iter().map(|&i| charges[i]).collect(),
+                kind,
+            };
+            match self.shared.send(request).await? {
+                Reply::Verdicts(v) => {
+                    allowed &= v.allowed;
+                    for (&i, verdict) in group.iter().zip(v.verdicts) {
+                        verdicts[i] = verdict;
+                        done[i] = true;
+                    }
+                }
+                Reply::Settled(_) | Reply::Lease(_) => {
+                    return Err(StoreError::Protocol(
+                        "token_bucket.lua answered a decision as a settle or a lease".into(),
+                    ));
+                }
+            }
+        }
+        Ok(Verdicts { allowed, verdicts })
     }
 
     async fn lease_at(&self, id: &LeaseId, op: LeaseOp) -> Result<LeaseAnswer, StoreError> {
@@ -433,6 +514,19 @@ impl Shared {
         } else {
             tenant
         };
+        if self.config.spread_keys
+            && let Some((scope @ ("k" | "ks"), after)) = rest.split_once(':')
+        {
+            // A per-key rate bucket: tagged by its tenant and a hash of its
+            // key, so that one tenant's keys spread over every slot while
+            // one key's buckets (every rule of a decision) share one.
+            let key = after.split_once(':').map_or("", |(_, key)| key);
+            let spread = fnv1a(key.as_bytes());
+            return format!(
+                "{}{{{tag}/{spread:08x}}}:{scope}:{after}",
+                self.config.prefix
+            );
+        }
         format!("{}{{{tag}}}:{rest}", self.config.prefix)
     }
 

@@ -6,8 +6,12 @@
 //! the next, and [`build`] composes them in one place:
 //!
 //! ```text
-//! DenyCache  ->  Fallback  ->  backend (memory, or Redis)
+//! DenyCache  ->  Fallback  ->  Slices  ->  backend (memory, or Redis)
 //! ```
+//!
+//! Token slices (off by default) answer hot tenant-wide buckets from
+//! tokens taken ahead; they sit under the fallback, so a store that fails
+//! while a slice is taken is answered by policy like any other call.
 //!
 //! The deny cache answers buckets it knows are exhausted without a store
 //! call; the fallback answers by each rule's policy when what is below it
@@ -22,6 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
+use super::slices::Slices;
 use super::{
     BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, MemoryStore, PingFuture, Reservation,
     ReservationId, SettleFuture, Store, StoreError, StoreStatus, Verdicts,
@@ -175,6 +180,9 @@ pub struct Layers {
     /// Answer recently rejected buckets locally (`--deny-cache`), holding
     /// at most this many buckets and bytes.
     pub deny_cache: Option<(usize, usize)>,
+    /// Answer hot tenant-wide buckets from token slices
+    /// (`--token-slices`), for at most this many buckets at once.
+    pub slices: Option<usize>,
 }
 
 /// Composes the stack: the one place the layers are put together.
@@ -183,6 +191,9 @@ pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> 
         store: backend,
         answered: AtomicBool::new(false),
     });
+    if let Some(max_slots) = layers.slices {
+        stack = Box::new(Slices::new(clock.clone(), max_slots).wrap(stack));
+    }
     if let Some(fallback) = layers.fallback {
         stack = Box::new(fallback.wrap(stack));
     }

@@ -384,6 +384,14 @@ pub fn grpc_request(method: &'static str, took: std::time::Duration) {
 /// Rejections answered from the local deny cache, without the store.
 pub const DENY_CACHE_HITS: &str = "tollgate_deny_cache_hits_total";
 
+/// Token slices taken from the store (`--token-slices`), by `result`
+/// (`granted`, `refused`).
+pub const SLICE_TAKES: &str = "tollgate_slice_takes_total";
+
+/// Decisions on a sliced bucket refused without the store: its last answer
+/// proves the cost cannot pass yet.
+pub const SLICE_LOCAL_REFUSALS: &str = "tollgate_slice_local_refusals_total";
+
 /// Reservations whose time to live passed unsettled (a sign of callers
 /// that crash between reserve and settle).
 pub const RESERVATIONS_EXPIRED: &str = "tollgate_reservations_expired_total";
@@ -538,6 +546,26 @@ pub fn deny_cache_hit() {
     static HANDLE: OnceLock<metrics::Counter> = OnceLock::new();
     HANDLE
         .get_or_init(|| counter!(DENY_CACHE_HITS))
+        .increment(1);
+}
+
+/// Counts a slice taken from the store, or refused.
+pub fn slice_taken(granted: bool) {
+    static HANDLES: OnceLock<[metrics::Counter; 2]> = OnceLock::new();
+    let [granted_, refused] = HANDLES.get_or_init(|| {
+        [
+            counter!(SLICE_TAKES, "result" => "granted"),
+            counter!(SLICE_TAKES, "result" => "refused"),
+        ]
+    });
+    if granted { granted_ } else { refused }.increment(1);
+}
+
+/// Counts a decision on a sliced bucket refused without the store.
+pub fn slice_refused_locally() {
+    static HANDLE: OnceLock<metrics::Counter> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| counter!(SLICE_LOCAL_REFUSALS))
         .increment(1);
 }
 

@@ -254,7 +254,7 @@ async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
 }
 
 /// The `{…}` part of a Redis key (what Redis Cluster hashes).
-fn hash_tag(key: &str) -> &str {
+pub(super) fn hash_tag(key: &str) -> &str {
     key.split_once('{')
         .and_then(|(_, rest)| rest.split_once('}'))
         .map_or(key, |(tag, _)| tag)

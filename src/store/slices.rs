@@ -1,0 +1,571 @@
+//! Token slices: a hot tenant-wide bucket answered from tokens taken ahead
+//! (`--token-slices`, off by default).
+//!
+//! Every decision on a tenant's ceiling is a script call on the one Redis
+//! slot that holds it, so one tenant's traffic is bound to one Redis core.
+//! With slices, an instance takes a *slice* of the ceiling's tokens in one
+//! decision (spent in the store at once, like any decision), answers its
+//! next decisions on that bucket from the slice, and sends only the rest of
+//! each decision (the per-key buckets) to the store.
+//!
+//! Exactness. The store spent the slice's tokens when it was taken, so
+//! admissions never exceed what the store granted. One more thing could let
+//! through more than the limit: the store's bucket refilling up to its
+//! capacity while this instance still holds tokens it took earlier (taken
+//! from a full bucket and used after the bucket was full again, they would
+//! be a second burst). So a slice is usable only until the instant the
+//! bucket would have been full had the slice not been taken: the debt the
+//! store reported before the take, counted from the moment the call was
+//! sent (the store's clock reads later, so the local deadline is earlier).
+//! Until then, the tokens held here plus the store's balance never exceed
+//! the capacity; what is left at the deadline is dropped (never given
+//! back, which would break that bound). Tokens are never lost by others:
+//! an instance that dies holding a slice has spent those tokens, and the
+//! bucket refills as usual.
+//!
+//! What it costs. Refusals may come early by at most what other instances
+//! hold (at most one slice each) and what expires unused; the slice size
+//! adapts (doubling while slices run out before their deadline, halving
+//! when tokens expire unused), up to `1/32` of the burst. Near a full
+//! bucket slices expire at once, so a quiet tenant's decisions make one
+//! extra store call for the ceiling. The reported `remaining` of a sliced
+//! bucket is this instance's slice plus the store's balance at the last
+//! take; `retry_after` is computed from the store's last answer, which
+//! others can only make later, never earlier.
+//!
+//! Only enforced token-bucket charges on tenant-wide buckets (scope `t`)
+//! that spend what they need are sliced, and only in decisions that spend
+//! (`ShouldAllow`, the Envoy API); every other operation reaches the store
+//! as before.
+
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use smallvec::SmallVec;
+
+use super::stack::{Applied, Layer, LayerFuture, Request};
+use super::{
+    BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError,
+    StoreStatus, Verdicts,
+};
+use crate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Verdict};
+use crate::clock::Clock;
+use crate::limits::OnStoreUnavailable;
+
+/// A slice is at most this share of the bucket's burst.
+const MAX_SHARE: u64 = 32;
+
+/// Tokens valid until an instant (local clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Chunk {
+    tokens: u64,
+    until: Micros,
+}
+
+/// This instance's view of one sliced bucket.
+#[derive(Debug, Default)]
+struct State {
+    /// The limit the chunks were taken under; a new limit drops them.
+    limit: Option<Limit>,
+    /// Tokens held, earliest deadline first.
+    chunks: SmallVec<[Chunk; 2]>,
+    /// Tokens to take next time.
+    size: u64,
+    /// Tokens expired unused since the last take.
+    lost: bool,
+    /// When the store said the bucket is full again (local clock), as of
+    /// its last answer; 0 when unknown.
+    full_at: Micros,
+    /// When that answer's call was sent.
+    seen_at: Micros,
+    /// The last decision on this bucket.
+    used_at: Micros,
+}
+
+/// Tokens taken from chunks, to give back if the decision is refused.
+type Taken = SmallVec<[Chunk; 2]>;
+
+impl State {
+    /// Drops what can no longer be used at `now`.
+    fn sync(&mut self, limit: &Limit, now: Micros) {
+        if self.limit != Some(*limit) || now < self.seen_at {
+            // A new limit, or a clock that stepped back: start over.
+            *self = State {
+                limit: Some(*limit),
+                size: self.size.max(1),
+                ..State::default()
+            };
+            return;
+        }
+        let before = self.chunks.len();
+        self.chunks.retain(|c| c.until > now);
+        if self.chunks.len() != before {
+            self.lost = true;
+        }
+    }
+
+    fn held(&self) -> u64 {
+        self.chunks.iter().map(|c| c.tokens).sum()
+    }
+
+    /// Takes `cost` tokens from the chunks, all or nothing.
+    fn take(&mut self, cost: u64) -> Option<Taken> {
+        if self.held() < cost {
+            return None;
+        }
+        let mut taken = Taken::new();
+        let mut left = cost;
+        for chunk in &mut self.chunks {
+            let n = chunk.tokens.min(left);
+            if n > 0 {
+                chunk.tokens -= n;
+                left -= n;
+                taken.push(Chunk {
+                    tokens: n,
+                    until: chunk.until,
+                });
+            }
+        }
+        self.chunks.retain(|c| c.tokens > 0);
+        Some(taken)
+    }
+
+    /// Puts back tokens taken by a decision that was refused.
+    fn give_back(&mut self, taken: &Taken, now: Micros) {
+        for back in taken.iter().filter(|c| c.until > now) {
+            match self.chunks.iter_mut().find(|c| c.until == back.until) {
+                Some(chunk) => chunk.tokens += back.tokens,
+                None => {
+                    let at = self.chunks.partition_point(|c| c.until < back.until);
+                    self.chunks.insert(at, *back);
+                }
+            }
+        }
+    }
+
+    /// The store's debt at `now`, as of its last answer (at least that:
+    /// other instances only add to it).
+    fn debt(&self, now: Micros) -> Micros {
+        self.full_at.saturating_sub(now)
+    }
+
+    /// When the last answer proves `cost` cannot be admitted yet: the wait
+    /// until it could be.
+    fn certain_wait(&self, limit: &Limit, cost: u64, now: Micros) -> Option<Micros> {
+        if self.full_at == 0 {
+            return None;
+        }
+        let needed = self.debt(now) + cost * limit.interval();
+        let wait = needed.saturating_sub(limit.tolerance());
+        (wait > 0).then_some(wait)
+    }
+
+    /// The verdict of a bucket answered here.
+    fn verdict(&self, limit: &Limit, allowed: bool, retry_after: Micros, now: Micros) -> Verdict {
+        let debt = self.debt(now).min(limit.tolerance());
+        let store_balance = (limit.tolerance() - debt) / limit.interval();
+        Verdict {
+            allowed,
+            remaining: (store_balance + self.held()).min(limit.burst()),
+            debt: 0,
+            forgiven: 0,
+            retry_after,
+            reset_after: self.debt(now),
+        }
+    }
+
+    /// The most tokens one slice of `limit` holds (at least `cost`).
+    fn cap(limit: &Limit, cost: u64) -> u64 {
+        (limit.burst() / MAX_SHARE).max(cost)
+    }
+
+    /// The tokens this instance waits for before it takes a new slice of
+    /// a bucket the store's last answer shows short: the slice it would
+    /// take, so that a hot bucket is taken from in slices, not a token at
+    /// a time.
+    fn wanted(&self, limit: &Limit, cost: u64) -> u64 {
+        self.size.clamp(cost, Self::cap(limit, cost))
+    }
+
+    /// How many tokens to ask the store for, for a decision of `cost`.
+    fn want(&mut self, limit: &Limit, cost: u64, now: Micros) -> u64 {
+        let debt = self.debt(now).min(limit.tolerance());
+        if self.full_at == 0 || debt == 0 {
+            // A full bucket (as far as this instance knows): a slice taken
+            // now would be usable for no time at all.
+            return cost;
+        }
+        if self.lost {
+            self.size = (self.size / 2).max(1);
+        } else {
+            self.size = self.size.saturating_mul(2);
+        }
+        self.lost = false;
+        // No more than the bucket held at the last answer.
+        let balance = (limit.tolerance() - debt) / limit.interval();
+        let want = self.wanted(limit, cost).min(balance.max(cost));
+        self.size = want.max(self.size.min(Self::cap(limit, cost)));
+        want
+    }
+}
+
+/// One sliced bucket: its state, and a gate so that one decision at a time
+/// takes a new slice while the others wait for it.
+#[derive(Default)]
+struct Slot {
+    state: parking_lot::Mutex<State>,
+    gate: tokio::sync::Mutex<()>,
+}
+
+/// Slices held by this instance, one per hot tenant-wide bucket.
+pub struct Slices {
+    slots: DashMap<BucketKey, Arc<Slot>>,
+    clock: Arc<dyn Clock>,
+    max_slots: usize,
+}
+
+impl Slices {
+    /// Slices for at most `max_slots` buckets at once (beyond, a bucket's
+    /// decisions take exactly their cost from the store, holding nothing).
+    pub fn new(clock: Arc<dyn Clock>, max_slots: usize) -> Self {
+        Self {
+            slots: DashMap::new(),
+            clock,
+            max_slots: max_slots.max(16),
+        }
+    }
+
+    /// This layer around `inner`.
+    pub fn wrap(self, inner: Box<dyn Layer>) -> SlicesLayer {
+        SlicesLayer {
+            inner,
+            slices: self,
+        }
+    }
+
+    /// Tokens this instance holds for `bucket` now.
+    pub fn held(&self, bucket: &BucketKey) -> u64 {
+        let now = self.clock.now();
+        self.slots.get(bucket).map_or(0, |slot| {
+            let state = slot.state.lock();
+            state
+                .chunks
+                .iter()
+                .filter(|c| c.until > now)
+                .map(|c| c.tokens)
+                .sum()
+        })
+    }
+
+    fn slot(&self, bucket: &BucketKey, now: Micros) -> Arc<Slot> {
+        if let Some(slot) = self.slots.get(bucket) {
+            return slot.clone();
+        }
+        if self.slots.len() >= self.max_slots {
+            // Forget the slots nobody used for a minute and that hold
+            // nothing valid.
+            self.slots.retain(|_, slot| {
+                let state = slot.state.lock();
+                state.used_at + 60_000_000 > now || state.chunks.iter().any(|c| c.until > now)
+            });
+            if self.slots.len() >= self.max_slots {
+                return Arc::default();
+            }
+        }
+        self.slots.entry(bucket.clone()).or_default().clone()
+    }
+}
+
+/// True for a charge answered from a slice.
+fn sliced(bucket: &BucketKey, charge: &Charge) -> bool {
+    charge.enforce
+        && charge.cost > 0
+        && charge.need == charge.cost
+        && charge.cost <= charge.limit.burst()
+        && charge.limit.algorithm() == Algorithm::TokenBucket
+        && bucket.as_str().split(':').nth(1) == Some("t")
+}
+
+/// What a sliced bucket answered.
+struct Answer {
+    verdict: Verdict,
+    /// Tokens taken from a slice, to give back on a refusal.
+    taken: Taken,
+    slot: Arc<Slot>,
+}
+
+/// [`Slices`] around a layer.
+pub struct SlicesLayer {
+    inner: Box<dyn Layer>,
+    slices: Slices,
+}
+
+impl SlicesLayer {
+    /// The slices.
+    pub fn slices(&self) -> &Slices {
+        &self.slices
+    }
+
+    /// Takes a new slice for a decision of `charge` that the slice held
+    /// here could not answer, and answers it from the slice (one decision
+    /// at a time per bucket takes; the others wait and use its slice).
+    async fn take(
+        &self,
+        bucket: &BucketKey,
+        charge: &Charge,
+        policy: OnStoreUnavailable,
+        slot: Arc<Slot>,
+    ) -> Result<Answer, StoreError> {
+        let (limit, cost) = (charge.limit, charge.cost);
+        let _gate = slot.gate.lock().await;
+        // Another decision may have taken a slice while this one waited.
+        let now = self.slices.clock.now();
+        if let Some(answer) = Self::local(&slot, &limit, cost, now) {
+            return Ok(answer);
+        }
+        let mut want = slot.state.lock().want(&limit, cost, now);
+        loop {
+            let charges = [Charge::new(limit, want)];
+            let applied = self
+                .inner
+                .apply(Request {
+                    buckets: std::slice::from_ref(bucket),
+                    charges: &charges,
+                    policies: &[policy],
+                    op: Op::SPEND,
+                    reserve: None,
+                    lease: None,
+                })
+                .await?;
+            let got =
+                applied.outcome.verdicts.first().copied().ok_or_else(|| {
+                    StoreError::Protocol("a slice's take answered no verdict".into())
+                })?;
+            if applied.degraded {
+                // A policy's answer, not the store's: hold nothing.
+                return Ok(Answer {
+                    verdict: got,
+                    taken: Taken::new(),
+                    slot: slot.clone(),
+                });
+            }
+            let mut state = slot.state.lock();
+            state.sync(&limit, now);
+            state.seen_at = now;
+            state.full_at = now + got.reset_after;
+            if got.allowed {
+                crate::telemetry::metrics::slice_taken(true);
+                // The debt before the take: the bucket would have been
+                // full then, so the slice is usable until then.
+                let until = now + got.reset_after.saturating_sub(want * limit.interval());
+                let taken = if until > now {
+                    let at = state.chunks.partition_point(|c| c.until < until);
+                    state.chunks.insert(
+                        at,
+                        Chunk {
+                            tokens: want,
+                            until,
+                        },
+                    );
+                    state.take(cost).unwrap_or_default()
+                } else {
+                    state.lost |= want > cost;
+                    Taken::new()
+                };
+                let verdict = state.verdict(&limit, true, 0, now);
+                return Ok(Answer {
+                    verdict,
+                    taken,
+                    slot: slot.clone(),
+                });
+            }
+            crate::telemetry::metrics::slice_taken(false);
+            if want > cost && got.remaining >= cost {
+                // The bucket holds less than the slice but enough for this
+                // decision: ask for exactly that.
+                want = cost;
+                continue;
+            }
+            let retry_after = state
+                .certain_wait(&limit, cost, now)
+                .unwrap_or(got.retry_after);
+            let verdict = Verdict {
+                remaining: got.remaining,
+                debt: got.debt,
+                ..state.verdict(&limit, false, retry_after, now)
+            };
+            return Ok(Answer {
+                verdict,
+                taken: Taken::new(),
+                slot: slot.clone(),
+            });
+        }
+    }
+
+    /// The answer from what this instance holds or knows, if it can give
+    /// one without the store: tokens from the slice, or a refusal the
+    /// store's last answer proves.
+    fn local(slot: &Arc<Slot>, limit: &Limit, cost: u64, now: Micros) -> Option<Answer> {
+        let mut state = slot.state.lock();
+        state.sync(limit, now);
+        state.used_at = now;
+        if let Some(taken) = state.take(cost) {
+            let verdict = state.verdict(limit, true, 0, now);
+            return Some(Answer {
+                verdict,
+                taken,
+                slot: slot.clone(),
+            });
+        }
+        let wanted = state.wanted(limit, cost);
+        let wait = state.certain_wait(limit, wanted, now)?;
+        crate::telemetry::metrics::slice_refused_locally();
+        Some(Answer {
+            verdict: state.verdict(limit, false, wait, now),
+            taken: Taken::new(),
+            slot: slot.clone(),
+        })
+    }
+
+    /// A spending decision with sliced buckets: the slices answer what they
+    /// can; then the rest goes to the store; then the sliced buckets that
+    /// need a new slice take one. The rest goes first so that a decision
+    /// its own key refuses never spends the tenant's tokens; a decision
+    /// whose new slice is refused has spent the rest's tokens (bounded: the
+    /// refusal is then remembered and answered here until it could pass).
+    async fn apply_sliced(
+        &self,
+        r: Request<'_>,
+        sliced: SmallVec<[usize; 2]>,
+    ) -> Result<Applied, StoreError> {
+        let now = self.slices.clock.now();
+        let mut verdicts: Vec<Verdict> = vec![Verdict::admitted(); r.buckets.len()];
+        let mut answers: SmallVec<[Answer; 2]> = SmallVec::new();
+        let mut pending: SmallVec<[(usize, Arc<Slot>); 2]> = SmallVec::new();
+        let mut allowed = true;
+        let mut degraded = false;
+        for &i in &sliced {
+            let slot = self.slices.slot(&r.buckets[i], now);
+            let (limit, cost) = (r.charges[i].limit, r.charges[i].cost);
+            match Self::local(&slot, &limit, cost, now) {
+                Some(answer) => {
+                    allowed &= answer.verdict.allowed;
+                    verdicts[i] = answer.verdict;
+                    answers.push(answer);
+                }
+                None => {
+                    verdicts[i] = slot.state.lock().verdict(&limit, true, 0, now);
+                    pending.push((i, slot));
+                }
+            }
+        }
+        let give_back = |answers: &SmallVec<[Answer; 2]>| {
+            let now = self.slices.clock.now();
+            for a in answers {
+                a.slot.state.lock().give_back(&a.taken, now);
+            }
+        };
+        let rest: SmallVec<[usize; 4]> = (0..r.buckets.len())
+            .filter(|i| !sliced.contains(i))
+            .collect();
+        if !rest.is_empty() {
+            let buckets: SmallVec<[BucketKey; 4]> =
+                rest.iter().map(|&i| r.buckets[i].clone()).collect();
+            let charges: SmallVec<[Charge; 4]> = rest.iter().map(|&i| r.charges[i]).collect();
+            let policies: SmallVec<[OnStoreUnavailable; 4]> =
+                rest.iter().map(|&i| r.policies[i]).collect();
+            // A refused decision spends nothing: the rest is only asked
+            // what it holds, for its verdicts.
+            let op = if allowed { Op::SPEND } else { Op::DRY };
+            let applied = self
+                .inner
+                .apply(Request {
+                    buckets: &buckets,
+                    charges: &charges,
+                    policies: &policies,
+                    op,
+                    reserve: None,
+                    lease: None,
+                })
+                .await;
+            match applied {
+                Ok(applied) => {
+                    allowed &= applied.outcome.allowed;
+                    degraded |= applied.degraded;
+                    for (&i, v) in rest.iter().zip(applied.outcome.verdicts) {
+                        verdicts[i] = v;
+                    }
+                }
+                Err(e) => {
+                    give_back(&answers);
+                    return Err(e);
+                }
+            }
+        }
+        if allowed {
+            for (i, slot) in pending {
+                let answer = self.take(&r.buckets[i], &r.charges[i], r.policies[i], slot);
+                match answer.await {
+                    Ok(answer) => {
+                        allowed &= answer.verdict.allowed;
+                        verdicts[i] = answer.verdict;
+                        answers.push(answer);
+                        if !allowed {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        give_back(&answers);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        if !allowed {
+            give_back(&answers);
+        }
+        Ok(Applied {
+            outcome: Verdicts { allowed, verdicts },
+            degraded,
+        })
+    }
+}
+
+impl Layer for SlicesLayer {
+    fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
+        if r.op != Op::SPEND || r.reserve.is_some() || r.lease.is_some() {
+            return self.inner.apply(r);
+        }
+        let sliced: SmallVec<[usize; 2]> = (0..r.buckets.len())
+            .filter(|&i| sliced(&r.buckets[i], &r.charges[i]))
+            .collect();
+        if sliced.is_empty() {
+            return self.inner.apply(r);
+        }
+        Box::pin(self.apply_sliced(r, sliced))
+    }
+
+    fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
+        let plain = r.op != Op::SPEND
+            || r.reserve.is_some()
+            || r.lease.is_some()
+            || !r.buckets.iter().zip(r.charges).any(|(b, c)| sliced(b, c));
+        if plain { self.inner.apply_now(r) } else { None }
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        self.inner.settle(id, actual)
+    }
+
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        self.inner.lease(id, op)
+    }
+
+    fn ping(&self) -> PingFuture<'_> {
+        self.inner.ping()
+    }
+
+    fn status(&self) -> StoreStatus {
+        self.inner.status()
+    }
+}

@@ -1,0 +1,486 @@
+//! Token slices (`--token-slices`) and per-key buckets spread over slots
+//! (`--redis-spread-keys`), on every store: in-process, Redis, and a
+//! 3-node Redis Cluster (real servers, started per test).
+//!
+//! The properties, for several instances sharing one backend:
+//! - every admission sequence the instances produce together conforms to
+//!   each bucket: replayed against an exact bucket, each admission passes
+//!   (never more than the limit allows);
+//! - the same requests get the same answers on every backend (the Lua and
+//!   Rust arithmetic agree, so the layer above them does too);
+//! - refusals come early by at most what the slices hold.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::T0;
+use common::redis::{RedisCluster, RedisServer, redis_cli};
+use tollgate::algorithm::{BucketState, Charge, Limit, Micros, Op, Rate, Verdict, decide};
+use tollgate::clock::{Clock, ManualClock};
+use tollgate::limits::OnStoreUnavailable;
+use tollgate::store::stack::{Layer, Layers, Request, build};
+use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store, StoreError};
+
+/// Instances sharing one backend, each with its own stack.
+struct Fleet {
+    instances: Vec<Arc<dyn Layer>>,
+    clock: Arc<ManualClock>,
+    _redis: Option<RedisServer>,
+    _cluster: Option<RedisCluster>,
+}
+
+fn stack(backend: Arc<dyn Store>, clock: &Arc<ManualClock>, slices: bool) -> Arc<dyn Layer> {
+    let layers = Layers {
+        fallback: None,
+        deny_cache: None,
+        slices: slices.then_some(1_000),
+    };
+    build(backend, layers, clock.clone())
+}
+
+fn redis_backend(url: String, clock: &Arc<ManualClock>, spread: bool) -> Arc<dyn Store> {
+    let config = RedisConfig {
+        timeout: Duration::from_secs(5),
+        spread_keys: spread,
+        ..RedisConfig::new(url)
+    };
+    let clock: Arc<dyn Clock> = clock.clone();
+    Arc::new(RedisStore::new(config, Some(clock)).unwrap())
+}
+
+impl Fleet {
+    fn memory(n: usize, slices: bool) -> Self {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 100_000));
+        Self {
+            instances: (0..n)
+                .map(|_| stack(store.clone(), &clock, slices))
+                .collect(),
+            clock,
+            _redis: None,
+            _cluster: None,
+        }
+    }
+
+    fn redis(n: usize, spread: bool) -> Self {
+        let server = RedisServer::start();
+        let clock = Arc::new(ManualClock::new(T0));
+        Self {
+            instances: (0..n)
+                .map(|_| stack(redis_backend(server.url(), &clock, spread), &clock, true))
+                .collect(),
+            clock,
+            _redis: Some(server),
+            _cluster: None,
+        }
+    }
+
+    fn cluster(n: usize) -> Self {
+        let cluster = RedisCluster::start();
+        let clock = Arc::new(ManualClock::new(T0));
+        Self {
+            instances: (0..n)
+                .map(|_| stack(redis_backend(cluster.url(), &clock, true), &clock, true))
+                .collect(),
+            clock,
+            _redis: None,
+            _cluster: Some(cluster),
+        }
+    }
+}
+
+fn limit(burst: u64, rate: &str) -> Limit {
+    Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap()
+}
+
+fn ceiling(tenant: &str) -> BucketKey {
+    BucketKey::new(tenant, "t", "", "")
+}
+
+fn per_key(tenant: &str, key: &str) -> BucketKey {
+    BucketKey::new(tenant, "k", "", key)
+}
+
+const POLICIES: [OnStoreUnavailable; 2] = [OnStoreUnavailable::Deny, OnStoreUnavailable::Deny];
+
+/// One decision: the tenant's ceiling and one key's bucket.
+async fn decide_on(
+    instance: &Arc<dyn Layer>,
+    buckets: &[BucketKey; 2],
+    charges: &[Charge; 2],
+) -> Result<(bool, Vec<Verdict>), StoreError> {
+    let applied = instance
+        .apply(Request {
+            buckets,
+            charges,
+            policies: &POLICIES,
+            op: Op::SPEND,
+            reserve: None,
+            lease: None,
+        })
+        .await?;
+    Ok((applied.outcome.allowed, applied.outcome.verdicts))
+}
+
+/// A small deterministic generator, so a failure can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Replays admissions against an exact bucket: each must pass.
+fn conforms(limit: &Limit, admitted: &[(Micros, u64)]) -> Result<(), String> {
+    let mut state: Option<BucketState> = None;
+    for (n, &(at, cost)) in admitted.iter().enumerate() {
+        let (verdict, next) = decide(state, limit, cost, at).unwrap();
+        if !verdict.allowed {
+            return Err(format!(
+                "admission {n} (cost {cost} at +{} µs) is beyond the limit",
+                at - T0
+            ));
+        }
+        state = Some(next);
+    }
+    Ok(())
+}
+
+struct Run {
+    /// Every answer: allowed, then each bucket's verdict.
+    answers: Vec<(bool, Vec<Verdict>)>,
+    admitted: u64,
+}
+
+const CEILING_BURST: u64 = 3_200;
+const KEYS: u64 = 16;
+
+/// A hot tenant: demand twice the ceiling's rate, spread over 16 keys
+/// whose own limits bind now and then, from every instance in turn (in a
+/// random order), with the clock moving 0 to 99 µs between decisions.
+async fn hot_tenant(fleet: &Fleet, steps: usize, seed: u64) -> Run {
+    let ceiling_limit = limit(CEILING_BURST, "20000/second");
+    let key_limit = limit(100, "2000/second");
+    let mut rng = Rng(seed);
+    let mut answers = Vec::with_capacity(steps);
+    let mut at_ceiling = Vec::new();
+    let mut at_key: Vec<Vec<(Micros, u64)>> = vec![Vec::new(); KEYS as usize];
+    for _ in 0..steps {
+        fleet.clock.advance(Duration::from_micros(rng.below(100)));
+        let instance = &fleet.instances[rng.below(fleet.instances.len() as u64) as usize];
+        let k = rng.below(KEYS);
+        let cost = 1 + rng.below(3);
+        let buckets = [ceiling("hot"), per_key("hot", &format!("user-{k}"))];
+        let charges = [
+            Charge::new(ceiling_limit, cost),
+            Charge::new(key_limit, cost),
+        ];
+        let (allowed, verdicts) = decide_on(instance, &buckets, &charges).await.unwrap();
+        if allowed {
+            let now = fleet.clock.now();
+            at_ceiling.push((now, cost));
+            at_key[k as usize].push((now, cost));
+        } else {
+            let retry = verdicts.iter().map(|v| v.retry_after).max().unwrap();
+            assert!(retry > 0, "a refusal says when to retry: {verdicts:?}");
+        }
+        answers.push((allowed, verdicts));
+    }
+    conforms(&ceiling_limit, &at_ceiling).unwrap();
+    for admitted in &at_key {
+        conforms(&key_limit, admitted).unwrap();
+    }
+    let admitted = at_ceiling.iter().map(|(_, c)| c).sum();
+    Run { answers, admitted }
+}
+
+const STEPS: usize = 6_000;
+const SEED: u64 = 0x5eed_0f51_1ce5;
+
+/// The same tenant through three instances with slices, and through the
+/// exact path (no slices): the sliced fleet admits no more than the limit
+/// and close to what the exact one does.
+async fn hot_tenant_against_the_exact_answer(sliced: &Fleet) -> Run {
+    let run = hot_tenant(sliced, STEPS, SEED).await;
+    let exact = hot_tenant(&Fleet::memory(3, false), STEPS, SEED).await;
+    eprintln!(
+        "tokens admitted: sliced {}, exact {} ({:.2} %)",
+        run.admitted,
+        exact.admitted,
+        100.0 * run.admitted as f64 / exact.admitted as f64
+    );
+    // Early refusals are bounded by what the slices hold: at most a
+    // thirty-second of the burst per instance at a time, renewed as
+    // they run out; within 5 % of the exact answer here.
+    assert!(
+        run.admitted * 100 >= exact.admitted * 95,
+        "sliced {} against exact {}",
+        run.admitted,
+        exact.admitted
+    );
+    run
+}
+
+#[tokio::test]
+async fn memory_three_instances_stay_within_the_limit() {
+    let run = hot_tenant_against_the_exact_answer(&Fleet::memory(3, true)).await;
+    assert!(
+        run.answers.iter().any(|(allowed, _)| !allowed),
+        "the tenant was hot"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_answers_exactly_as_memory_does() {
+    let memory = hot_tenant(&Fleet::memory(3, true), STEPS, SEED).await;
+    for spread in [false, true] {
+        let redis = hot_tenant_against_the_exact_answer(&Fleet::redis(3, spread)).await;
+        assert_eq!(redis.admitted, memory.admitted, "spread keys: {spread}");
+        for (n, (r, m)) in redis.answers.iter().zip(&memory.answers).enumerate() {
+            assert_eq!(r, m, "answer {n} differs (spread keys: {spread})");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_answers_exactly_as_memory_does_with_keys_on_every_master() {
+    let fleet = Fleet::cluster(3);
+    let memory = hot_tenant(&Fleet::memory(3, true), STEPS, SEED).await;
+    let cluster = hot_tenant_against_the_exact_answer(&fleet).await;
+    assert_eq!(cluster.answers, memory.answers);
+    // The tenant's 16 keys live on every master, its ceiling on one.
+    let cluster_ = fleet._cluster.as_ref().unwrap();
+    let nodes = &cluster_.nodes;
+    let calls: Vec<u64> = nodes
+        .iter()
+        .map(|n| common::redis::evalsha_calls(n.port))
+        .collect();
+    let home = cluster_.owner(cluster_.slot_of("hot")).unwrap();
+    eprintln!("script calls per master: {calls:?}; the ceiling is on master {home}");
+    // Every decision made one call for its key's bucket (a dry run when
+    // the ceiling refused here); the ceiling's master saw only the takes.
+    let takes = calls.iter().sum::<u64>() - STEPS as u64;
+    assert!(
+        takes < STEPS as u64 / 10,
+        "{takes} slices taken for {STEPS} decisions"
+    );
+    let keys: Vec<u64> = nodes
+        .iter()
+        .map(|n| redis_cli(n.port, &["DBSIZE"]).parse().unwrap())
+        .collect();
+    assert_eq!(keys.iter().sum::<u64>(), KEYS + 1, "{keys:?}");
+    assert!(keys.iter().all(|&n| n >= 2), "keys per master: {keys:?}");
+}
+
+/// Many callers at once on three instances, no refill: together they
+/// admit at most the burst, and at least the burst less what three slices
+/// can hold.
+async fn racers_take_at_most_the_burst(fleet: &Fleet) {
+    let burst = 1_000;
+    let ceiling_limit = limit(burst, "1/hour");
+    let key_limit = limit(10, "1/hour");
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for (n, instance) in fleet.instances.iter().enumerate() {
+        for t in 0..8 {
+            let (instance, admitted) = (instance.clone(), admitted.clone());
+            tasks.push(tokio::spawn(async move {
+                for i in 0..200 {
+                    let buckets = [ceiling("race"), per_key("race", &format!("k{n}-{t}-{i}"))];
+                    let charges = [Charge::new(ceiling_limit, 1), Charge::new(key_limit, 1)];
+                    if decide_on(&instance, &buckets, &charges).await.unwrap().0 {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let admitted = admitted.load(Ordering::Relaxed);
+    eprintln!("4 800 requests, burst {burst}: {admitted} admitted");
+    assert!(
+        admitted <= burst,
+        "{admitted} admitted of a burst of {burst}"
+    );
+    assert!(
+        admitted >= burst - 3 * (burst / 32),
+        "{admitted} admitted: more refused early than three slices hold"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_racers() {
+    racers_take_at_most_the_burst(&Fleet::memory(3, true)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_racers() {
+    racers_take_at_most_the_burst(&Fleet::redis(3, true)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_racers() {
+    racers_take_at_most_the_burst(&Fleet::cluster(3)).await;
+}
+
+/// What the store itself says the tenant's ceiling holds (a dry run goes
+/// past the slices).
+async fn store_balance(instance: &Arc<dyn Layer>, tenant: &str, ceiling_limit: Limit) -> u64 {
+    let applied = instance
+        .apply(Request {
+            buckets: &[ceiling(tenant)],
+            charges: &[Charge::new(ceiling_limit, 1)],
+            policies: &POLICIES[..1],
+            op: Op::DRY,
+            reserve: None,
+            lease: None,
+        })
+        .await
+        .unwrap();
+    let v = applied.outcome.verdicts[0];
+    if v.allowed { v.remaining + 1 } else { 0 }
+}
+
+/// `n` decisions of cost 1 on `tenant`'s ceiling, each with a key of its
+/// own; returns how many were admitted.
+async fn admit(
+    instance: &Arc<dyn Layer>,
+    tenant: &str,
+    ceiling_limit: Limit,
+    keys: std::ops::Range<u64>,
+) -> u64 {
+    let key_limit = limit(10, "1/hour");
+    let mut admitted = 0;
+    for n in keys {
+        let buckets = [ceiling(tenant), per_key(tenant, &format!("k{n}"))];
+        let charges = [Charge::new(ceiling_limit, 1), Charge::new(key_limit, 1)];
+        admitted += u64::from(decide_on(instance, &buckets, &charges).await.unwrap().0);
+    }
+    admitted
+}
+
+/// An instance that dies holding a slice costs at most that slice, once:
+/// the bucket refills as usual and the others are answered exactly.
+#[tokio::test]
+async fn an_instance_that_dies_holding_a_slice_loses_only_its_slice() {
+    let mut fleet = Fleet::memory(2, true);
+    let ceiling_limit = limit(320, "100/second");
+    let cap = 320 / 32;
+    // Instance 0 drains the bucket: all of it but at most one slice, which
+    // it waits to refill before it takes again.
+    let first = admit(&fleet.instances[0], "gone", ceiling_limit, 0..400).await;
+    assert!((320 - cap..=320).contains(&first), "{first} of 320");
+    fleet.clock.advance(Duration::from_millis(500)); // 50 tokens refill
+    assert_eq!(
+        admit(&fleet.instances[0], "gone", ceiling_limit, 1_000..1_001).await,
+        1
+    );
+    // Instance 0 holds the rest of its new slice, and dies.
+    fleet.instances.remove(0);
+    let left = store_balance(&fleet.instances[0], "gone", ceiling_limit).await;
+    let second = admit(&fleet.instances[0], "gone", ceiling_limit, 2_000..2_100).await;
+    // 370 tokens in all: the first instance's, the dead slice (at most
+    // one), the survivor's (all the store holds but at most one slice).
+    assert!(
+        320 - first + 50 - 1 - left < cap,
+        "the dead slice held less than one slice"
+    );
+    assert!(
+        (left.saturating_sub(cap)..=left).contains(&second),
+        "{second} of {left}"
+    );
+    // A full refill later the bucket is whole again: nothing stays lost.
+    fleet.clock.advance(Duration::from_secs(4));
+    assert_eq!(
+        store_balance(&fleet.instances[0], "gone", ceiling_limit).await,
+        320
+    );
+    let third = admit(&fleet.instances[0], "gone", ceiling_limit, 3_000..3_400).await;
+    assert!((320 - cap..=320).contains(&third), "{third} of 320");
+}
+
+/// A smaller limit or a clock that steps back drops what a slice holds:
+/// tokens taken under the old limit are not spent under the new one.
+#[tokio::test]
+async fn a_new_limit_or_a_clock_step_back_drops_the_slice() {
+    let fleet = Fleet::memory(1, true);
+    let instance = &fleet.instances[0];
+    let (old, new) = (limit(640, "10/second"), limit(100, "10/second"));
+    assert_eq!(admit(instance, "tier", old, 0..100).await, 100);
+    assert!(
+        store_balance(instance, "tier", old).await <= 540,
+        "the slice was spent in the store"
+    );
+    // The tier drops to 100: the 100 tokens spent (and the slice's) leave
+    // nothing, whatever the old slice still held here.
+    assert_eq!(admit(instance, "tier", new, 100..101).await, 0);
+    // Three seconds refill 30 tokens of the 100 to 120 owed: what the store
+    // holds is what is admitted, less at most one slice (3 tokens).
+    fleet.clock.advance(Duration::from_secs(3));
+    let held = store_balance(instance, "tier", new).await;
+    assert!((10..=20).contains(&held), "{held}");
+    let admitted = admit(instance, "tier", new, 200..240).await;
+    assert!(
+        (held - 3..=held).contains(&admitted),
+        "{admitted} of {held}"
+    );
+    // A clock step back: the slice's deadline cannot be trusted, so it is
+    // dropped; nothing is admitted that the store would not admit.
+    fleet.clock.set(fleet.clock.now() - 5_000_000);
+    assert_eq!(store_balance(instance, "tier", new).await, 0);
+    assert_eq!(admit(instance, "tier", new, 300..310).await, 0);
+}
+
+/// With spread keys, a decision that spends must touch one key's buckets:
+/// across keys it is refused with a message that says what to do; a dry
+/// run across keys is answered slot by slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
+    let cluster = RedisCluster::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let store = redis_backend(cluster.url(), &clock, true);
+    let key_limit = limit(10, "1/hour");
+    let buckets: Vec<BucketKey> = (0..8)
+        .map(|k| per_key("spread", &format!("u{k}")))
+        .collect();
+    let charges = vec![Charge::new(key_limit, 4); 8];
+    let err = store
+        .apply(&buckets, &charges, Op::SPEND)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Unsupported(_)), "{err:?}");
+    assert!(err.to_string().contains("one key's buckets"), "{err}");
+    // One key spends 4 of its 10; the dry run sees 6 left there, 10 elsewhere.
+    let one = store
+        .apply(&buckets[3..4], &charges[3..4], Op::SPEND)
+        .await
+        .unwrap();
+    assert!(one.allowed);
+    let dry = store.apply(&buckets, &charges, Op::DRY).await.unwrap();
+    assert!(dry.allowed);
+    let left: Vec<u64> = dry.verdicts.iter().map(|v| v.remaining).collect();
+    assert_eq!(
+        left,
+        [6, 6, 6, 2, 6, 6, 6, 6],
+        "what a spend of 4 would leave"
+    );
+    // Charges across keys apply on each slot.
+    let charged = store.apply(&buckets, &charges, Op::Charge).await.unwrap();
+    assert!(charged.allowed);
+    let after = store.apply(&buckets, &charges, Op::DRY).await.unwrap();
+    assert!(!after.allowed);
+    assert_eq!(after.verdicts[0].remaining, 2, "6 left, less the 4 asked");
+}
