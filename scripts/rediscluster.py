@@ -112,12 +112,13 @@ class Cluster:
         self.procs[i].send_signal(signal.SIGKILL)
         self.procs[i].wait()
 
-    def serve(self, tollgate, limits):
-        """One `tollgate serve` on this cluster; returns its gRPC URL once ready."""
+    def serve(self, tollgate, limits, extra=()):
+        """One `tollgate serve` on this cluster (with `extra` arguments);
+        returns its gRPC URL once ready."""
         grpc, admin = free_port(), free_port()
         proc = subprocess.Popen(
             [tollgate, "serve", "--limits", limits, "--grpc-addr", f"127.0.0.1:{grpc}",
-             "--admin-addr", f"127.0.0.1:{admin}", "--store", self.url()],
+             "--admin-addr", f"127.0.0.1:{admin}", "--store", self.url(), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.servers.append(proc)
         deadline = time.time() + 20

@@ -22,6 +22,11 @@ struct Fleet {
 /// Three instances on `store`, each with its own limits table holding the
 /// same rules (`limits set` arguments).
 fn fleet(store: &str, rules: &[&[&str]]) -> Fleet {
+    fleet_with(store, rules, &[])
+}
+
+/// [`fleet`], each instance started with `extra` arguments too.
+fn fleet_with(store: &str, rules: &[&[&str]], extra: &[&str]) -> Fleet {
     let mut instances = Vec::new();
     let mut dirs = Vec::new();
     for _ in 0..3 {
@@ -32,10 +37,9 @@ fn fleet(store: &str, rules: &[&[&str]]) -> Fleet {
             let out = tollgate(dir.path(), &args);
             assert!(out.status.success(), "{out:?}");
         }
-        instances.push(ServeProcess::start(
-            dir.path(),
-            &["--store", store, "--store-timeout", "2s"],
-        ));
+        let mut args = vec!["--store", store, "--store-timeout", "2s"];
+        args.extend_from_slice(extra);
+        instances.push(ServeProcess::start(dir.path(), &args));
         dirs.push(dir);
     }
     Fleet {
@@ -147,8 +151,84 @@ async fn with_refill_never_more_than_burst_plus_rate_times_elapsed(store: &str) 
     );
 }
 
+/// `--token-slices --redis-spread-keys`: the ceiling answered from slices,
+/// each key's bucket on a slot of its own. No refill: together the three
+/// instances admit at most the ceiling, and at least the ceiling less what
+/// three slices can hold (a thirty-second of it each) and less than one
+/// slice left in the store (an instance waits for a whole slice).
+async fn sliced_ceiling_and_spread_keys_stay_exact(store: &str) {
+    let f = fleet_with(
+        store,
+        &[
+            &[
+                "--tenant", "sl", "--scope", "tenant", "--burst", "640", "--rate", "1/hour",
+            ],
+            &["--tenant", "sl", "--burst", "3", "--rate", "1/hour"],
+        ],
+        &["--token-slices", "--redis-spread-keys"],
+    );
+    // 1,200 requests on 300 keys, four each: every key admits at most 3.
+    let (admitted, _, _) = spray(&f, "sl", 4, 100, |i| format!("key-{}", i % 300)).await;
+    assert!(admitted <= 640, "{admitted} admitted of a ceiling of 640");
+    assert!(
+        admitted >= 640 - 4 * 20,
+        "{admitted}: more refused early than four slices"
+    );
+    // The rest of the tenant's ceiling, with fresh keys (one request each).
+    let (more, _, _) = spray(&f, "sl", 4, 100, |i| format!("fresh-{i}")).await;
+    assert!(
+        admitted + more <= 640,
+        "{admitted} + {more} admitted of 640"
+    );
+    assert!(admitted + more >= 640 - 4 * 20, "{admitted} + {more}");
+}
+
+/// With refill, through slices: never more than burst + rate × elapsed.
+async fn sliced_ceiling_with_refill(store: &str) {
+    let f = fleet_with(
+        store,
+        &[&[
+            "--tenant",
+            "sf",
+            "--scope",
+            "tenant",
+            "--burst",
+            "64",
+            "--rate",
+            "100/second",
+        ]],
+        &["--token-slices", "--redis-spread-keys"],
+    );
+    let (admitted, outer, inner) = spray(&f, "sf", 4, 250, |i| format!("k{i}")).await;
+    let most = 64 + outer / 10_000;
+    // Slices wait for a few tokens before they take: fewer than the
+    // exact path's lower bound by at most three slices per refill.
+    let least = 64 + inner / 10_000 / 2;
+    eprintln!("admitted {admitted}; bounds [{least}, {most}] over {inner}..{outer} µs");
+    assert!(
+        admitted <= most,
+        "overshoot: {admitted} admitted, at most {most} in {outer} µs"
+    );
+    assert!(
+        admitted >= least,
+        "{admitted} admitted, expected at least {least} in {inner} µs"
+    );
+}
+
 mod redis {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sliced_ceiling_across_three_instances() {
+        let redis = RedisServer::start();
+        sliced_ceiling_and_spread_keys_stay_exact(&redis.url()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sliced_refill_across_three_instances() {
+        let redis = RedisServer::start();
+        sliced_ceiling_with_refill(&redis.url()).await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_key_across_three_instances() {
@@ -171,6 +251,18 @@ mod redis {
 
 mod redis_cluster {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sliced_ceiling_across_three_instances() {
+        let cluster = RedisCluster::start();
+        sliced_ceiling_and_spread_keys_stay_exact(&cluster.url()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sliced_refill_across_three_instances() {
+        let cluster = RedisCluster::start();
+        sliced_ceiling_with_refill(&cluster.url()).await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_key_across_three_instances() {

@@ -447,6 +447,16 @@ impl ServeArgs {
             shutdown_grace: or(self.shutdown_grace, d.shutdown_grace),
         };
         config.grpc_limits.validate()?;
+        if config.redis_spread_keys && !config.token_slices {
+            // A per-key bucket and a tenant-wide one would then be on two
+            // slots, and every decision with a ceiling would be refused.
+            return Err(
+                "--redis-spread-keys needs --token-slices: a tenant's ceiling and its \
+                        keys' buckets are then on different slots, and only slices can decide \
+                        them together"
+                    .into(),
+            );
+        }
         Ok(Serve {
             process: Process {
                 grpc_addr: self.grpc_addr.unwrap_or(p.grpc_addr),
@@ -622,5 +632,14 @@ mod tests {
             flags.resolve().unwrap_err(),
             "--tls-cert and --tls-key go together; give both"
         );
+        std::fs::write(&path, "redis_spread_keys = true\n").unwrap();
+        let err = flags.resolve().unwrap_err();
+        assert!(
+            err.starts_with("--redis-spread-keys needs --token-slices"),
+            "{err}"
+        );
+        std::fs::write(&path, "redis_spread_keys = true\ntoken_slices = true\n").unwrap();
+        let s = flags.resolve().unwrap();
+        assert!(s.config.redis_spread_keys && s.config.token_slices);
     }
 }

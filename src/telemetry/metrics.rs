@@ -179,6 +179,14 @@ pub fn handle() -> &'static PrometheusHandle {
             "Redis Cluster redirects followed, by kind (moved, ask, tryagain)."
         );
         describe_counter!(
+            SLICE_TAKES,
+            "Token slices taken from the store (--token-slices), by result."
+        );
+        describe_counter!(
+            SLICE_LOCAL_REFUSALS,
+            "Decisions on a sliced bucket refused without the store."
+        );
+        describe_counter!(
             ENVOY_RELOADS,
             "Envoy configuration loads and reloads, by result."
         );
