@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use common::process::{ServeProcess, tollgate};
 use common::redis::{RedisCluster, RedisServer};
 use tokio::time::Instant;
-use tollgate::proto::v1::ShouldAllowRequest;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+use tollgate::proto::v1::{BatchItem, ReserveRequest, ShouldAllowBatchRequest, ShouldAllowRequest};
 
 struct Fleet {
     instances: Vec<ServeProcess>,
