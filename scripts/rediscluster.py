@@ -120,6 +120,7 @@ class Cluster:
             [tollgate, "serve", "--limits", limits, "--grpc-addr", f"127.0.0.1:{grpc}",
              "--admin-addr", f"127.0.0.1:{admin}", "--store", self.url(), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc.admin = f"http://127.0.0.1:{admin}"
         self.servers.append(proc)
         deadline = time.time() + 20
         while subprocess.run(["curl", "-sf", f"http://127.0.0.1:{admin}/readyz"],
