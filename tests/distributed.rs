@@ -167,6 +167,45 @@ async fn sliced_ceiling_and_spread_keys_stay_exact(store: &str) {
         ],
         &["--token-slices", "--redis-spread-keys"],
     );
+    // What cannot be decided on one slot is refused with a message that
+    // says what to send instead: a batch across keys, and a reservation on
+    // a key and the ceiling (spending nothing). Once this instance knows
+    // the ceiling cannot pass, it answers such a batch with that refusal.
+    let url = format!("http://{}", f.instances[0].grpc);
+    let mut client = RateLimiterClient::connect(url).await.unwrap();
+    let item = |key: &str| BatchItem {
+        key: key.into(),
+        cost: 1,
+        tenant: "sl".into(),
+        resource: String::new(),
+    };
+    let batch = ShouldAllowBatchRequest {
+        items: vec![item("a"), item("b")],
+        dry_run: false,
+    };
+    let err = client.should_allow_batch(batch).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("one key's buckets"),
+        "{}",
+        err.message()
+    );
+    let reserve = ReserveRequest {
+        key: "a".into(),
+        estimate: 1,
+        tenant: "sl".into(),
+        resource: String::new(),
+        ttl: None,
+    };
+    let err = client.reserve(reserve).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    // The same batch as a dry run is answered, key by key.
+    let dry = ShouldAllowBatchRequest {
+        items: vec![item("a"), item("b")],
+        dry_run: true,
+    };
+    let answer = client.should_allow_batch(dry).await.unwrap().into_inner();
+    assert_eq!(answer.results.len(), 2, "{answer:?}");
     // 1,200 requests on 300 keys, four each: every key admits at most 3.
     let (admitted, _, _) = spray(&f, "sl", 4, 100, |i| format!("key-{}", i % 300)).await;
     assert!(admitted <= 640, "{admitted} admitted of a ceiling of 640");

@@ -73,10 +73,11 @@ struct State {
     size: u64,
     /// Tokens expired unused since the last take.
     lost: bool,
-    /// When the store said the bucket is full again (local clock), as of
-    /// its last answer; 0 when unknown.
+    /// When the store said the bucket is full again (local clock, counted
+    /// from when the call was sent), as of its last answer; 0 when unknown.
     full_at: Micros,
-    /// When that answer's call was sent.
+    /// The latest clock reading made under this state's lock: a reading
+    /// before it means the clock stepped back.
     seen_at: Micros,
     /// The last decision on this bucket.
     used_at: Micros,
@@ -86,17 +87,19 @@ struct State {
 type Taken = SmallVec<[Chunk; 2]>;
 
 impl State {
-    /// Drops what can no longer be used at `now`.
+    /// Drops what can no longer be used at `now` (read under the lock).
     fn sync(&mut self, limit: &Limit, now: Micros) {
         if self.limit != Some(*limit) || now < self.seen_at {
             // A new limit, or a clock that stepped back: start over.
             *self = State {
                 limit: Some(*limit),
                 size: self.size.max(1),
+                seen_at: now,
                 ..State::default()
             };
             return;
         }
+        self.seen_at = now;
         let before = self.chunks.len();
         self.chunks.retain(|c| c.until > now);
         if self.chunks.len() != before {
@@ -130,8 +133,12 @@ impl State {
         Some(taken)
     }
 
-    /// Puts back tokens taken by a decision that was refused.
-    fn give_back(&mut self, taken: &Taken, now: Micros) {
+    /// Puts back tokens taken under `limit` by a decision that was
+    /// refused (unless the slice started over meanwhile).
+    fn give_back(&mut self, taken: &Taken, limit: &Limit, now: Micros) {
+        if self.limit != Some(*limit) || now < self.seen_at {
+            return;
+        }
         for back in taken.iter().filter(|c| c.until > now) {
             match self.chunks.iter_mut().find(|c| c.until == back.until) {
                 Some(chunk) => chunk.tokens += back.tokens,
@@ -289,6 +296,8 @@ fn sliced(bucket: &BucketKey, charge: &Charge) -> bool {
 /// What a sliced bucket answered.
 struct Answer {
     verdict: Verdict,
+    /// The limit it was answered under.
+    limit: Limit,
     /// Tokens taken from a slice, to give back on a refusal.
     taken: Taken,
     slot: Arc<Slot>,
@@ -317,14 +326,22 @@ impl SlicesLayer {
         slot: Arc<Slot>,
     ) -> Result<Answer, StoreError> {
         let (limit, cost) = (charge.limit, charge.cost);
+        let clock = &self.slices.clock;
         let _gate = slot.gate.lock().await;
         // Another decision may have taken a slice while this one waited.
-        let now = self.slices.clock.now();
-        if let Some(answer) = Self::local(&slot, &limit, cost, now) {
+        if let Some(answer) = Self::local(&slot, &limit, cost, clock.as_ref()) {
             return Ok(answer);
         }
-        let mut want = slot.state.lock().want(&limit, cost, now);
+        let mut want = {
+            let mut state = slot.state.lock();
+            let now = clock.now();
+            state.sync(&limit, now);
+            state.want(&limit, cost, now)
+        };
         loop {
+            // Counted from before the call: the store's clock reads later,
+            // so what is derived from it here ends no later than there.
+            let sent = clock.now();
             let charges = [Charge::new(limit, want)];
             let applied = self
                 .inner
@@ -341,23 +358,25 @@ impl SlicesLayer {
                 applied.outcome.verdicts.first().copied().ok_or_else(|| {
                     StoreError::Protocol("a slice's take answered no verdict".into())
                 })?;
+            let answer = |verdict, taken| Answer {
+                verdict,
+                limit,
+                taken,
+                slot: slot.clone(),
+            };
             if applied.degraded {
                 // A policy's answer, not the store's: hold nothing.
-                return Ok(Answer {
-                    verdict: got,
-                    taken: Taken::new(),
-                    slot: slot.clone(),
-                });
+                return Ok(answer(got, Taken::new()));
             }
             let mut state = slot.state.lock();
+            let now = clock.now();
             state.sync(&limit, now);
-            state.seen_at = now;
-            state.full_at = now + got.reset_after;
+            state.full_at = sent + got.reset_after;
             if got.allowed {
                 crate::telemetry::metrics::slice_taken(true);
                 // The debt before the take: the bucket would have been
                 // full then, so the slice is usable until then.
-                let until = now + got.reset_after.saturating_sub(want * limit.interval());
+                let until = sent + got.reset_after.saturating_sub(want * limit.interval());
                 let taken = if until > now {
                     let at = state.chunks.partition_point(|c| c.until < until);
                     state.chunks.insert(
@@ -373,11 +392,7 @@ impl SlicesLayer {
                     Taken::new()
                 };
                 let verdict = state.verdict(&limit, true, 0, now);
-                return Ok(Answer {
-                    verdict,
-                    taken,
-                    slot: slot.clone(),
-                });
+                return Ok(answer(verdict, taken));
             }
             crate::telemetry::metrics::slice_taken(false);
             if want > cost && got.remaining >= cost {
@@ -394,37 +409,33 @@ impl SlicesLayer {
                 debt: got.debt,
                 ..state.verdict(&limit, false, retry_after, now)
             };
-            return Ok(Answer {
-                verdict,
-                taken: Taken::new(),
-                slot: slot.clone(),
-            });
+            return Ok(answer(verdict, Taken::new()));
         }
     }
 
     /// The answer from what this instance holds or knows, if it can give
     /// one without the store: tokens from the slice, or a refusal the
     /// store's last answer proves.
-    fn local(slot: &Arc<Slot>, limit: &Limit, cost: u64, now: Micros) -> Option<Answer> {
+    fn local(slot: &Arc<Slot>, limit: &Limit, cost: u64, clock: &dyn Clock) -> Option<Answer> {
         let mut state = slot.state.lock();
+        // Read under the lock, so that readings on one slot are in order.
+        let now = clock.now();
         state.sync(limit, now);
         state.used_at = now;
+        let answer = |verdict, taken| Answer {
+            verdict,
+            limit: *limit,
+            taken,
+            slot: slot.clone(),
+        };
         if let Some(taken) = state.take(cost) {
             let verdict = state.verdict(limit, true, 0, now);
-            return Some(Answer {
-                verdict,
-                taken,
-                slot: slot.clone(),
-            });
+            return Some(answer(verdict, taken));
         }
         let wanted = state.wanted(limit, cost);
         let wait = state.certain_wait(limit, wanted, now)?;
         crate::telemetry::metrics::slice_refused_locally();
-        Some(Answer {
-            verdict: state.verdict(limit, false, wait, now),
-            taken: Taken::new(),
-            slot: slot.clone(),
-        })
+        Some(answer(state.verdict(limit, false, wait, now), Taken::new()))
     }
 
     /// A spending decision with sliced buckets: the slices answer what they
@@ -447,7 +458,7 @@ impl SlicesLayer {
         for &i in &sliced {
             let slot = self.slices.slot(&r.buckets[i], now);
             let (limit, cost) = (r.charges[i].limit, r.charges[i].cost);
-            match Self::local(&slot, &limit, cost, now) {
+            match Self::local(&slot, &limit, cost, self.slices.clock.as_ref()) {
                 Some(answer) => {
                     allowed &= answer.verdict.allowed;
                     verdicts[i] = answer.verdict;
@@ -460,9 +471,10 @@ impl SlicesLayer {
             }
         }
         let give_back = |answers: &SmallVec<[Answer; 2]>| {
-            let now = self.slices.clock.now();
             for a in answers {
-                a.slot.state.lock().give_back(&a.taken, now);
+                let mut state = a.slot.state.lock();
+                let now = self.slices.clock.now();
+                state.give_back(&a.taken, &a.limit, now);
             }
         };
         let rest: SmallVec<[usize; 4]> = (0..r.buckets.len())
