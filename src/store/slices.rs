@@ -55,6 +55,12 @@ use crate::limits::OnStoreUnavailable;
 /// A slice is at most this share of the bucket's burst.
 const MAX_SHARE: u64 = 32;
 
+/// A slice is taken only when the bucket's debt, as last seen, keeps it
+/// usable at least this long. Below (a bucket near full: its tenant is far
+/// below the limit), each decision spends exactly its cost in its own
+/// store call, concurrently with the others, which coalesce.
+const MIN_HOLD: Micros = 1_000;
+
 /// Tokens valid until an instant (local clock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Chunk {
@@ -181,6 +187,12 @@ impl State {
         }
     }
 
+    /// True when a slice taken now would stay usable for a while: the
+    /// bucket is in debt by at least [`MIN_HOLD`] (as last seen).
+    fn worth_a_slice(&self, now: Micros) -> bool {
+        self.full_at != 0 && self.debt(now) >= MIN_HOLD
+    }
+
     /// The most tokens one slice of `limit` holds (at least `cost`).
     fn cap(limit: &Limit, cost: u64) -> u64 {
         (limit.burst() / MAX_SHARE).max(cost)
@@ -197,9 +209,7 @@ impl State {
     /// How many tokens to ask the store for, for a decision of `cost`.
     fn want(&mut self, limit: &Limit, cost: u64, now: Micros) -> u64 {
         let debt = self.debt(now).min(limit.tolerance());
-        if self.full_at == 0 || debt == 0 {
-            // A full bucket (as far as this instance knows): a slice taken
-            // now would be usable for no time at all.
+        if !self.worth_a_slice(now) {
             return cost;
         }
         if self.lost {
@@ -327,16 +337,30 @@ impl SlicesLayer {
     ) -> Result<Answer, StoreError> {
         let (limit, cost) = (charge.limit, charge.cost);
         let clock = &self.slices.clock;
-        let _gate = slot.gate.lock().await;
-        // Another decision may have taken a slice while this one waited.
-        if let Some(answer) = Self::local(&slot, &limit, cost, clock.as_ref()) {
-            return Ok(answer);
-        }
-        let mut want = {
+        let slice = {
             let mut state = slot.state.lock();
             let now = clock.now();
             state.sync(&limit, now);
-            state.want(&limit, cost, now)
+            state.worth_a_slice(now)
+        };
+        // One decision at a time takes a slice, and the others wait for it;
+        // without one, decisions spend their cost side by side.
+        let _gate = match slice {
+            true => Some(slot.gate.lock().await),
+            false => None,
+        };
+        // Another decision may have taken a slice while this one waited.
+        if slice && let Some(answer) = Self::local(&slot, &limit, cost, clock.as_ref()) {
+            return Ok(answer);
+        }
+        let mut want = match slice {
+            true => {
+                let mut state = slot.state.lock();
+                let now = clock.now();
+                state.sync(&limit, now);
+                state.want(&limit, cost, now)
+            }
+            false => cost,
         };
         loop {
             // Counted from before the call: the store's clock reads later,
