@@ -605,3 +605,162 @@ impl Layer for SlicesLayer {
         self.inner.status()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Rate;
+
+    fn limit(burst: u64, rate: &str) -> Limit {
+        Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap()
+    }
+
+    fn state(limit: Limit, now: Micros) -> State {
+        let mut s = State::default();
+        s.sync(&limit, now);
+        s
+    }
+
+    #[test]
+    fn chunks_are_spent_earliest_deadline_first_and_given_back_where_they_were() {
+        let l = limit(320, "100/second");
+        let mut s = state(l, 1_000);
+        s.chunks.push(Chunk {
+            tokens: 2,
+            until: 5_000,
+        });
+        s.chunks.push(Chunk {
+            tokens: 5,
+            until: 9_000,
+        });
+        let taken = s.take(4).unwrap();
+        assert_eq!(
+            taken.as_slice(),
+            [
+                Chunk {
+                    tokens: 2,
+                    until: 5_000
+                },
+                Chunk {
+                    tokens: 2,
+                    until: 9_000
+                }
+            ]
+        );
+        assert_eq!(
+            s.chunks.as_slice(),
+            [Chunk {
+                tokens: 3,
+                until: 9_000
+            }]
+        );
+        assert!(s.take(4).is_none(), "all or nothing");
+        s.give_back(&taken, &l, 2_000);
+        assert_eq!(
+            s.chunks.as_slice(),
+            [
+                Chunk {
+                    tokens: 2,
+                    until: 5_000
+                },
+                Chunk {
+                    tokens: 5,
+                    until: 9_000
+                }
+            ]
+        );
+        // Tokens past their deadline are not given back, and expire.
+        let taken = s.take(7).unwrap();
+        s.sync(&l, 6_000);
+        s.give_back(&taken, &l, 6_000);
+        assert_eq!(
+            s.chunks.as_slice(),
+            [Chunk {
+                tokens: 5,
+                until: 9_000
+            }]
+        );
+        s.sync(&l, 9_000);
+        assert!(s.chunks.is_empty());
+        assert!(s.lost, "tokens expired unused");
+    }
+
+    #[test]
+    fn a_new_limit_or_an_earlier_clock_reading_drops_everything() {
+        let l = limit(320, "100/second");
+        let mut s = state(l, 10_000);
+        s.chunks.push(Chunk {
+            tokens: 5,
+            until: 90_000,
+        });
+        s.full_at = 50_000;
+        let taken = s.take(1).unwrap();
+        s.sync(&limit(100, "100/second"), 11_000);
+        assert!(s.chunks.is_empty() && s.full_at == 0);
+        // Tokens taken under the old limit do not come back.
+        s.give_back(&taken, &l, 11_000);
+        assert!(s.chunks.is_empty());
+        let mut s = state(l, 10_000);
+        s.chunks.push(Chunk {
+            tokens: 5,
+            until: 90_000,
+        });
+        s.sync(&l, 9_999);
+        assert!(s.chunks.is_empty(), "the clock stepped back");
+    }
+
+    #[test]
+    fn waits_and_slice_sizes_follow_the_last_answer() {
+        // 100/second: 10 ms a token; burst 320, so slices of at most 10.
+        let l = limit(320, "100/second");
+        let mut s = state(l, 0);
+        // Nothing known: take exactly the cost, and no slice.
+        assert_eq!(s.want(&l, 3, 0), 3);
+        assert!(!s.worth_a_slice(0));
+        // The bucket is empty until 3.2 s: 4 tokens are there at 40 ms.
+        s.full_at = 3_200_000;
+        assert_eq!(s.certain_wait(&l, 4, 0), Some(40_000));
+        assert_eq!(s.certain_wait(&l, 4, 40_000), None);
+        assert!(s.worth_a_slice(40_000));
+        // Slices double while they run out in time, within the cap and
+        // what the bucket held.
+        s.size = 4;
+        assert_eq!(s.want(&l, 1, 100_000), 8, "10 tokens there");
+        assert_eq!(s.want(&l, 1, 200_000), 10, "capped at burst / 32");
+        s.lost = true;
+        assert_eq!(s.want(&l, 1, 200_000), 5, "halved after tokens expired");
+        assert_eq!(s.wanted(&l, 1), 5);
+        // Near a full bucket (under 1 ms of debt) no slice is taken.
+        s.full_at = 200_500;
+        assert!(!s.worth_a_slice(200_000));
+        assert_eq!(s.want(&l, 2, 200_000), 2);
+    }
+
+    #[test]
+    fn only_enforced_tenant_wide_token_buckets_that_spend_are_sliced() {
+        let l = limit(100, "10/second");
+        let tenant = BucketKey::new("acme", "t", "", "");
+        assert!(sliced(&tenant, &Charge::new(l, 1)));
+        assert!(!sliced(
+            &BucketKey::new("acme", "k", "", "u"),
+            &Charge::new(l, 1)
+        ));
+        assert!(!sliced(
+            &BucketKey::new("acme", "ts", "", ""),
+            &Charge::new(l, 1)
+        ));
+        let shadow = Charge {
+            enforce: false,
+            ..Charge::new(l, 1)
+        };
+        assert!(!sliced(&tenant, &shadow));
+        let ask = Charge {
+            need: 1,
+            ..Charge::new(l, 0)
+        };
+        assert!(!sliced(&tenant, &ask));
+        assert!(!sliced(&tenant, &Charge::new(l, 101)), "beyond the burst");
+        let window = Limit::window(Algorithm::FixedWindow, "10/second".parse().unwrap()).unwrap();
+        assert!(!sliced(&tenant, &Charge::new(window, 1)));
+    }
+}
