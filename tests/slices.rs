@@ -284,8 +284,8 @@ async fn a_cluster_answers_exactly_as_memory_does_with_keys_on_every_master() {
 }
 
 /// Many callers at once on three instances, no refill: together they
-/// admit at most the burst, and at least the burst less what three slices
-/// can hold.
+/// admit at most the burst, and at least the burst less what four slices
+/// can hold (one per instance, and one left in the store).
 async fn racers_take_at_most_the_burst(fleet: &Fleet) {
     let burst = 1_000;
     let ceiling_limit = limit(burst, "1/hour");
@@ -315,9 +315,11 @@ async fn racers_take_at_most_the_burst(fleet: &Fleet) {
         admitted <= burst,
         "{admitted} admitted of a burst of {burst}"
     );
+    // At most a slice held by each instance, and less than one slice left
+    // in the store that no instance would take alone.
     assert!(
-        admitted >= burst - 3 * (burst / 32),
-        "{admitted} admitted: more refused early than three slices hold"
+        admitted >= burst - 4 * (burst / 32),
+        "{admitted} admitted: more refused early than four slices hold"
     );
 }
 
