@@ -12,7 +12,9 @@ use common::process::{ServeProcess, tollgate};
 use common::redis::{RedisCluster, RedisServer};
 use tokio::time::Instant;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
-use tollgate::proto::v1::{BatchItem, ReserveRequest, ShouldAllowBatchRequest, ShouldAllowRequest};
+use tollgate::proto::v1::{
+    BatchItem, ReserveRequest, SettleRequest, ShouldAllowBatchRequest, ShouldAllowRequest,
+};
 
 struct Fleet {
     instances: Vec<ServeProcess>,
@@ -164,6 +166,7 @@ async fn sliced_ceiling_and_spread_keys_stay_exact(store: &str) {
                 "--tenant", "sl", "--scope", "tenant", "--burst", "640", "--rate", "1/hour",
             ],
             &["--tenant", "sl", "--burst", "3", "--rate", "1/hour"],
+            &["--tenant", "pk", "--burst", "10", "--rate", "1/hour"],
         ],
         &["--token-slices", "--redis-spread-keys"],
     );
@@ -199,6 +202,25 @@ async fn sliced_ceiling_and_spread_keys_stay_exact(store: &str) {
     };
     let err = client.reserve(reserve).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    // A tenant with only per-key rules reserves on one instance and
+    // settles on another: the reservation lives on its key's slot.
+    let reserve = ReserveRequest {
+        key: "dave".into(),
+        estimate: 6,
+        tenant: "pk".into(),
+        resource: String::new(),
+        ttl: None,
+    };
+    let reserved = client.reserve(reserve).await.unwrap().into_inner();
+    assert!(reserved.decision.unwrap().allowed);
+    let url = format!("http://{}", f.instances[1].grpc);
+    let mut other = RateLimiterClient::connect(url).await.unwrap();
+    let settle = SettleRequest {
+        reservation: reserved.reservation,
+        actual: 2,
+    };
+    let settled = other.settle(settle).await.unwrap().into_inner();
+    assert_eq!((settled.refunded, settled.remaining), (4, 8), "{settled:?}");
     // The same batch as a dry run is answered, key by key.
     let dry = ShouldAllowBatchRequest {
         items: vec![item("a"), item("b")],

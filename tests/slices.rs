@@ -22,7 +22,10 @@ use tollgate::algorithm::{BucketState, Charge, Limit, Micros, Op, Rate, Verdict,
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::limits::OnStoreUnavailable;
 use tollgate::store::stack::{Layer, Layers, Request, build};
-use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store, StoreError};
+use tollgate::store::{
+    BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
+    Reservation, ReservationId, SettleStatus, Store, StoreError,
+};
 
 /// Instances sharing one backend, each with its own stack.
 struct Fleet {
@@ -479,6 +482,44 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
         [6, 6, 6, 2, 6, 6, 6, 6],
         "what a spend of 4 would leave"
     );
+    // A reservation and a lease on one key's buckets live on that key's
+    // slot (their ids carry the key's spread) and settle and release there.
+    let dave = [per_key("spread", "dave")];
+    let reservation = Reservation {
+        id: ReservationId::for_key("spread", "dave"),
+        estimate: 6,
+        lines: vec![1],
+        ttl: 60_000_000,
+    };
+    let reserved = store
+        .reserve(&dave, &[Charge::new(key_limit, 6)], &reservation)
+        .await
+        .unwrap();
+    assert!(reserved.allowed);
+    let settled = store.settle(&reservation.id, 2).await.unwrap();
+    assert_eq!(settled.status, SettleStatus::Settled);
+    assert_eq!(settled.verdicts[0].remaining, 8, "10 less the 2 it used");
+    let slots = [BucketKey::new("spread", "kc", "", "dave")];
+    let cap = [Charge::new(Limit::concurrency(1).unwrap(), 1)];
+    let lease = Lease {
+        id: LeaseId::for_key("spread", "dave"),
+        ttl: 60_000_000,
+    };
+    assert!(store.acquire(&slots, &cap, &lease).await.unwrap().allowed);
+    let answer = store.lease(&lease.id, LeaseOp::Release).await.unwrap();
+    assert_eq!(answer.status, LeaseStatus::Done);
+    // One that mixes the key's bucket and the tenant's cannot be atomic.
+    let mixed = [per_key("spread", "erin"), ceiling("spread")];
+    let other = Reservation {
+        id: ReservationId::new("spread"),
+        ..reservation.clone()
+    };
+    let err = store
+        .reserve(&mixed, &[Charge::new(key_limit, 1); 2], &other)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot mix them"), "{err}");
+
     // Charges across keys apply on each slot.
     let charged = store.apply(&buckets, &charges, Op::Charge).await.unwrap();
     assert!(charged.allowed);

@@ -97,7 +97,7 @@ impl Engine {
         let tenant = demand.items.first().map_or("", |i| i.tenant);
         let ttl = ttl.min(lease::MAX_TTL);
         let lease = Lease {
-            id: LeaseId::new(tenant),
+            id: super::record_id(demand, tenant),
             ttl,
         };
         // Without a concurrency rule there is no slot to hold: a plain

@@ -294,7 +294,7 @@ impl Engine {
         let tenant = demand.items.first().map_or("", |i| i.tenant).to_owned();
         let estimate = demand.items.first().map_or(0, |i| i.cost);
         let reservation = Reservation {
-            id: ReservationId::new(&tenant),
+            id: record_id(demand, &tenant),
             estimate,
             lines: Vec::new(),
             ttl,
@@ -601,6 +601,26 @@ impl Merged {
 /// (saturating, and clamped to [`caps::MAX_COST`], above every capacity),
 /// and checks the bucket cap and each enforced cost against its capacity.
 /// The lines' buckets move into the charges (a line's own is left empty).
+/// The id of a record (a reservation's or a lease's) written beside
+/// `demand`'s buckets: one that names its key when every bucket is that
+/// key's own, so that a store spreading keys over slots files the record
+/// with them; otherwise one filed with the tenant's buckets.
+fn record_id<K: crate::store::record_id::RecordKind>(
+    demand: &Demand<'_>,
+    tenant: &str,
+) -> crate::store::record_id::RecordId<K> {
+    use crate::store::record_id::RecordId;
+    let mut buckets = demand.lines.iter().map(|l| &l.bucket);
+    match buckets.next() {
+        Some(first)
+            if first.is_per_key() && buckets.all(|b| b.is_per_key() && b.key() == first.key()) =>
+        {
+            RecordId::for_key(tenant, first.key())
+        }
+        _ => RecordId::new(tenant),
+    }
+}
+
 fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
     let mut merged = Merged {
         buckets: SmallVec::new(),

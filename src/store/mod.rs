@@ -60,6 +60,21 @@ impl BucketKey {
         &self.0
     }
 
+    /// The scope part of the name (`k`, `t`, `kc`, …).
+    pub fn scope(&self) -> &str {
+        self.0.split(':').nth(1).unwrap_or_default()
+    }
+
+    /// The key part of the name (empty for a tenant-wide bucket).
+    pub fn key(&self) -> &str {
+        self.0.splitn(4, ':').nth(3).unwrap_or_default()
+    }
+
+    /// True for a per-key bucket (scopes `k`, `ks`, `kc`, `kcs`).
+    pub fn is_per_key(&self) -> bool {
+        self.scope().starts_with('k')
+    }
+
     /// The tenant part of the name.
     pub fn tenant(&self) -> &str {
         self.0.split(':').next().unwrap_or_default()
@@ -136,6 +151,16 @@ pub type LeaseFuture<'a> =
 
 /// The future of [`Store::ping`].
 pub type PingFuture<'a> = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>>;
+
+/// The 32-bit FNV-1a hash of a key: how `--redis-spread-keys` spreads
+/// one tenant's per-key buckets over Redis Cluster slots, and how a
+/// reservation or lease id on one key names the slot of that key
+/// ([`record_id::RecordId::for_key`]).
+pub fn key_spread(key: &str) -> u32 {
+    key.bytes().fold(0x811c_9dc5, |h: u32, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
 
 /// Hides a password in a URL (`redis://:secret@host` → `redis://:***@host`),
 /// so that URLs can be logged.

@@ -9,6 +9,9 @@ use std::marker::PhantomData;
 
 use super::BucketKey;
 
+/// The nonce bit that marks an id made by [`RecordId::for_key`].
+const KEYED: u128 = 1 << 95;
+
 /// What kind of record an id names.
 pub trait RecordKind: Clone + PartialEq + Eq + Hash {
     /// The token's prefix, with its version: `r1.`, `l1.`.
@@ -32,7 +35,25 @@ impl<K: RecordKind> RecordId<K> {
         // The operating system's generator; it only fails on systems
         // without one, where Tollgate cannot run safely anyway.
         getrandom::fill(&mut nonce).expect("the operating system's random number generator");
-        Self::from_parts(tenant, u128::from_le_bytes(nonce))
+        Self::from_parts(tenant, u128::from_le_bytes(nonce) & !KEYED)
+    }
+
+    /// A new id for a record on the per-key buckets of `key` (of
+    /// `tenant`) only: random but for its first 33 bits, the key's spread
+    /// ([`super::key_spread`]) and a flag saying so, so that with
+    /// `--redis-spread-keys` the record lives on the slot of the key's
+    /// buckets ([`RecordId::key_spread`]).
+    pub fn for_key(tenant: &str, key: &str) -> Self {
+        let random = Self::new(tenant).nonce & ((1u128 << 95) - 1);
+        let nonce = (u128::from(super::key_spread(key)) << 96) | KEYED | random;
+        Self::from_parts(tenant, nonce)
+    }
+
+    /// The spread of the key whose buckets the record goes with, for an id
+    /// made by [`RecordId::for_key`]; `None` for one that goes with the
+    /// tenant's.
+    pub fn key_spread(&self) -> Option<u32> {
+        (self.nonce & KEYED != 0).then_some((self.nonce >> 96) as u32)
     }
 
     pub(crate) fn from_parts(tenant: &str, nonce: u128) -> Self {
@@ -98,5 +119,25 @@ impl<K: RecordKind> fmt::Display for RecordId<K> {
 impl<K: RecordKind> fmt::Debug for RecordId<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::{ReservationId, key_spread};
+
+    #[test]
+    fn an_id_for_a_key_carries_its_spread_and_keeps_it_through_its_token() {
+        let id = ReservationId::for_key("acme", "user-42");
+        assert_eq!(id.key_spread(), Some(key_spread("user-42")));
+        assert_eq!(id.member()[..8], format!("{:08x}", key_spread("user-42")));
+        let back = ReservationId::parse(&id.to_string()).unwrap();
+        assert_eq!(back, id);
+        assert_eq!(back.key_spread(), Some(key_spread("user-42")));
+        // Ids for the tenant's buckets carry none; both stay random.
+        for _ in 0..64 {
+            assert_eq!(ReservationId::new("acme").key_spread(), None);
+        }
+        assert_ne!(ReservationId::for_key("acme", "user-42"), id);
     }
 }

@@ -101,13 +101,6 @@ pub struct RedisConfig {
     pub spread_keys: bool,
 }
 
-/// The 32-bit FNV-1a hash: a stable spread of keys over hash tags.
-fn fnv1a(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5, |h: u32, &b| {
-        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-    })
-}
-
 impl RedisConfig {
     /// Defaults for `url`: prefix `tollgate:`, 100 ms timeout, 1 s expiry
     /// margin, up to 64
@@ -234,24 +227,16 @@ impl RedisStore {
             }
         }
         let mut keys: SmallVec<[String; 4]> = buckets.iter().map(|b| shared.redis_key(b)).collect();
-        if shared.config.spread_keys
-            && keys[1..]
-                .iter()
-                .any(|k| coalesce::hash_tag(k) != coalesce::hash_tag(&keys[0]))
-        {
-            return match (op, attach) {
-                // Reads and unconditional charges need no atomicity across
-                // slots: each slot's part is applied on its own.
-                (Op::DRY | Op::Charge, Attach::None) => {
-                    self.decide_per_slot(buckets, charges, op, &keys).await
-                }
-                _ => Err(StoreError::Unsupported(
-                    "with --redis-spread-keys, a decision that spends, a reservation or a lease \
-                     must touch one key's buckets (tenant-wide buckets come from --token-slices); \
-                     send each key in its own call"
-                        .into(),
-                )),
-            };
+        let split = |keys: &[String]| {
+            shared.config.spread_keys
+                && keys[1..]
+                    .iter()
+                    .any(|k| coalesce::hash_tag(k) != coalesce::hash_tag(&keys[0]))
+        };
+        if split(&keys) && matches!((op, attach), (Op::DRY | Op::Charge, Attach::None)) {
+            // Reads and unconditional charges need no atomicity across
+            // slots: each slot's part is applied on its own.
+            return self.decide_per_slot(buckets, charges, op, &keys).await;
         }
         let kind = match (op, attach) {
             (_, Attach::Lease(lease)) => {
@@ -290,6 +275,15 @@ impl RedisStore {
                 ));
             }
         };
+        if split(&keys) {
+            return Err(StoreError::Unsupported(
+                "with --redis-spread-keys, a decision that spends, a reservation or a lease \
+                 must touch one key's buckets (tenant-wide buckets come from --token-slices, \
+                 and reservations and leases cannot mix them with per-key ones); \
+                 send each key in its own call"
+                    .into(),
+            ));
+        }
         let tracked = match (&kind, keys.last()) {
             (Kind::Reserve { ttl, .. } | Kind::Acquire { ttl, .. }, Some(record)) => {
                 Some((*ttl, record.clone()))
@@ -495,39 +489,40 @@ impl Shared {
     /// The Redis key of a reservation's record: beside its tenant's
     /// buckets, under the same hash tag.
     fn record_key(&self, id: &ReservationId) -> String {
-        self.redis_key(&id.record_name())
+        self.tagged(&id.record_name(), id.key_spread())
     }
 
     /// The Redis key of a lease's record, under its tenant's hash tag.
     fn lease_key(&self, id: &LeaseId) -> String {
-        self.redis_key(&id.record_name())
+        self.tagged(&id.record_name(), id.key_spread())
     }
 
     /// The Redis key of a bucket (see the module docs).
     fn redis_key(&self, bucket: &BucketKey) -> String {
-        let (tenant, rest) = bucket
-            .as_str()
-            .split_once(':')
-            .unwrap_or((bucket.as_str(), ""));
+        // A per-key bucket, with --redis-spread-keys: tagged by its tenant
+        // and a hash of its key, so that one tenant's keys spread over
+        // every slot while one key's buckets (every rule of a decision)
+        // share one.
+        let spread = bucket.is_per_key().then(|| super::key_spread(bucket.key()));
+        self.tagged(bucket, spread)
+    }
+
+    /// `PREFIX{TENANT}:SCOPE:RESOURCE:KEY`, or with --redis-spread-keys and
+    /// a key's `spread`, `PREFIX{TENANT/SPREAD}:…`: a record written beside
+    /// one key's buckets gets the same tag as they do.
+    fn tagged(&self, name: &BucketKey, spread: Option<u32>) -> String {
+        let (tenant, rest) = name.as_str().split_once(':').unwrap_or((name.as_str(), ""));
         let tag = if tenant.is_empty() {
             "@default"
         } else {
             tenant
         };
-        if self.config.spread_keys
-            && let Some((scope @ ("k" | "ks"), after)) = rest.split_once(':')
-        {
-            // A per-key rate bucket: tagged by its tenant and a hash of its
-            // key, so that one tenant's keys spread over every slot while
-            // one key's buckets (every rule of a decision) share one.
-            let key = after.split_once(':').map_or("", |(_, key)| key);
-            let spread = fnv1a(key.as_bytes());
-            return format!(
-                "{}{{{tag}/{spread:08x}}}:{scope}:{after}",
-                self.config.prefix
-            );
+        match spread {
+            Some(spread) if self.config.spread_keys => {
+                format!("{}{{{tag}/{spread:08x}}}:{rest}", self.config.prefix)
+            }
+            _ => format!("{}{{{tag}}}:{rest}", self.config.prefix),
         }
-        format!("{}{{{tag}}}:{rest}", self.config.prefix)
     }
 
     /// Checks that Redis answers: the primary of a single or
