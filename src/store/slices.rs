@@ -39,6 +39,7 @@
 //! as before.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
 use smallvec::SmallVec;
@@ -239,6 +240,10 @@ pub struct Slices {
     slots: DashMap<BucketKey, Arc<Slot>>,
     clock: Arc<dyn Clock>,
     max_slots: usize,
+    /// When the slots were last swept for idle ones (at most once a
+    /// second: a caller spraying new tenants at the cap gets slots that are
+    /// not kept, not a sweep per decision).
+    swept_at: AtomicU64,
 }
 
 impl Slices {
@@ -249,6 +254,7 @@ impl Slices {
             slots: DashMap::new(),
             clock,
             max_slots: max_slots.max(16),
+            swept_at: AtomicU64::new(0),
         }
     }
 
@@ -279,6 +285,15 @@ impl Slices {
             return slot.clone();
         }
         if self.slots.len() >= self.max_slots {
+            let last = self.swept_at.load(Ordering::Relaxed);
+            if now < last + 1_000_000
+                || self
+                    .swept_at
+                    .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
+            {
+                return Arc::default();
+            }
             // Forget the slots nobody used for a minute and that hold
             // nothing valid.
             self.slots.retain(|_, slot| {
@@ -615,6 +630,10 @@ mod tests {
         Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap()
     }
 
+    fn c(tokens: u64, until: Micros) -> Chunk {
+        Chunk { tokens, until }
+    }
+
     fn state(limit: Limit, now: Micros) -> State {
         let mut s = State::default();
         s.sync(&limit, now);
@@ -625,61 +644,19 @@ mod tests {
     fn chunks_are_spent_earliest_deadline_first_and_given_back_where_they_were() {
         let l = limit(320, "100/second");
         let mut s = state(l, 1_000);
-        s.chunks.push(Chunk {
-            tokens: 2,
-            until: 5_000,
-        });
-        s.chunks.push(Chunk {
-            tokens: 5,
-            until: 9_000,
-        });
+        s.chunks.push(c(2, 5_000));
+        s.chunks.push(c(5, 9_000));
         let taken = s.take(4).unwrap();
-        assert_eq!(
-            taken.as_slice(),
-            [
-                Chunk {
-                    tokens: 2,
-                    until: 5_000
-                },
-                Chunk {
-                    tokens: 2,
-                    until: 9_000
-                }
-            ]
-        );
-        assert_eq!(
-            s.chunks.as_slice(),
-            [Chunk {
-                tokens: 3,
-                until: 9_000
-            }]
-        );
+        assert_eq!(taken.as_slice(), [c(2, 5_000), c(2, 9_000)]);
+        assert_eq!(s.chunks.as_slice(), [c(3, 9_000)]);
         assert!(s.take(4).is_none(), "all or nothing");
         s.give_back(&taken, &l, 2_000);
-        assert_eq!(
-            s.chunks.as_slice(),
-            [
-                Chunk {
-                    tokens: 2,
-                    until: 5_000
-                },
-                Chunk {
-                    tokens: 5,
-                    until: 9_000
-                }
-            ]
-        );
+        assert_eq!(s.chunks.as_slice(), [c(2, 5_000), c(5, 9_000)]);
         // Tokens past their deadline are not given back, and expire.
         let taken = s.take(7).unwrap();
         s.sync(&l, 6_000);
         s.give_back(&taken, &l, 6_000);
-        assert_eq!(
-            s.chunks.as_slice(),
-            [Chunk {
-                tokens: 5,
-                until: 9_000
-            }]
-        );
+        assert_eq!(s.chunks.as_slice(), [c(5, 9_000)]);
         s.sync(&l, 9_000);
         assert!(s.chunks.is_empty());
         assert!(s.lost, "tokens expired unused");
@@ -689,10 +666,7 @@ mod tests {
     fn a_new_limit_or_an_earlier_clock_reading_drops_everything() {
         let l = limit(320, "100/second");
         let mut s = state(l, 10_000);
-        s.chunks.push(Chunk {
-            tokens: 5,
-            until: 90_000,
-        });
+        s.chunks.push(c(5, 90_000));
         s.full_at = 50_000;
         let taken = s.take(1).unwrap();
         s.sync(&limit(100, "100/second"), 11_000);
@@ -701,10 +675,7 @@ mod tests {
         s.give_back(&taken, &l, 11_000);
         assert!(s.chunks.is_empty());
         let mut s = state(l, 10_000);
-        s.chunks.push(Chunk {
-            tokens: 5,
-            until: 90_000,
-        });
+        s.chunks.push(c(5, 90_000));
         s.sync(&l, 9_999);
         assert!(s.chunks.is_empty(), "the clock stepped back");
     }
@@ -734,6 +705,29 @@ mod tests {
         s.full_at = 200_500;
         assert!(!s.worth_a_slice(200_000));
         assert_eq!(s.want(&l, 2, 200_000), 2);
+    }
+
+    #[test]
+    fn slots_are_bounded_and_idle_ones_swept_at_most_once_a_second() {
+        let clock = Arc::new(crate::clock::ManualClock::new(1_000_000));
+        let slices = Slices::new(clock.clone(), 16);
+        let bucket = |i: usize| BucketKey::new(&format!("t{i}"), "t", "", "");
+        let now = clock.now();
+        for i in 0..16 {
+            slices.slot(&bucket(i), now).state.lock().used_at = now;
+        }
+        // At the cap, with every slot in use: a new bucket's slot is not
+        // kept (its decisions take exactly their cost), and the next one
+        // within the second does not sweep again.
+        slices.slot(&bucket(16), now);
+        slices.slot(&bucket(17), now);
+        assert_eq!(slices.slots.len(), 16);
+        assert!(!slices.slots.contains_key(&bucket(16)));
+        // A minute later the idle slots go at the next sweep.
+        let later = now + 61_000_000;
+        slices.slot(&bucket(18), later);
+        assert_eq!(slices.slots.len(), 1);
+        assert!(slices.slots.contains_key(&bucket(18)));
     }
 
     #[test]
