@@ -70,27 +70,30 @@ impl Fleet {
 
     fn redis(n: usize, spread: bool) -> Self {
         let server = RedisServer::start();
-        let clock = Arc::new(ManualClock::new(T0));
-        Self {
-            instances: (0..n)
-                .map(|_| stack(redis_backend(server.url(), &clock, spread), &clock, true))
-                .collect(),
-            clock,
-            _redis: Some(server),
-            _cluster: None,
-        }
+        Self::shared(n, server.url(), spread, Some(server), None)
     }
 
     fn cluster(n: usize) -> Self {
         let cluster = RedisCluster::start();
+        Self::shared(n, cluster.url(), true, None, Some(cluster))
+    }
+
+    /// `n` instances, each with its own store client on `url`.
+    fn shared(
+        n: usize,
+        url: String,
+        spread: bool,
+        redis: Option<RedisServer>,
+        cluster: Option<RedisCluster>,
+    ) -> Self {
         let clock = Arc::new(ManualClock::new(T0));
         Self {
             instances: (0..n)
-                .map(|_| stack(redis_backend(cluster.url(), &clock, true), &clock, true))
+                .map(|_| stack(redis_backend(url.clone(), &clock, spread), &clock, true))
                 .collect(),
             clock,
-            _redis: None,
-            _cluster: Some(cluster),
+            _redis: redis,
+            _cluster: cluster,
         }
     }
 }
