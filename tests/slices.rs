@@ -289,6 +289,52 @@ async fn a_cluster_answers_exactly_as_memory_does_with_keys_on_every_master() {
     assert!(keys.iter().all(|&n| n >= 2), "keys per master: {keys:?}");
 }
 
+/// A quiet tenant: a fifth of its ceiling's rate, over 16 keys far below
+/// their own limits, from three instances on a cluster. Nothing may be
+/// refused, and the ceiling's master sees the slices taken, not the
+/// decisions: near a full bucket a slice runs down as the store refills
+/// (50 ms for a slice of 1 000 here), and the instances answer from it
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_tenants_ceiling_is_taken_in_slices_not_per_decision() {
+    let fleet = Fleet::cluster(3);
+    let ceiling_limit = limit(32_000, "20000/second");
+    let key_limit = limit(100, "2000/second");
+    let steps = 3_000;
+    let mut rng = Rng(SEED);
+    let mut admitted = Vec::with_capacity(steps);
+    for n in 0..steps {
+        // 1 000 µs and 2 tokens on average: 2 000 tokens a second.
+        fleet.clock.advance(Duration::from_micros(rng.below(1_000)));
+        let instance = &fleet.instances[rng.below(3) as usize];
+        let cost = 1 + rng.below(3);
+        let k = rng.below(KEYS);
+        let buckets = [ceiling("quiet"), per_key("quiet", &format!("user-{k}"))];
+        let charges = [
+            Charge::new(ceiling_limit, cost),
+            Charge::new(key_limit, cost),
+        ];
+        let (allowed, verdicts) = decide_on(instance, &buckets, &charges).await.unwrap();
+        assert!(allowed, "decision {n} refused: {verdicts:?}");
+        admitted.push((fleet.clock.now(), cost));
+    }
+    conforms(&ceiling_limit, &admitted).unwrap();
+    let cluster = fleet._cluster.as_ref().unwrap();
+    let calls: Vec<u64> = cluster
+        .nodes
+        .iter()
+        .map(|n| common::redis::evalsha_calls(n.port))
+        .collect();
+    // One call per decision for its key; the rest are the slices taken.
+    let takes = calls.iter().sum::<u64>() - steps as u64;
+    let home = cluster.owner(cluster.slot_of("quiet")).unwrap();
+    eprintln!("script calls per master: {calls:?} (ceiling on {home}); {takes} slices taken");
+    assert!(
+        takes * 10 < steps as u64,
+        "{takes} slices taken for {steps} decisions"
+    );
+}
+
 /// Many callers at once on three instances, no refill: together they
 /// admit at most the burst, and at least the burst less what four slices
 /// can hold (one per instance, and one left in the store).

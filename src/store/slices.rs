@@ -10,28 +10,33 @@
 //!
 //! Exactness. The store spent the slice's tokens when it was taken, so
 //! admissions never exceed what the store granted. One more thing could let
-//! through more than the limit: the store's bucket refilling up to its
-//! capacity while this instance still holds tokens it took earlier (taken
-//! from a full bucket and used after the bucket was full again, they would
-//! be a second burst). So a slice is usable only until the instant the
-//! bucket would have been full had the slice not been taken: the debt the
-//! store reported before the take, counted from the moment the call was
-//! sent (the store's clock reads later, so the local deadline is earlier).
-//! Until then, the tokens held here plus the store's balance never exceed
-//! the capacity; what is left at the deadline is dropped (never given
-//! back, which would break that bound). Tokens are never lost by others:
-//! an instance that dies holding a slice has spent those tokens, and the
-//! bucket refills as usual.
+//! through more than the limit: the store's bucket refilling while this
+//! instance still holds tokens it took earlier (taken from a full bucket
+//! and used after the bucket was full again, they would be a second
+//! burst). So the tokens held from one take never exceed the debt that
+//! take left in the store, as it runs down: the take answered that the
+//! bucket is full again at `full_at` (counted here from the moment the call
+//! was sent, so no later than in the store), and at `now` at most
+//! `(full_at - now) / interval` of its tokens may still be used. Summed
+//! over every take of every instance (each take's debt includes the ones
+//! before it), held tokens never exceed the store's debt, so held plus
+//! stored never exceed the capacity. Tokens past that bound are dropped,
+//! never given back: the store has refilled them already. An instance that
+//! dies holding a slice has spent those tokens; the bucket refills as
+//! usual.
+//!
+//! Near a full bucket this makes a slice of `n` tokens run down over `n`
+//! refill intervals while the store refills by as much: what a quiet tenant
+//! does not use flows back to the store, and its instances take a slice
+//! every `n` intervals instead of calling the ceiling's shard per decision.
 //!
 //! What it costs. Refusals may come early by at most what other instances
-//! hold (at most one slice each) and what expires unused; the slice size
-//! adapts (doubling while slices run out before their deadline, halving
-//! when tokens expire unused), up to `1/32` of the burst. Near a full
-//! bucket slices expire at once, so a quiet tenant's decisions make one
-//! extra store call for the ceiling. The reported `remaining` of a sliced
-//! bucket is this instance's slice plus the store's balance at the last
-//! take; `retry_after` is computed from the store's last answer, which
-//! others can only make later, never earlier.
+//! hold (at most one slice each, `1/32` of the burst); the slice size
+//! adapts (doubling while slices are used up or the bucket holds plenty,
+//! halving when tokens run out unused while the bucket is short). The
+//! reported `remaining` of a sliced bucket is this instance's slice plus
+//! the store's balance at the last take; `retry_after` is computed from the
+//! store's last answer, which others can only make later, never earlier.
 //!
 //! Only enforced token-bucket charges on tenant-wide buckets (scope `t`)
 //! that spend what they need are sliced, and only in decisions that spend
@@ -56,17 +61,27 @@ use crate::limits::OnStoreUnavailable;
 /// A slice is at most this share of the bucket's burst.
 const MAX_SHARE: u64 = 32;
 
-/// A slice is taken only when the bucket's debt, as last seen, keeps it
-/// usable at least this long. Below (a bucket near full: its tenant is far
-/// below the limit), each decision spends exactly its cost in its own
-/// store call, concurrently with the others, which coalesce.
+/// A slice is taken only when it would stay usable at least this long
+/// (the bucket's debt as last seen plus the refill time of a whole slice).
+/// Below (a small bucket that refills fast), each decision spends exactly
+/// its cost in its own store call, concurrently with the others, which
+/// coalesce.
 const MIN_HOLD: Micros = 1_000;
 
-/// Tokens valid until an instant (local clock).
+/// Tokens of one take, and when the store said the bucket is full again
+/// after that take (local clock, counted from when the call was sent).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Chunk {
     tokens: u64,
-    until: Micros,
+    full_at: Micros,
+}
+
+impl Chunk {
+    /// The tokens the take's debt still covers at `now`.
+    fn usable(&self, now: Micros, interval: Micros) -> u64 {
+        self.tokens
+            .min(self.full_at.saturating_sub(now) / interval.max(1))
+    }
 }
 
 /// This instance's view of one sliced bucket.
@@ -74,11 +89,12 @@ struct Chunk {
 struct State {
     /// The limit the chunks were taken under; a new limit drops them.
     limit: Option<Limit>,
-    /// Tokens held, earliest deadline first.
+    /// Tokens held, earliest `full_at` first.
     chunks: SmallVec<[Chunk; 2]>,
     /// Tokens to take next time.
     size: u64,
-    /// Tokens expired unused since the last take.
+    /// Tokens ran out unused while the bucket was short, since the last
+    /// take.
     lost: bool,
     /// When the store said the bucket is full again (local clock, counted
     /// from when the call was sent), as of its last answer; 0 when unknown.
@@ -107,11 +123,23 @@ impl State {
             return;
         }
         self.seen_at = now;
-        let before = self.chunks.len();
-        self.chunks.retain(|c| c.until > now);
-        if self.chunks.len() != before {
-            self.lost = true;
+        let short = self.short(limit, now);
+        for chunk in &mut self.chunks {
+            let usable = chunk.usable(now, limit.interval());
+            if usable < chunk.tokens {
+                // Unused tokens flowing back to a bucket that holds plenty
+                // cost nobody anything; to a short one they are refusals.
+                self.lost |= short;
+                chunk.tokens = usable;
+            }
         }
+        self.chunks.retain(|c| c.tokens > 0);
+    }
+
+    /// True when the store's last answer showed the bucket at most half
+    /// full.
+    fn short(&self, limit: &Limit, now: Micros) -> bool {
+        self.debt(now) * 2 >= limit.tolerance()
     }
 
     fn held(&self) -> u64 {
@@ -132,7 +160,7 @@ impl State {
                 left -= n;
                 taken.push(Chunk {
                     tokens: n,
-                    until: chunk.until,
+                    full_at: chunk.full_at,
                 });
             }
         }
@@ -141,19 +169,27 @@ impl State {
     }
 
     /// Puts back tokens taken under `limit` by a decision that was
-    /// refused (unless the slice started over meanwhile).
+    /// refused (unless the slice started over meanwhile), as far as their
+    /// take's debt still covers them.
     fn give_back(&mut self, taken: &Taken, limit: &Limit, now: Micros) {
         if self.limit != Some(*limit) || now < self.seen_at {
             return;
         }
-        for back in taken.iter().filter(|c| c.until > now) {
-            match self.chunks.iter_mut().find(|c| c.until == back.until) {
+        for back in taken.iter() {
+            match self.chunks.iter_mut().find(|c| c.full_at == back.full_at) {
                 Some(chunk) => chunk.tokens += back.tokens,
-                None => {
-                    let at = self.chunks.partition_point(|c| c.until < back.until);
-                    self.chunks.insert(at, *back);
-                }
+                None => self.add(*back),
             }
+        }
+        self.sync(limit, now);
+    }
+
+    /// Holds the tokens of `chunk` (dropped at the next [`Self::sync`] as
+    /// far as its debt no longer covers them).
+    fn add(&mut self, chunk: Chunk) {
+        if chunk.tokens > 0 {
+            let at = self.chunks.partition_point(|c| c.full_at < chunk.full_at);
+            self.chunks.insert(at, chunk);
         }
     }
 
@@ -188,10 +224,11 @@ impl State {
         }
     }
 
-    /// True when a slice taken now would stay usable for a while: the
-    /// bucket is in debt by at least [`MIN_HOLD`] (as last seen).
-    fn worth_a_slice(&self, now: Micros) -> bool {
-        self.full_at != 0 && self.debt(now) >= MIN_HOLD
+    /// True when a slice for decisions of `cost` taken now would stay
+    /// usable for a while: at least [`MIN_HOLD`], counting the bucket's
+    /// debt (as last seen) and the refill time of the largest slice.
+    fn worth_a_slice(&self, limit: &Limit, cost: u64, now: Micros) -> bool {
+        self.full_at != 0 && self.debt(now) + Self::cap(limit, cost) * limit.interval() >= MIN_HOLD
     }
 
     /// The most tokens one slice of `limit` holds (at least `cost`).
@@ -210,7 +247,7 @@ impl State {
     /// How many tokens to ask the store for, for a decision of `cost`.
     fn want(&mut self, limit: &Limit, cost: u64, now: Micros) -> u64 {
         let debt = self.debt(now).min(limit.tolerance());
-        if !self.worth_a_slice(now) {
+        if !self.worth_a_slice(limit, cost, now) {
             return cost;
         }
         if self.lost {
@@ -271,12 +308,8 @@ impl Slices {
         let now = self.clock.now();
         self.slots.get(bucket).map_or(0, |slot| {
             let state = slot.state.lock();
-            state
-                .chunks
-                .iter()
-                .filter(|c| c.until > now)
-                .map(|c| c.tokens)
-                .sum()
+            let interval = state.limit.map_or(1, |l| l.interval());
+            state.chunks.iter().map(|c| c.usable(now, interval)).sum()
         })
     }
 
@@ -298,7 +331,7 @@ impl Slices {
             // nothing valid.
             self.slots.retain(|_, slot| {
                 let state = slot.state.lock();
-                state.used_at + 60_000_000 > now || state.chunks.iter().any(|c| c.until > now)
+                state.used_at + 60_000_000 > now || state.chunks.iter().any(|c| c.full_at > now)
             });
             if self.slots.len() >= self.max_slots {
                 return Arc::default();
@@ -356,7 +389,7 @@ impl SlicesLayer {
             let mut state = slot.state.lock();
             let now = clock.now();
             state.sync(&limit, now);
-            state.worth_a_slice(now)
+            state.worth_a_slice(&limit, cost, now)
         };
         // One decision at a time takes a slice, and the others wait for it;
         // without one, decisions spend their cost side by side.
@@ -413,23 +446,22 @@ impl SlicesLayer {
             state.full_at = sent + got.reset_after;
             if got.allowed {
                 crate::telemetry::metrics::slice_taken(true);
-                // The debt before the take: the bucket would have been
-                // full then, so the slice is usable until then.
-                let until = sent + got.reset_after.saturating_sub(want * limit.interval());
-                let taken = if until > now {
-                    let at = state.chunks.partition_point(|c| c.until < until);
-                    state.chunks.insert(
-                        at,
-                        Chunk {
-                            tokens: want,
-                            until,
-                        },
-                    );
-                    state.take(cost).unwrap_or_default()
-                } else {
-                    state.lost |= want > cost;
-                    Taken::new()
-                };
+                // This decision's cost was spent in the store, like any
+                // admitted decision's; the rest of the slice is held, as
+                // far as the take's debt covers it.
+                let full_at = state.full_at;
+                state.add(Chunk {
+                    tokens: want - cost,
+                    full_at,
+                });
+                state.sync(&limit, now);
+                let taken = Taken::from_elem(
+                    Chunk {
+                        tokens: cost,
+                        full_at,
+                    },
+                    1,
+                );
                 let verdict = state.verdict(&limit, true, 0, now);
                 return Ok(answer(verdict, taken));
             }
@@ -630,8 +662,8 @@ mod tests {
         Limit::new(burst, rate.parse::<Rate>().unwrap()).unwrap()
     }
 
-    fn c(tokens: u64, until: Micros) -> Chunk {
-        Chunk { tokens, until }
+    fn c(tokens: u64, full_at: Micros) -> Chunk {
+        Chunk { tokens, full_at }
     }
 
     fn state(limit: Limit, now: Micros) -> State {
@@ -641,32 +673,42 @@ mod tests {
     }
 
     #[test]
-    fn chunks_are_spent_earliest_deadline_first_and_given_back_where_they_were() {
+    fn chunks_are_spent_earliest_first_and_run_down_with_their_debt() {
+        // 100/second: 10 ms a token.
         let l = limit(320, "100/second");
         let mut s = state(l, 1_000);
-        s.chunks.push(c(2, 5_000));
-        s.chunks.push(c(5, 9_000));
+        s.add(c(2, 500_000));
+        s.add(c(5, 900_000));
         let taken = s.take(4).unwrap();
-        assert_eq!(taken.as_slice(), [c(2, 5_000), c(2, 9_000)]);
-        assert_eq!(s.chunks.as_slice(), [c(3, 9_000)]);
+        assert_eq!(taken.as_slice(), [c(2, 500_000), c(2, 900_000)]);
+        assert_eq!(s.chunks.as_slice(), [c(3, 900_000)]);
         assert!(s.take(4).is_none(), "all or nothing");
         s.give_back(&taken, &l, 2_000);
-        assert_eq!(s.chunks.as_slice(), [c(2, 5_000), c(5, 9_000)]);
-        // Tokens past their deadline are not given back, and expire.
-        let taken = s.take(7).unwrap();
-        s.sync(&l, 6_000);
-        s.give_back(&taken, &l, 6_000);
-        assert_eq!(s.chunks.as_slice(), [c(5, 9_000)]);
-        s.sync(&l, 9_000);
+        assert_eq!(s.chunks.as_slice(), [c(2, 500_000), c(5, 900_000)]);
+        // 15 ms before its take's debt runs out, the first chunk's debt
+        // covers one token.
+        s.sync(&l, 485_000);
+        assert_eq!(s.chunks.as_slice(), [c(1, 500_000), c(5, 900_000)]);
+        assert!(!s.lost, "nothing known of the bucket: not short");
+        // The bucket is short (full again only at 3 s): tokens running out
+        // unused count as lost.
+        s.full_at = 3_000_000;
+        s.sync(&l, 500_000);
+        assert_eq!(s.chunks.as_slice(), [c(5, 900_000)]);
+        assert!(s.lost);
+        // Tokens given back only as far as their debt still covers them.
+        let taken = s.take(5).unwrap();
+        s.give_back(&taken, &l, 870_000);
+        assert_eq!(s.chunks.as_slice(), [c(3, 900_000)]);
+        s.sync(&l, 900_000);
         assert!(s.chunks.is_empty());
-        assert!(s.lost, "tokens expired unused");
     }
 
     #[test]
     fn a_new_limit_or_an_earlier_clock_reading_drops_everything() {
         let l = limit(320, "100/second");
         let mut s = state(l, 10_000);
-        s.chunks.push(c(5, 90_000));
+        s.add(c(5, 900_000));
         s.full_at = 50_000;
         let taken = s.take(1).unwrap();
         s.sync(&limit(100, "100/second"), 11_000);
@@ -675,7 +717,7 @@ mod tests {
         s.give_back(&taken, &l, 11_000);
         assert!(s.chunks.is_empty());
         let mut s = state(l, 10_000);
-        s.chunks.push(c(5, 90_000));
+        s.add(c(5, 900_000));
         s.sync(&l, 9_999);
         assert!(s.chunks.is_empty(), "the clock stepped back");
     }
@@ -687,24 +729,105 @@ mod tests {
         let mut s = state(l, 0);
         // Nothing known: take exactly the cost, and no slice.
         assert_eq!(s.want(&l, 3, 0), 3);
-        assert!(!s.worth_a_slice(0));
+        assert!(!s.worth_a_slice(&l, 3, 0));
         // The bucket is empty until 3.2 s: 4 tokens are there at 40 ms.
         s.full_at = 3_200_000;
         assert_eq!(s.certain_wait(&l, 4, 0), Some(40_000));
         assert_eq!(s.certain_wait(&l, 4, 40_000), None);
-        assert!(s.worth_a_slice(40_000));
+        assert!(s.worth_a_slice(&l, 1, 40_000));
         // Slices double while they run out in time, within the cap and
         // what the bucket held.
         s.size = 4;
         assert_eq!(s.want(&l, 1, 100_000), 8, "10 tokens there");
         assert_eq!(s.want(&l, 1, 200_000), 10, "capped at burst / 32");
         s.lost = true;
-        assert_eq!(s.want(&l, 1, 200_000), 5, "halved after tokens expired");
+        assert_eq!(s.want(&l, 1, 200_000), 5, "halved after tokens were lost");
         assert_eq!(s.wanted(&l, 1), 5);
-        // Near a full bucket (under 1 ms of debt) no slice is taken.
-        s.full_at = 200_500;
-        assert!(!s.worth_a_slice(200_000));
-        assert_eq!(s.want(&l, 2, 200_000), 2);
+        // A full bucket is worth a slice: it runs down over 100 ms.
+        s.full_at = 200_000;
+        assert!(s.worth_a_slice(&l, 1, 200_000));
+        assert_eq!(s.want(&l, 1, 200_000), 10);
+        // A small bucket refilling every 10 µs is not: decisions spend their
+        // cost side by side.
+        let fast = limit(31, "100000/second");
+        let mut s = state(fast, 0);
+        s.full_at = 500;
+        assert!(!s.worth_a_slice(&fast, 2, 0));
+        assert_eq!(s.want(&fast, 2, 0), 2);
+    }
+
+    /// A store's token bucket, exact: the instant it is full again.
+    struct Exact {
+        limit: Limit,
+        full_at: Micros,
+    }
+
+    impl Exact {
+        fn debt(&self, now: Micros) -> Micros {
+            self.full_at.saturating_sub(now)
+        }
+
+        /// Spends `n` if the bucket holds them: the debt after, or None.
+        fn spend(&mut self, n: u64, now: Micros) -> Option<Micros> {
+            let after = self.debt(now) + n * self.limit.interval();
+            (after <= self.limit.tolerance()).then(|| {
+                self.full_at = now + after;
+                after
+            })
+        }
+
+        fn balance(&self, now: Micros) -> u64 {
+            (self.limit.tolerance() - self.debt(now)) / self.limit.interval()
+        }
+    }
+
+    proptest::proptest! {
+        /// Three instances take slices of various sizes from one bucket,
+        /// spend from them, and the bucket is spent from directly too; at
+        /// every step what the instances may still use plus what the store
+        /// holds is at most the burst.
+        #[test]
+        fn held_plus_stored_never_exceed_the_burst(
+            burst in 1u64..400,
+            per_second in 1u64..20_000,
+            steps in proptest::collection::vec(
+                (0usize..3, 0u64..20_000, 0u64..2_000, 0u8..3, 1u64..40),
+                1..300,
+            ),
+        ) {
+            let rate = Rate { count: per_second, unit: crate::algorithm::RateUnit::Second };
+            let l = Limit::new(burst, rate).unwrap();
+            let mut store = Exact { limit: l, full_at: 0 };
+            let mut states: Vec<State> = (0..3).map(|_| state(l, 0)).collect();
+            let mut now = 0;
+            for (who, dt, latency, action, n) in steps {
+                now += dt;
+                let n = n.min(burst);
+                let s = &mut states[who];
+                s.sync(&l, now);
+                match action {
+                    // A take, sent `latency` before the store applied it.
+                    0 => if let Some(debt) = store.spend(n, now) {
+                        let sent = now.saturating_sub(latency);
+                        s.full_at = sent + debt;
+                        s.add(c(n, sent + debt));
+                        s.sync(&l, now);
+                    },
+                    1 => { let _ = s.take(n); }
+                    _ => { let _ = store.spend(n, now); }
+                }
+                let mut held = 0;
+                for s in &mut states {
+                    s.sync(&l, now);
+                    held += s.held();
+                }
+                proptest::prop_assert!(
+                    held + store.balance(now) <= burst,
+                    "held {} + stored {} > burst {} at {}",
+                    held, store.balance(now), burst, now
+                );
+            }
+        }
     }
 
     #[test]
