@@ -41,19 +41,23 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
             0eTTL     renew it: it expires TTL µs from now
           For example "2s,1d,1s" is three decisions over 4 keys.
 ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
-then five per bucket, for the i-th bucket of the call (record keys do not
-count) at ARGV[4 + 5(i-1)] ...:
-          algorithm "t" token bucket, "f" fixed window, "s" sliding window,
-                    "l" concurrency cap (a sorted set of leases)
-          interval  token bucket: µs to refill one token; windows: the
-                    window length in µs (a whole number of milliseconds)
-          burst     token bucket: capacity; windows: requests per window;
-                    a concurrency cap: the most leases held at once
+then three per bucket, for the i-th bucket of the call (record keys do
+not count) at ARGV[4 + 3(i-1)] ...:
+          rule      the algorithm: "t" token bucket, "f" fixed window, "s"
+                    sliding window, "l" concurrency cap (a sorted set of
+                    leases); then "1" for an enforced rule, "0" for a shadow
+                    rule; then ":DEBT" when charges after the fact may take
+                    the balance DEBT tokens below zero ("t1", "l0", "t1:500")
+          limit     "INTERVAL:BURST": interval, for a token bucket µs to
+                    refill one token, for a window its length in µs (a whole
+                    number of milliseconds); burst, a token bucket's
+                    capacity, a window's requests per window, a concurrency
+                    cap's most leases held at once
           cost      tokens to spend, or "COST/NEED" when the bucket must
                     hold more than the request spends (an ask: "0/1")
-          enforce   "1" for an enforced rule, "0" for a shadow rule, followed
-                    by ":DEBT" when charges after the fact may take the
-                    balance DEBT tokens below zero ("1:500")
+          (The limit is also the stored value's suffix, so it is passed
+          as written there; consecutive buckets with the same limit read
+          it once.)
 then one extra argument per reserve or acquire, in request order: a
 reserve's record body, per bucket "ALG INTERVAL BURST DEBT COST LINES
 KEYLEN\nKEY" (the charge it spends and how many lines it merges); an
@@ -85,22 +89,24 @@ body, MASK marking with 1 the buckets the reserve spent; once settled,
 what the first did).
 
 Returns an array: { now, then per request ... }:
-  decide, charge, reserve: allowed, then four per bucket: allowed, balance,
+  decide, charge, reserve, acquire: three per bucket: 2 * balance + allowed,
           retry_after, reset_after, with allowed as 1/0, balance the whole
           tokens left (negative: the tokens owed below zero) and times in
           microseconds; retry_after is -1 when the need exceeds the
-          capacity (it can never pass). For a charge, the third value is
-          the tokens forgiven at the debt floor instead.
+          capacity (it can never pass). For a charge, the second value is
+          the tokens forgiven at the debt floor instead. The request is
+          allowed when every enforced bucket is (the caller knows which
+          are), so the reply does not repeat it.
   release, renew: status (1 released or renewed, 2 already released,
           3 expired, 4 unknown), and for a renew the µs until the lease
           expires now (0 otherwise).
-  A concurrency cap's four values: allowed, leases that could still be
-          taken (after this one when granted), retry_after (when refused:
-          until enough held leases expire for one to fit, an upper bound),
-          reset_after (until every held lease has expired).
+  A concurrency cap's three values: allowed with the leases that could
+          still be taken (after this one when granted), retry_after (when
+          refused: until enough held leases expire for one to fit, an upper
+          bound), reset_after (until every held lease has expired).
   settle: status (1 settled, 2 already settled, 3 expired, 4 unknown),
           the actual cost settled (now, or by the settle that counted), the
-          estimate, the number of buckets settled, then four per bucket as
+          estimate, the number of buckets settled, then three per bucket as
           for a charge.
 Windows are aligned to the Unix epoch.
 
@@ -148,14 +154,19 @@ local function token_debt(stored, now, interval, limit, floor)
   if not stored then
     return 0
   end
-  local f, rest = string.match(stored, '^(%d+):(%d+:%d+)$')
+  local colon = string.find(stored, ':', 1, true)
+  local f = colon and tonumber(string.sub(stored, 1, colon - 1))
   if not f then
     return 0
   end
-  local debt = math.max(tonumber(f) - now, 0)
+  local debt = math.max(f - now, 0)
+  local rest = string.sub(stored, colon + 1)
   if rest ~= limit then
-    local si = tonumber(string.match(rest, '^%d+'))
-    debt = math.min(ceil_div(debt, math.max(si, 1)) * interval, floor)
+    local si = string.match(rest, '^(%d+):%d+$')
+    if not si then
+      return 0
+    end
+    debt = math.min(ceil_div(debt, math.max(tonumber(si), 1)) * interval, floor)
   end
   return debt
 end
@@ -278,14 +289,33 @@ local function apply(stored, now, alg, interval, burst, debt_max, cost, need, op
   return apply_window(stored, now, alg == 's', interval, burst, debt_max, cost, need, op, since)
 end
 
--- The enforce field, "1", "0", "1:DEBT" or "0:DEBT": whether the rule is
--- enforced, and its debt.
-local function read_enforce(s)
-  if #s == 1 then
-    return s == '1', 0
+-- A bucket's rule field: its algorithm's letter, then "1" (enforced) or
+-- "0" (shadow), then ":DEBT" when it has a debt floor ("t1", "l0",
+-- "t1:500"). Returns the letter, whether enforced, and the debt.
+local function read_rule(s)
+  local alg = string.sub(s, 1, 1)
+  if #s == 2 and string.find('tfsl', alg, 1, true) then
+    return alg, string.byte(s, 2) == 49, 0
   end
-  local e, d = string.match(s, '^([01]):(%d+)$')
-  return e == '1', tonumber(d)
+  local e, d = string.match(s, '^[tfsl]([01]):(%d+)$')
+  if not e then
+    error('token_bucket.lua: unreadable rule field ' .. s)
+  end
+  return alg, e == '1', tonumber(d)
+end
+
+-- A bucket's limit field, "INTERVAL:BURST", as two numbers. The last one
+-- read is kept: the decisions of a call mostly repeat the same rule.
+local last_limit, last_interval, last_burst
+local function read_limit(s)
+  if s ~= last_limit then
+    local interval, burst = string.match(s, '^(%d+):(%d+)$')
+    if not interval then
+      error('token_bucket.lua: unreadable limit field ' .. s)
+    end
+    last_limit, last_interval, last_burst = s, tonumber(interval), tonumber(burst)
+  end
+  return last_interval, last_burst
 end
 
 -- A cost from ARGV, "COST" or "COST/NEED": "1" is by far the most common,
@@ -318,8 +348,9 @@ local EXPIRED_GRACE = 600000000
 
 local function store(key, value, ttl)
   -- PX as an integer string: Lua would otherwise print the number with
-  -- "%.14g", which costs more than the SET itself.
-  redis.call('SET', key, value, 'PX', string.format('%d', math.max(ceil_div(ttl, 1000) + margin_ms, 1)))
+  -- "%.14g", which costs more than the SET itself. Rounded up by at most
+  -- a millisecond more than needed (cheaper than an exact ceiling).
+  redis.call('SET', key, value, 'PX', string.format('%d', math.floor(ttl / 1000) + margin_ms + 1))
 end
 
 -- What every bucket of the call held when it started, read with one MGET
@@ -360,13 +391,13 @@ local function current(key, k, snapshot, written)
   return v
 end
 
--- Appends one bucket's four reply values.
+-- Appends one bucket's three reply values: its balance and whether it
+-- admitted in one (2 * balance + 1 or 0), the third value, reset_after.
 local function push(out, allowed, balance, third, reset)
   local o = #out
-  out[o + 1] = allowed and 1 or 0
-  out[o + 2] = balance
-  out[o + 3] = third
-  out[o + 4] = reset
+  out[o + 1] = allowed and balance * 2 + 1 or balance * 2
+  out[o + 2] = third
+  out[o + 3] = reset
 end
 
 -- A concurrency cap's set at `now`, pruned: leases held, when one more fits
@@ -418,82 +449,102 @@ end
 -- Returns whether it was allowed. (Plain arrays and no
 -- table per key: a batch call decides thousands of keys, and each table is
 -- garbage to collect.)
-local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member)
-  local allowed, balance, third, reset, value, ttl = {}, {}, {}, {}, {}, {}
-  local stored = {}
-  local all_allowed = true
+-- Per bucket of the request being decided, five slots: whether it
+-- admits, the value to store and its lifetime (µs), the value it held, its
+-- algorithm. One table for every request of the call: each table is an
+-- allocation, and garbage to collect.
+local scratch = {}
 
+local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member)
+  local all_allowed = true
+  local o = #out
   for i = 1, n do
-    local k = first + i - 1
-    stored[i] = current(KEYS[k], k, snapshot, written)
-    local a = 4 + (b + i - 2) * 5
-    local interval, burst = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-    local enforced, debt_max = read_enforce(ARGV[a + 4])
-    local limit = ARGV[a + 1] .. ':' .. ARGV[a + 2]
-    local cost, need = read_cost(ARGV[a + 3])
-    if ARGV[a] == 'l' then
+    local k, x = first + i - 1, (i - 1) * 5
+    -- What an earlier request of the call wrote, else the snapshot.
+    local held = written[KEYS[k]]
+    if held == nil then
+      held = snapshot[k]
+    end
+    held = held or nil
+    local a = 4 + (b + i - 2) * 3
+    local alg, enforced, debt_max = read_rule(ARGV[a])
+    local limit = ARGV[a + 1]
+    local interval, burst = read_limit(limit)
+    local cost, need = read_cost(ARGV[a + 2])
+    local ok, balance, third, reset, value, ttl
+    if alg == 'l' then
       -- A concurrency cap: only an acquire takes a slot; a charge only
       -- reports.
       if op == 'c' then
         need = 0
       end
-      allowed[i], balance[i], third[i], reset[i], ttl[i] = apply_leases(KEYS[k], burst, need, grant)
+      ok, balance, third, reset, ttl = apply_leases(KEYS[k], burst, need, grant)
     elseif op == 'd' and need > burst then
       -- It can never pass: report what the bucket holds, and "never".
-      local _, bal, _, rst = apply(stored[i], now, ARGV[a], interval, burst, debt_max, 0, 0, 'd', 0, limit)
-      allowed[i], balance[i], third[i], reset[i] = false, bal, -1, rst
+      local _
+      _, balance, _, reset = apply(held, now, alg, interval, burst, debt_max, 0, 0, 'd', 0, limit)
+      ok, third = false, -1
+    elseif alg == 't' then
+      ok, balance, third, reset, value, ttl = apply_tokens(held, now, interval, burst, debt_max, cost, need, limit,
+        op)
     else
-      allowed[i], balance[i], third[i], reset[i], value[i], ttl[i] =
-        apply(stored[i], now, ARGV[a], interval, burst, debt_max, cost, need, op, 0, limit)
+      ok, balance, third, reset, value, ttl = apply(held, now, alg, interval, burst, debt_max, cost, need, op, 0,
+        limit)
     end
-    if not allowed[i] and enforced then
+    if not ok and enforced then
       all_allowed = false
     end
+    scratch[x + 1], scratch[x + 2], scratch[x + 3], scratch[x + 4], scratch[x + 5] = ok, value, ttl, held, alg
+    -- The reply's three values (push(), inlined: this runs for every
+    -- bucket of every decision).
+    out[o + 1] = ok and balance * 2 + 1 or balance * 2
+    out[o + 2] = third
+    out[o + 3] = reset
+    o = o + 3
   end
 
   if all_allowed and spend then
     for i = 1, n do
-      if allowed[i] then
+      local x = (i - 1) * 5
+      if scratch[x + 1] then
         local key = KEYS[first + i - 1]
-        if ARGV[4 + (b + i - 2) * 5] == 'l' then
+        if scratch[x + 5] == 'l' then
           if grant then
             redis.call('ZADD', key, string.format('%d', grant), member)
-            redis.call('PEXPIRE', key, px(ttl[i] - now))
+            redis.call('PEXPIRE', key, px(scratch[x + 3] - now))
           end
         else
-          store(key, value[i], ttl[i])
-          written[key] = value[i]
+          store(key, scratch[x + 2], scratch[x + 3])
+          written[key] = scratch[x + 2]
         end
       end
     end
   elseif not all_allowed then
     -- Nothing is spent: report what the admitting buckets hold now.
+    o = #out - 3 * n
     for i = 1, n do
-      if allowed[i] then
-        local a = 4 + (b + i - 2) * 5
-        local _, debt_max = read_enforce(ARGV[a + 4])
-        local bal, rst
-        if ARGV[a] == 'l' then
-          _, bal, _, rst = apply_leases(KEYS[first + i - 1], tonumber(ARGV[a + 2]), 0, nil)
+      local x = (i - 1) * 5
+      if scratch[x + 1] then
+        local a = 4 + (b + i - 2) * 3
+        local alg, _, debt_max = read_rule(ARGV[a])
+        local interval, burst = read_limit(ARGV[a + 1])
+        local balance, reset
+        if alg == 'l' then
+          _, balance, _, reset = apply_leases(KEYS[first + i - 1], burst, 0, nil)
         else
-          _, bal, _, rst = apply(stored[i], now, ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
-            debt_max, 0, 0, 'd', 0, ARGV[a + 1] .. ':' .. ARGV[a + 2])
+          _, balance, _, reset = apply(scratch[x + 4], now, alg, interval, burst, debt_max, 0, 0, 'd', 0, ARGV[a + 1])
         end
-        balance[i], reset[i] = bal, rst
+        out[o + 3 * i - 2] = balance * 2 + 1
+        out[o + 3 * i] = reset
       end
     end
-  end
-
-  out[#out + 1] = all_allowed and 1 or 0
-  for i = 1, n do
-    push(out, allowed[i], balance[i], third[i], reset[i])
   end
   return all_allowed
 end
 
 -- Settles the reservation whose record is `key` at `actual` per line.
 -- Appends status (1 settled, 2 already settled, 3 expired, 4 unknown), the
--- actual cost settled, the estimate, the number of buckets, and four values
+-- actual cost settled, the estimate, the number of buckets, and three values
 -- per bucket settled. Returns an error reply for an unreadable record,
 -- before changing anything.
 local function settle(key, actual, out, written)
@@ -617,32 +668,34 @@ end
 
 -- Read the whole request list before deciding anything, so a malformed
 -- call writes nothing.
-local requests, keys, buckets = {}, 0, 0
+-- (Three slots per request in one array: each table is an allocation.)
+local requests, count, keys, buckets = {}, 0, 0, 0
 for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvuaxe])(%d*)') do
   n = tonumber(n)
-  requests[#requests + 1] = { n, mode, tonumber(arg) }
+  requests[count * 3 + 1], requests[count * 3 + 2], requests[count * 3 + 3] = n, mode, tonumber(arg) or 0
+  count = count + 1
   keys = keys + n
   buckets = buckets + n
   if mode ~= 's' and mode ~= 'd' and mode ~= 'c' then
     keys = keys + 1
   end
 end
-if keys ~= #KEYS or #requests == 0 then
+if keys ~= #KEYS or count == 0 then
   return redis.error_reply('token_bucket.lua: ARGV[2] ' .. ARGV[2] .. ' covers ' .. keys ..
     ' keys, but the call has ' .. #KEYS)
 end
 
 local snapshot, written = read_all(), {}
 local out = { now }
-local first, b, extra = 1, 1, 4 + buckets * 5
-for _, r in ipairs(requests) do
-  local n, mode = r[1], r[2]
+local first, b, extra = 1, 1, 4 + buckets * 3
+for q = 0, count - 1 do
+  local n, mode, arg = requests[q * 3 + 1], requests[q * 3 + 2], requests[q * 3 + 3]
   if mode == 'u' or mode == 'x' or mode == 'e' then
     local err
     if mode == 'u' then
-      err = settle(KEYS[first], r[3], out, written)
+      err = settle(KEYS[first], arg, out, written)
     else
-      err = lease_op(KEYS[first], mode, r[3], out, written)
+      err = lease_op(KEYS[first], mode, arg, out, written)
     end
     if err then
       return err
@@ -651,29 +704,29 @@ for _, r in ipairs(requests) do
   else
     local grant, member
     if mode == 'a' then
-      grant, member = now + r[3], ARGV[extra]
+      grant, member = now + arg, ARGV[extra]
     end
-    local allowed = decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot, written,
+    local ok = decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot, written,
       grant, member)
     first, b = first + n, b + n
     if mode == 'v' then
-      if allowed then
+      if ok then
         local mask = {}
         for i = 1, n do
-          mask[i] = out[#out - 4 * (n - i) - 3] == 1 and '1' or '0'
+          mask[i] = scratch[(i - 1) * 5 + 1] and '1' or '0'
         end
         local record = KEYS[first]
-        local value = string.format('P %d %d %s\n', now, now + r[3], table.concat(mask)) .. ARGV[extra]
-        store(record, value, r[3] + EXPIRED_GRACE)
+        local value = string.format('P %d %d %s\n', now, now + arg, table.concat(mask)) .. ARGV[extra]
+        store(record, value, arg + EXPIRED_GRACE)
         written[record] = value
       end
       first, extra = first + 1, extra + 1
     elseif mode == 'a' then
-      if allowed then
+      if ok then
         local sets = {}
         for i = 1, n do
           local key = KEYS[first - n + i - 1]
-          if ARGV[4 + (b - n + i - 2) * 5] == 'l' and out[#out - 4 * (n - i) - 3] == 1 then
+          if scratch[(i - 1) * 5 + 1] and scratch[(i - 1) * 5 + 5] == 'l' then
             sets[#sets + 1] = string.format('%d\n', #key) .. key
           end
         end
@@ -681,7 +734,7 @@ for _, r in ipairs(requests) do
         if #sets > 0 then
           local record = KEYS[first]
           local value = string.format('L %d %s\n', grant, member) .. table.concat(sets)
-          store(record, value, r[3] + EXPIRED_GRACE)
+          store(record, value, arg + EXPIRED_GRACE)
           written[record] = value
         end
       end

@@ -776,22 +776,28 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
     inv.arg(now).arg("1s,1d,1s,1s").arg(1000);
     for _ in 0..4 {
         inv.key("tollgate:{t}:k::same")
-            .arg("t")
-            .arg(1_000_000)
-            .arg(2)
-            .arg(1)
-            .arg("1");
+            .arg("t1")
+            .arg("1000000:2")
+            .arg(1);
     }
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
-    // [now, then per request: allowed, then per key: allowed, remaining, retry, reset]
+    // [now, then per key: 2 × remaining + allowed, retry, reset]
     assert_eq!(
         reply,
         vec![
-            now, 1, 1, 1, 0, 1_000_000, // spends the first token
-            1, 1, 0, 0,
+            now,
+            2 + 1,
+            0,
+            1_000_000, // spends the first token
+            1,
+            0,
             2_000_000, // dry run: answers as if it took the second, spends nothing
-            1, 1, 0, 0, 2_000_000, // spends the second
-            0, 0, 0, 1_000_000, 2_000_000, // empty: one second to wait
+            1,
+            0,
+            2_000_000, // spends the second
+            0,
+            1_000_000,
+            2_000_000, // empty: one second to wait
         ]
     );
     let stored: String = conn.get("tollgate:{t}:k::same").await.unwrap();
@@ -816,18 +822,13 @@ async fn a_call_larger_than_one_mget_reads_every_bucket() {
     let mut inv = script.prepare_invoke();
     inv.arg(now).arg("4500s").arg(1000);
     for i in 0..4500 {
-        inv.key(key(i))
-            .arg("t")
-            .arg(1_000_000)
-            .arg(1)
-            .arg(1)
-            .arg("1");
+        inv.key(key(i)).arg("t1").arg("1000000:1").arg(1);
     }
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
-    assert_eq!(reply.len(), 2 + 4500 * 4);
-    assert_eq!(reply[1], 0, "two empty buckets refuse the request");
-    let refused: Vec<usize> = (0..4500).filter(|i| reply[2 + i * 4] == 0).collect();
-    assert_eq!(refused, vec![0, 4200]);
+    assert_eq!(reply.len(), 1 + 4500 * 3);
+    // Allowed and the balance in one value: 2 × remaining + allowed.
+    let refused: Vec<usize> = (0..4500).filter(|i| reply[1 + i * 3] & 1 == 0).collect();
+    assert_eq!(refused, vec![0, 4200], "two empty buckets refuse");
     // Refused as a whole: nothing was written.
     let keys: Vec<String> = conn.keys("tollgate:*").await.unwrap();
     assert_eq!(keys.len(), 2, "{keys:?}");

@@ -667,7 +667,7 @@ impl Shared {
             metrics::store_decisions("redis", requests.len());
         }
         let reply: Vec<i64> = self.exec_as("decide", key, &evalsha).await?;
-        parse_reply(&reply, requests.iter().map(|r| (&r.kind, r.charges.len())))
+        parse_reply(&reply, requests.iter().map(|r| (&r.kind, &r.charges[..])))
     }
 }
 

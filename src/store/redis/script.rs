@@ -99,6 +99,17 @@ fn algorithm_letter(algorithm: Algorithm) -> &'static str {
     }
 }
 
+/// A bucket's rule field: the algorithm's letter, "1" enforced or "0"
+/// shadow, and ":DEBT" for a debt floor.
+fn write_rule(charge: &Charge, out: &mut String) {
+    out.push_str(algorithm_letter(charge.limit.algorithm()));
+    out.push(if charge.enforce { '1' } else { '0' });
+    if charge.limit.debt() > 0 {
+        out.push(':');
+        out.push_str(itoa::Buffer::new().format(charge.limit.debt()));
+    }
+}
+
 /// The `EVALSHA` of script `sha` deciding `requests` in order, at `now`
 /// (empty: Redis's clock), with each bucket's expiry `margin_ms` past the
 /// moment it is full again. Written straight into one command (redis-rs's
@@ -119,21 +130,27 @@ pub(super) fn evalsha(sha: &str, requests: &[&Request], now: &str, margin_ms: u6
         evalsha.arg(key.as_str());
     }
     evalsha.arg(now).arg(shape).arg(margin_ms);
+    // One buffer for every field written here: redis-rs copies each
+    // argument into the command.
+    let mut field = String::with_capacity(48);
     for c in requests.iter().flat_map(|r| &r.charges) {
-        evalsha
-            .arg(algorithm_letter(c.limit.algorithm()))
-            .arg(c.limit.interval())
-            .arg(c.limit.burst());
+        field.clear();
+        write_rule(c, &mut field);
+        evalsha.arg(field.as_str());
+        field.clear();
+        field.push_str(itoa::Buffer::new().format(c.limit.interval()));
+        field.push(':');
+        field.push_str(itoa::Buffer::new().format(c.limit.burst()));
+        evalsha.arg(field.as_str());
         if c.need > c.cost {
-            evalsha.arg(format!("{}/{}", c.cost, c.need));
+            field.clear();
+            field.push_str(itoa::Buffer::new().format(c.cost));
+            field.push('/');
+            field.push_str(itoa::Buffer::new().format(c.need));
+            evalsha.arg(field.as_str());
         } else {
             evalsha.arg(c.cost);
         }
-        match (c.enforce, c.limit.debt()) {
-            (true, 0) => evalsha.arg("1"),
-            (false, 0) => evalsha.arg("0"),
-            (enforce, debt) => evalsha.arg(format!("{}:{debt}", u8::from(enforce))),
-        };
     }
     for request in requests {
         match &request.kind {
@@ -145,17 +162,22 @@ pub(super) fn evalsha(sha: &str, requests: &[&Request], now: &str, margin_ms: u6
     evalsha
 }
 
-/// A verdict from a bucket's four reply values: allowed, balance (negative:
-/// tokens owed), retry_after (a charge: tokens forgiven) and reset_after.
+/// Reply values per bucket.
+const PER_BUCKET: usize = 3;
+
+/// A verdict from a bucket's three reply values: 2 × balance (negative:
+/// tokens owed) + allowed, retry_after (a charge: tokens forgiven) and
+/// reset_after.
 fn verdict(v: &[i64], charge: bool) -> Verdict {
     let as_micros = |v: i64| -> Micros { if v < 0 { Micros::MAX } else { v as Micros } };
+    let balance = v[0] >> 1;
     Verdict {
-        allowed: v[0] == 1,
-        remaining: v[1].max(0) as u64,
-        debt: v[1].min(0).unsigned_abs(),
-        forgiven: if charge { v[2].max(0) as u64 } else { 0 },
-        retry_after: if charge { 0 } else { as_micros(v[2]) },
-        reset_after: as_micros(v[3]),
+        allowed: v[0] & 1 == 1,
+        remaining: balance.max(0) as u64,
+        debt: balance.min(0).unsigned_abs(),
+        forgiven: if charge { v[1].max(0) as u64 } else { 0 },
+        retry_after: if charge { 0 } else { as_micros(v[1]) },
+        reset_after: as_micros(v[2]),
     }
 }
 
@@ -163,7 +185,7 @@ fn verdict(v: &[i64], charge: bool) -> Verdict {
 /// script's header).
 pub(super) fn parse_reply<'a>(
     reply: &[i64],
-    requests: impl ExactSizeIterator<Item = (&'a Kind, usize)>,
+    requests: impl ExactSizeIterator<Item = (&'a Kind, &'a [Charge])>,
 ) -> Result<Vec<Reply>, StoreError> {
     let short = || {
         StoreError::Protocol(format!(
@@ -173,7 +195,8 @@ pub(super) fn parse_reply<'a>(
     };
     let mut rest = reply.get(1..).ok_or_else(short)?;
     let mut outcomes = Vec::with_capacity(requests.len());
-    for (kind, n) in requests {
+    for (kind, charges) in requests {
+        let n = charges.len();
         if let Kind::Lease(_) = kind {
             let [status, expires_in, ..] = *rest else {
                 return Err(short());
@@ -196,8 +219,8 @@ pub(super) fn parse_reply<'a>(
                 return Err(short());
             };
             let n = usize::try_from(n).map_err(|_| short())?;
-            let this = rest.get(4..4 + 4 * n).ok_or_else(short)?;
-            rest = &rest[4 + 4 * n..];
+            let this = rest.get(4..4 + PER_BUCKET * n).ok_or_else(short)?;
+            rest = &rest[4 + PER_BUCKET * n..];
             let status = match status {
                 1 => SettleStatus::Settled,
                 2 => SettleStatus::AlreadySettled {
@@ -209,20 +232,26 @@ pub(super) fn parse_reply<'a>(
             outcomes.push(Reply::Settled(Settled {
                 status,
                 estimate: estimate.max(0) as u64,
-                verdicts: this.chunks_exact(4).map(|v| verdict(v, true)).collect(),
+                verdicts: this
+                    .chunks_exact(PER_BUCKET)
+                    .map(|v| verdict(v, true))
+                    .collect(),
             }));
             continue;
         }
-        let this = rest.get(..1 + 4 * n).ok_or_else(short)?;
-        rest = &rest[1 + 4 * n..];
+        let this = rest.get(..PER_BUCKET * n).ok_or_else(short)?;
+        rest = &rest[PER_BUCKET * n..];
         let charge = matches!(kind, Kind::Charge);
-        outcomes.push(Reply::Verdicts(Verdicts {
-            allowed: this[0] == 1,
-            verdicts: this[1..]
-                .chunks_exact(4)
-                .map(|v| verdict(v, charge))
-                .collect(),
-        }));
+        let verdicts: Vec<Verdict> = this
+            .chunks_exact(PER_BUCKET)
+            .map(|v| verdict(v, charge))
+            .collect();
+        // Allowed when every enforced bucket admits (as the script decides).
+        let allowed = charges
+            .iter()
+            .zip(&verdicts)
+            .all(|(c, v)| v.allowed || !c.enforce);
+        outcomes.push(Reply::Verdicts(Verdicts { allowed, verdicts }));
     }
     if !rest.is_empty() {
         return Err(StoreError::Protocol(format!(
