@@ -1,6 +1,21 @@
 //! The empty server `tollgate-bench run` compares Tollgate against
 //! (`tollgate-bench empty-server`): Tollgate's own API and Envoy's, with
 //! handlers that do nothing.
+//!
+//! With `--answer-after-us N` the single-decision handlers (`ShouldAllow`,
+//! Envoy's `ShouldRateLimit`) still do nothing, but their answers wait for
+//! a thread outside the runtime, as Tollgate's wait for Redis: the thread
+//! sleeps N µs from the first waiting call and then answers every call
+//! that waits by then, in one batch (as one coalesced script call answers
+//! its decisions). Against the plain empty server this measures what the
+//! gRPC stack alone costs more per call when answers are not ready at once,
+//! whatever the store and its client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+use tokio::sync::oneshot;
 
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
@@ -9,9 +24,72 @@ use tollgate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use tollgate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tollgate::proto::v1::{ShouldAllowBatchRequest, ShouldAllowRequest, ShouldAllowResponse};
 
+/// Answers released in batches by a thread of their own, `after` from the
+/// first call of each batch.
+pub struct Delay {
+    waiting: Mutex<Vec<oneshot::Sender<()>>>,
+    arrived: Condvar,
+    after: Duration,
+}
+
+impl Delay {
+    /// Starts the answering thread.
+    pub fn start(after: Duration) -> Arc<Delay> {
+        let delay = Arc::new(Delay {
+            waiting: Mutex::new(Vec::new()),
+            arrived: Condvar::new(),
+            after,
+        });
+        let answering = delay.clone();
+        std::thread::Builder::new()
+            .name("delayed-answers".into())
+            .spawn(move || answering.answer_forever())
+            .expect("spawning the answering thread");
+        delay
+    }
+
+    fn answer_forever(&self) {
+        loop {
+            {
+                let mut waiting = self.waiting.lock();
+                while waiting.is_empty() {
+                    self.arrived.wait(&mut waiting);
+                }
+            }
+            std::thread::sleep(self.after);
+            let due = std::mem::take(&mut *self.waiting.lock());
+            for answer in due {
+                let _ = answer.send(());
+            }
+        }
+    }
+
+    /// Resolves when the thread answers this call.
+    async fn wait(&self) {
+        let (answer, answered) = oneshot::channel();
+        {
+            let mut waiting = self.waiting.lock();
+            waiting.push(answer);
+            if waiting.len() == 1 {
+                self.arrived.notify_one();
+            }
+        }
+        let _ = answered.await;
+    }
+}
+
+/// Waits for `delay`'s thread, when there is one.
+async fn maybe_wait(delay: &Option<Arc<Delay>>) {
+    if let Some(delay) = delay {
+        delay.wait().await;
+    }
+}
+
 /// A `tollgate.v1.RateLimiter` whose handlers do nothing: the ceiling the
 /// real service is compared against, served by the same tonic stack.
-pub struct EmptyRateLimiter;
+pub struct EmptyRateLimiter {
+    delay: Option<Arc<Delay>>,
+}
 
 #[tonic::async_trait]
 impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter {
@@ -19,6 +97,7 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
         &self,
         _: tonic::Request<ShouldAllowRequest>,
     ) -> Result<tonic::Response<ShouldAllowResponse>, tonic::Status> {
+        maybe_wait(&self.delay).await;
         Ok(tonic::Response::new(ShouldAllowResponse {
             allowed: true,
             ..Default::default()
@@ -142,7 +221,9 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
 
 /// Envoy's `RateLimitService` whose handler does nothing: every descriptor
 /// OK, so `run --api envoy` has the same ceiling to compare against.
-pub struct EmptyEnvoy;
+pub struct EmptyEnvoy {
+    delay: Option<Arc<Delay>>,
+}
 
 #[tonic::async_trait]
 impl RateLimitService for EmptyEnvoy {
@@ -151,6 +232,7 @@ impl RateLimitService for EmptyEnvoy {
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let n = request.get_ref().descriptors.len();
+        maybe_wait(&self.delay).await;
         Ok(tonic::Response::new(RateLimitResponse {
             overall_code: Code::Ok as i32,
             statuses: vec![
@@ -168,13 +250,20 @@ impl RateLimitService for EmptyEnvoy {
 /// Serves [`EmptyRateLimiter`] and [`EmptyEnvoy`] on `listener` until the process ends: the
 /// same accept path and socket options as `tollgate serve`, and none of its
 /// layers (limits, timeout, metrics), whose cost counts against Tollgate.
-pub async fn serve_empty(listener: tokio::net::TcpListener) -> Result<(), tonic::transport::Error> {
+/// With `answer_after`, single decisions are answered through a [`Delay`].
+pub async fn serve_empty(
+    listener: tokio::net::TcpListener,
+    answer_after: Option<Duration>,
+) -> Result<(), tonic::transport::Error> {
+    let delay = answer_after.map(Delay::start);
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(tollgate::api::native::RateLimiterServer::new(
-            EmptyRateLimiter,
+            EmptyRateLimiter {
+                delay: delay.clone(),
+            },
         ))
-        .add_service(RateLimitServiceServer::new(EmptyEnvoy))
+        .add_service(RateLimitServiceServer::new(EmptyEnvoy { delay }))
         .serve_with_incoming(tollgate::server::accepted(listener))
         .await
 }

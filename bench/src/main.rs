@@ -50,6 +50,12 @@ enum Command {
         /// does (so that a comparison runs both servers on the same runtime).
         #[arg(long)]
         runtime_lifo_slot: bool,
+        /// Answer each single decision only after a thread outside the
+        /// runtime releases it, in batches, this many µs after the first
+        /// call of a batch: an empty handler whose answers wait, as on
+        /// Redis.
+        #[arg(long)]
+        answer_after_us: Option<u64>,
     },
 }
 
@@ -130,13 +136,17 @@ fn main() -> ExitCode {
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Run(args) => run(args).await,
-        Command::EmptyServer { grpc_addr, .. } => {
+        Command::EmptyServer {
+            grpc_addr,
+            answer_after_us,
+            ..
+        } => {
             let listener = tokio::net::TcpListener::bind(grpc_addr).await?;
             eprintln!(
                 "empty RateLimiter listening grpc={}",
                 listener.local_addr()?
             );
-            empty::serve_empty(listener).await?;
+            empty::serve_empty(listener, answer_after_us.map(Duration::from_micros)).await?;
             Ok(())
         }
     }

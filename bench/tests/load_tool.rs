@@ -203,3 +203,68 @@ async fn counts_degraded_answers() {
     assert_eq!(f["degraded"], f["decisions"], "{text}");
     assert_eq!(f["allowed"], f["decisions"], "failed open: {text}");
 }
+
+/// `empty-server --answer-after-us`: every single decision, on both APIs,
+/// is answered (allowed) and only after the answering thread's wait: the
+/// median call takes at least half the wait (calls that join a batch
+/// already sleeping wait less than all of it), and, each batch taking the
+/// whole wait and each worker having one call in a batch, four workers
+/// cannot complete more calls than the waits allow in the time the run
+/// took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiting_empty_server_answers_every_call_after_its_wait() {
+    use std::io::BufRead;
+    let wait_us: u64 = 20_000;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate-bench"))
+        .args(["empty-server", "--grpc-addr", "127.0.0.1:0"])
+        .args(["--answer-after-us", &wait_us.to_string()])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr: SocketAddr = line
+        .trim()
+        .rsplit_once("grpc=")
+        .map(|(_, a)| a.parse().unwrap())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let url = format!("http://{addr}");
+    for api in ["native", "envoy"] {
+        let started = Instant::now();
+        let args = [
+            "run",
+            "--server",
+            &url,
+            "--duration",
+            "1s",
+            "--quiet",
+            "--concurrency",
+            "4",
+            "--connections",
+            "1",
+            "--api",
+            api,
+        ];
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate-bench"))
+            .args(args)
+            .output()
+            .unwrap();
+        let wall = started.elapsed().as_secs_f64();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{out:?}");
+        let f = figures(&text);
+        assert_eq!(f["errors"], 0, "{api}: {text}");
+        assert!(f["calls"] > 0, "{api}: {text}");
+        assert_eq!(f["allowed"], f["decisions"], "{api}: {text}");
+        assert!(f["p50"] >= wait_us / 2, "{api}: calls wait: {text}");
+        let most = 4 * ((wall * 1e6 / wait_us as f64).floor() as u64 + 1);
+        assert!(
+            f["calls"] <= most,
+            "{api}: at most {most} calls in {wall:.2} s: {text}"
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
