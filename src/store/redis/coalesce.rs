@@ -241,13 +241,20 @@ async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
     });
     let answers = futures_util::future::join_all(calls).await;
     for ((_, members), result) in groups.into_iter().zip(answers) {
-        for (n, i) in members.into_iter().enumerate() {
-            let answer = match &result {
-                Ok(outcomes) => Ok(outcomes[n].clone()),
-                Err(err) => Err(err.clone()),
-            };
-            if let Some(reply) = replies[i].take() {
-                let _ = reply.send(answer);
+        match result {
+            Ok(outcomes) => {
+                for (i, outcome) in members.into_iter().zip(outcomes) {
+                    if let Some(reply) = replies[i].take() {
+                        let _ = reply.send(Ok(outcome));
+                    }
+                }
+            }
+            Err(err) => {
+                for i in members {
+                    if let Some(reply) = replies[i].take() {
+                        let _ = reply.send(Err(err.clone()));
+                    }
+                }
             }
         }
     }
