@@ -609,7 +609,6 @@ fn store_urls_are_checked_and_passwords_never_shown() {
     );
 }
 
-/// A store coalescing up to 64 decisions per script call, on a pinned clock.
 /// A plain client connection to `server`, to look at keys or call the
 /// script directly.
 async fn connect(server: &RedisServer) -> redis::aio::MultiplexedConnection {
@@ -620,9 +619,14 @@ async fn connect(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
+/// A store coalescing up to 64 decisions per script call, on a pinned clock.
 fn coalescing_store(url: String) -> Arc<dyn Store> {
+    coalescing_store_with_timeout(url, Duration::from_secs(5))
+}
+
+fn coalescing_store_with_timeout(url: String, timeout: Duration) -> Arc<dyn Store> {
     let config = RedisConfig {
-        timeout: Duration::from_secs(5),
+        timeout,
         coalesce: 64,
         ..RedisConfig::new(url)
     };
@@ -874,6 +878,73 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     for i in 0..20 {
         let b = [BucketKey::new("cancel", "k", "", "after")];
         let o = store.apply(&b, &c, Op::SPEND).await.unwrap();
+        assert!(o.allowed);
+        assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
+    }
+}
+
+/// A frozen Redis holds every script call: decisions in flight and those
+/// queued behind them (300, arriving over 0.8 s; 64 per call, 2 calls in
+/// flight) are each answered "unavailable" by their own deadline, not a
+/// timeout after the call that finally carries them started, and once
+/// Redis answers again no coalescing slot was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline() {
+    let server = RedisServer::start();
+    let timeout = Duration::from_secs(1);
+    let store = coalescing_store_with_timeout(server.url(), timeout);
+    let c = [Charge {
+        limit: Limit::new(1_000_000, "1/second".parse().unwrap()).unwrap(),
+        cost: 1,
+        need: 1,
+        enforce: true,
+    }];
+    let b = [BucketKey::new("frozen", "k", "", "warm")];
+    assert!(store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+
+    server.freeze();
+    let mut tasks = Vec::new();
+    for i in 0..300 {
+        if i % 30 == 29 {
+            tokio::time::sleep(Duration::from_millis(80)).await;
+        }
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let b = [BucketKey::new("frozen", "k", "", &format!("k{i}"))];
+            let asked = tokio::time::Instant::now();
+            let result = store.apply(&b, &c, Op::SPEND).await;
+            (result, asked.elapsed())
+        }));
+    }
+    let mut slowest = Duration::ZERO;
+    for t in tasks {
+        let (result, took) = t.await.unwrap();
+        let err = result.expect_err("a frozen Redis admits nothing");
+        assert!(
+            matches!(err, StoreError::Unavailable(_)),
+            "unavailable, so the rule's policy decides: {err}"
+        );
+        slowest = slowest.max(took);
+    }
+    // Sent with a timeout from when their call started, the first queued
+    // would wait two timeouts (the frozen calls ahead of them, then their
+    // own).
+    assert!(
+        slowest < timeout + timeout / 2,
+        "every decision answered about its deadline, the slowest after {slowest:?}"
+    );
+
+    server.thaw();
+    for i in 0..20 {
+        let b = [BucketKey::new("frozen", "k", "", "after")];
+        let o = loop {
+            // The breaker the timeouts opened refuses until its cooldown
+            // passes (a refused call spends nothing).
+            match store.apply(&b, &c, Op::SPEND).await {
+                Ok(o) => break o,
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        };
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
     }

@@ -479,7 +479,7 @@ impl Shared {
                 .route(slot_of(&request.keys[0]), deadline)
                 .await?;
             if node.waiting.is_some() {
-                return coalesce::decide(self, node, request).await;
+                return coalesce::decide(self, node, request, deadline).await;
             }
         }
         let mut outcomes = self.run(std::slice::from_ref(&request)).await?;
@@ -503,7 +503,8 @@ impl Shared {
         // and a hash of its key, so that one tenant's keys spread over
         // every slot while one key's buckets (every rule of a decision)
         // share one.
-        let spread = bucket.is_per_key().then(|| super::key_spread(bucket.key()));
+        let spread = (self.config.spread_keys && bucket.is_per_key())
+            .then(|| super::key_spread(bucket.key()));
         self.tagged(bucket, spread)
     }
 
@@ -517,12 +518,23 @@ impl Shared {
         } else {
             tenant
         };
-        match spread {
-            Some(spread) if self.config.spread_keys => {
-                format!("{}{{{tag}/{spread:08x}}}:{rest}", self.config.prefix)
+        // Written by hand: one allocation, no formatting machinery (this
+        // runs for every bucket of every decision).
+        let prefix = &self.config.prefix;
+        let mut key = String::with_capacity(prefix.len() + tag.len() + rest.len() + 12);
+        key.push_str(prefix);
+        key.push('{');
+        key.push_str(tag);
+        if let Some(spread) = spread.filter(|_| self.config.spread_keys) {
+            key.push('/');
+            for shift in (0..8).rev() {
+                let digit = (spread >> (4 * shift)) & 0xf;
+                key.push(char::from_digit(digit, 16).unwrap_or('0'));
             }
-            _ => format!("{}{{{tag}}}:{rest}", self.config.prefix),
         }
+        key.push_str("}:");
+        key.push_str(rest);
+        key
     }
 
     /// Checks that Redis answers: the primary of a single or
@@ -555,28 +567,41 @@ impl Shared {
         result
     }
 
-    /// Runs `cmd` on the node serving `key`'s slot, by the store's
-    /// timeout, following redirects and loading the script where missing.
-    async fn exec(
+    /// Runs `cmd` on the node serving `key`'s slot by `deadline`,
+    /// following redirects and loading the script where missing.
+    async fn exec_until(
         &self,
         op: &'static str,
+        deadline: Instant,
         key: &str,
         cmd: &redis::Cmd,
     ) -> Result<Value, StoreError> {
         let started = Instant::now();
-        let result = self.exec_by(started + self.config.timeout, key, cmd).await;
+        let result = self.exec_by(deadline, key, cmd).await;
         metrics::store_call("redis", op, started.elapsed());
         result
     }
 
-    /// [`Shared::exec`], the reply converted to `T`.
+    /// [`Shared::exec_as_until`] by the store's timeout.
     async fn exec_as<T: redis::FromRedisValue>(
         &self,
         op: &'static str,
         key: &str,
         cmd: &redis::Cmd,
     ) -> Result<T, StoreError> {
-        let value = self.exec(op, key, cmd).await?;
+        self.exec_as_until(op, Instant::now() + self.config.timeout, key, cmd)
+            .await
+    }
+
+    /// [`Shared::exec_until`], the reply converted to `T`.
+    async fn exec_as_until<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        deadline: Instant,
+        key: &str,
+        cmd: &redis::Cmd,
+    ) -> Result<T, StoreError> {
+        let value = self.exec_until(op, deadline, key, cmd).await?;
         redis::from_redis_value(value)
             .map_err(|e| StoreError::Protocol(format!("Redis answered {op} unexpectedly: {e}")))
     }
@@ -646,10 +671,16 @@ impl Shared {
     /// Decides `requests` in one script call, in order.
     async fn run(&self, requests: &[Request]) -> Result<Vec<Reply>, StoreError> {
         let refs: SmallVec<[&Request; 1]> = requests.iter().collect();
-        self.run_refs(&refs).await
+        self.run_refs_by(&refs, Instant::now() + self.config.timeout)
+            .await
     }
 
-    async fn run_refs(&self, requests: &[&Request]) -> Result<Vec<Reply>, StoreError> {
+    /// Decides `requests` in one script call, in order, by `deadline`.
+    async fn run_refs_by(
+        &self,
+        requests: &[&Request],
+        deadline: Instant,
+    ) -> Result<Vec<Reply>, StoreError> {
         let now = self
             .clock
             .as_ref()
@@ -666,7 +697,9 @@ impl Shared {
         if !self.routes.refuses(slot_of(key)) {
             metrics::store_decisions("redis", requests.len());
         }
-        let reply: Vec<i64> = self.exec_as("decide", key, &evalsha).await?;
+        let reply: Vec<i64> = self
+            .exec_as_until("decide", deadline, key, &evalsha)
+            .await?;
         parse_reply(&reply, requests.iter().map(|r| (&r.kind, &r.charges[..])))
     }
 }
@@ -747,5 +780,50 @@ impl Store for RedisStore {
             local: None,
             answered: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(spread_keys: bool) -> RedisStore {
+        let config = RedisConfig {
+            spread_keys,
+            ..RedisConfig::new("redis://127.0.0.1:1")
+        };
+        RedisStore::new(config, None).expect("a store needs no connection to name keys")
+    }
+
+    #[test]
+    fn keys_carry_the_tenant_as_hash_tag_and_with_spread_keys_a_hash_of_the_key() {
+        let plain = store(false);
+        let spread = store(true);
+        let per_key = BucketKey::new("acme", "k", "search", "user-42");
+        let tenant_wide = BucketKey::new("acme", "t", "search", "");
+        let no_tenant = BucketKey::new("", "k", "", "ip-1");
+        assert_eq!(
+            plain.redis_key(&per_key),
+            "tollgate:{acme}:k:search:user-42"
+        );
+        assert_eq!(plain.redis_key(&tenant_wide), "tollgate:{acme}:t:search:");
+        assert_eq!(plain.redis_key(&no_tenant), "tollgate:{@default}:k::ip-1");
+        assert_eq!(
+            spread.redis_key(&per_key),
+            format!(
+                "tollgate:{{acme/{:08x}}}:k:search:user-42",
+                super::super::key_spread("user-42")
+            )
+        );
+        assert_eq!(
+            spread.redis_key(&BucketKey::new("acme", "k", "", "")),
+            "tollgate:{acme/811c9dc5}:k::",
+            "the FNV-1a offset basis, zero-padded to eight digits, for an empty key"
+        );
+        assert_eq!(
+            spread.redis_key(&tenant_wide),
+            "tollgate:{acme}:t:search:",
+            "tenant-wide buckets keep the tenant's tag"
+        );
     }
 }

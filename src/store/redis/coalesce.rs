@@ -16,11 +16,19 @@
 //! batches delays a single decision by a few calls of a few milliseconds,
 //! not by the whole backlog. Requests in the same queue are concurrent, so
 //! any order between them is one they could have arrived in.
+//!
+//! Every decision has a deadline (the store's timeout from when it was
+//! asked), kept without a timer of its own: a script call runs by the
+//! earliest deadline among its decisions, so none waits past its own for
+//! the call, and a decision still queued when its deadline passes is
+//! answered "unavailable" by the next take from the queue (which comes
+//! when a call in flight ends, by that call's own deadline).
 
 use std::sync::Arc;
 
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use super::node::Node;
 use super::{Reply, Request, Shared};
@@ -51,15 +59,27 @@ impl Waiting {
     /// batch first takes the oldest request whatever its size (so a large
     /// one is never passed over for ever), then every small request, then
     /// large ones in arrival order while the call stays within
-    /// [`MAX_KEYS_PER_CALL`] buckets.
-    /// Decisions whose callers stopped waiting (their timeout passed, so
-    /// their rule's store-unavailable policy already answered) are dropped
-    /// rather than sent: they must not spend tokens now.
-    fn take_into(&mut self, batch: &mut Vec<Queued>, max: usize) {
-        self.queue.retain(|q| !q.reply.is_closed());
+    /// [`MAX_KEYS_PER_CALL`] buckets. The script decides in `batch`'s
+    /// order: small ones first.
+    ///
+    /// Decisions whose callers stopped waiting are dropped rather than
+    /// sent (they must not spend tokens now), and those whose deadline
+    /// passed at `now` are answered "unavailable", so their rule's
+    /// store-unavailable policy decides.
+    fn take_into(&mut self, batch: &mut Vec<Queued>, max: usize, now: Instant) {
+        self.queue.retain(|q| {
+            if q.reply.is_closed() {
+                return false;
+            }
+            if q.deadline > now {
+                return true;
+            }
+            metrics::store_error("redis", "timeout");
+            false
+        });
         let mut keys: usize = batch.iter().map(|q| q.request.keys.len()).sum();
         let mut count = batch.len();
-        let mut take = vec![false; self.queue.len()];
+        let mut take: SmallVec<[bool; 64]> = SmallVec::from_elem(false, self.queue.len());
         if count == 0 && max > 0 && !self.queue.is_empty() {
             take[0] = true;
             keys = self.queue[0].request.keys.len();
@@ -80,18 +100,21 @@ impl Waiting {
                 count += 1;
             }
         }
-        let mut chosen = take.iter();
-        let (taken, rest): (Vec<Queued>, Vec<Queued>) = self
-            .queue
-            .drain(..)
-            .partition(|_| *chosen.next().unwrap_or(&false));
-        self.queue = rest;
-        // The script decides in this order: small ones first.
-        let (small, large): (Vec<Queued>, Vec<Queued>) = taken
-            .into_iter()
-            .partition(|q| q.request.keys.len() <= SMALL_REQUEST_KEYS);
-        batch.extend(small);
-        batch.extend(large);
+        // One pass: small ones straight into the batch, large ones after
+        // them; what is not taken stays queued in its order.
+        let mut large: Vec<Queued> = Vec::new();
+        let mut i = 0;
+        for q in self.queue.extract_if(.., |_| {
+            i += 1;
+            take[i - 1]
+        }) {
+            if q.request.keys.len() <= SMALL_REQUEST_KEYS {
+                batch.push(q);
+            } else {
+                large.push(q);
+            }
+        }
+        batch.append(&mut large);
     }
 }
 
@@ -99,6 +122,8 @@ impl Waiting {
 struct Queued {
     request: Request,
     reply: oneshot::Sender<Result<Reply, StoreError>>,
+    /// When its caller's wait ends (see the module docs).
+    deadline: Instant,
 }
 
 /// Script calls in flight at once when coalescing. A decision that finds a
@@ -108,23 +133,30 @@ struct Queued {
 /// up to the configured maximum under pressure.
 const COALESCE_IN_FLIGHT: usize = 2;
 
-/// Decides `request` through a shared script call (see the module docs).
+/// Decides `request` through a shared script call, answering by
+/// `deadline` (see the module docs).
 pub(super) async fn decide(
     shared: &Arc<Shared>,
     node: Arc<Node>,
     request: Request,
+    deadline: Instant,
 ) -> Result<Reply, StoreError> {
     let Some(coalesce) = &node.waiting else {
         unreachable!("decide is called for nodes that coalesce")
     };
     let (reply, answer) = oneshot::channel();
-    let mine = Queued { request, reply };
+    let mine = Queued {
+        request,
+        reply,
+        deadline,
+    };
     let batch = {
         let mut waiting = coalesce.lock();
         if waiting.in_flight < COALESCE_IN_FLIGHT {
             waiting.in_flight += 1;
-            let mut batch = vec![mine];
-            waiting.take_into(&mut batch, shared.config.coalesce);
+            let mut batch = Vec::with_capacity(waiting.queue.len() + 1);
+            batch.push(mine);
+            waiting.take_into(&mut batch, shared.config.coalesce, Instant::now());
             Some(batch)
         } else {
             waiting.queue.push(mine);
@@ -150,23 +182,16 @@ pub(super) async fn decide(
                 send_coalesced(&shared, batch).await;
             });
         }
-        // Every slot busy: the next call takes this decision.
+        // Every slot busy: the next call takes this decision, or the take
+        // after its deadline answers it.
         None => {}
     }
-    // The timeout covers the wait in the queue too.
-    let timeout = shared.config.timeout;
-    match tokio::time::timeout(timeout, answer).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => Err(StoreError::Unavailable(
-            "the shared script call carrying this decision was dropped".into(),
-        )),
-        Err(_) => {
-            metrics::store_error("redis", "timeout");
-            Err(StoreError::Unavailable(format!(
-                "no answer within {timeout:?}"
-            )))
-        }
-    }
+    answer.await.unwrap_or_else(|_| {
+        Err(StoreError::Unavailable(format!(
+            "no answer within {:?}",
+            shared.config.timeout
+        )))
+    })
 }
 
 /// A coalescing slot held by a script call in flight; dropping it (after
@@ -203,7 +228,7 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
             let mut batch = Vec::new();
             {
                 let mut waiting = coalesce.lock();
-                waiting.take_into(&mut batch, shared.config.coalesce);
+                waiting.take_into(&mut batch, shared.config.coalesce, Instant::now());
                 if batch.is_empty() {
                     waiting.in_flight -= 1;
                     return;
@@ -215,32 +240,34 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
 }
 
 /// Sends coalesced decisions, one script call per hash tag (a cluster runs
-/// a script on one slot; a single Redis takes them all in one call), and
-/// answers each.
-async fn send_coalesced(shared: &Shared, taken: Vec<Queued>) {
+/// a script on one slot; a single Redis takes them all in one call), each
+/// call by the earliest deadline among its decisions, and answers each.
+async fn send_coalesced(shared: &Shared, mut taken: Vec<Queued>) {
     let cluster = shared.routes.is_cluster();
-    let (requests, mut replies): (Vec<Request>, Vec<_>) = taken
-        .into_iter()
-        .map(|q| (q.request, Some(q.reply)))
-        .unzip();
-    let mut groups: SmallVec<[(&str, Vec<usize>); 1]> = SmallVec::new();
-    for (i, request) in requests.iter().enumerate() {
+    let mut groups: SmallVec<[(&str, Vec<usize>, Instant); 1]> = SmallVec::new();
+    for (i, q) in taken.iter().enumerate() {
         let tag = if cluster {
-            hash_tag(&request.keys[0])
+            hash_tag(&q.request.keys[0])
         } else {
             ""
         };
-        match groups.iter_mut().find(|(t, _)| *t == tag) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((tag, vec![i])),
+        match groups.iter_mut().find(|(t, ..)| *t == tag) {
+            Some((_, members, deadline)) => {
+                members.push(i);
+                *deadline = (*deadline).min(q.deadline);
+            }
+            None => groups.push((tag, vec![i], q.deadline)),
         }
     }
-    let calls = groups.iter().map(|(_, members)| {
-        let group: Vec<&Request> = members.iter().map(|&i| &requests[i]).collect();
-        async move { shared.run_refs(&group).await }
+    let calls = groups.iter().map(|(_, members, deadline)| {
+        let group: SmallVec<[&Request; 16]> = members.iter().map(|&i| &taken[i].request).collect();
+        async move { shared.run_refs_by(&group, *deadline).await }
     });
     let answers = futures_util::future::join_all(calls).await;
-    for ((_, members), result) in groups.into_iter().zip(answers) {
+    let members: SmallVec<[Vec<usize>; 1]> = groups.into_iter().map(|(_, m, _)| m).collect();
+    let mut replies: Vec<Option<oneshot::Sender<_>>> =
+        taken.drain(..).map(|q| Some(q.reply)).collect();
+    for (members, result) in members.into_iter().zip(answers) {
         match result {
             Ok(outcomes) => {
                 for (i, outcome) in members.into_iter().zip(outcomes) {
@@ -278,7 +305,15 @@ mod tests {
             charges: SmallVec::new(),
             kind: super::super::Kind::Decide { spend: true },
         };
-        (Queued { request, reply }, answer)
+        let deadline = Instant::now() + std::time::Duration::from_secs(60);
+        (
+            Queued {
+                request,
+                reply,
+                deadline,
+            },
+            answer,
+        )
     }
 
     #[test]
@@ -299,7 +334,7 @@ mod tests {
 
         let (mine, _answer) = queued("mine");
         let mut batch = vec![mine];
-        waiting.take_into(&mut batch, 3);
+        waiting.take_into(&mut batch, 3, Instant::now());
         assert_eq!(keys(&batch), ["mine", "k0", "k2"]);
         assert_eq!(
             waiting.queue.len(),
@@ -308,7 +343,7 @@ mod tests {
         );
 
         let mut batch = Vec::new();
-        waiting.take_into(&mut batch, 64);
+        waiting.take_into(&mut batch, 64, Instant::now());
         assert_eq!(keys(&batch), ["k4", "k5"], "k3 was dropped, not sent");
         assert!(waiting.queue.is_empty());
     }
@@ -350,21 +385,21 @@ mod tests {
         // buckets; b2 does not fit, and b3 waits behind it.
         let (mine, _answer) = sized("mine", 2);
         let mut batch = vec![mine];
-        waiting.take_into(&mut batch, 64);
+        waiting.take_into(&mut batch, 64, Instant::now());
         assert_eq!(names(&batch), ["mine", "s1", "s2", "s3", "b1"]);
         assert_eq!(keys(&batch), 308);
 
         // A call that starts empty takes the oldest request whatever its
         // size, and nothing large after it beyond the cap.
         let mut batch = Vec::new();
-        waiting.take_into(&mut batch, 64);
+        waiting.take_into(&mut batch, 64, Instant::now());
         assert_eq!(names(&batch), ["b2"]);
 
         // Small requests that arrive later still go first.
         let (late, _late_answer) = sized("late", 1);
         waiting.queue.push(late);
         let mut batch = Vec::new();
-        waiting.take_into(&mut batch, 64);
+        waiting.take_into(&mut batch, 64, Instant::now());
         assert_eq!(names(&batch), ["late", "b3", "b4"]);
         assert!(waiting.queue.is_empty());
 
@@ -375,7 +410,7 @@ mod tests {
             answers.push(answer);
         }
         let mut batch = Vec::new();
-        waiting.take_into(&mut batch, 3);
+        waiting.take_into(&mut batch, 3, Instant::now());
         assert_eq!(names(&batch), ["t0", "t1", "t2"]);
         assert_eq!(waiting.queue.len(), 2);
     }

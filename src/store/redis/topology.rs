@@ -275,6 +275,10 @@ impl Topology {
         slot: u16,
         deadline: Instant,
     ) -> Result<Arc<Node>, StoreError> {
+        if let Some(node) = self.map.load().node(slot) {
+            return Ok(node);
+        }
+        // Subscribed before looking again, so a change in between is seen.
         let mut changed = self.generation.subscribe();
         loop {
             if let Some(node) = self.map.load().node(slot) {
