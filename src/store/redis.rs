@@ -30,8 +30,10 @@
 //! Time comes from Redis's own clock (`TIME`, read inside the script), so
 //! instances with skewed clocks agree. Tests can pin it with a [`Clock`].
 //!
-//! Every call has a timeout, redirects and retries included. The
-//! store-unavailable fallback is a layer around this store
+//! Every decision has a deadline, the store's timeout from when it was
+//! asked, which covers its wait for a coalesced call and that call's
+//! redirects and retries; a call carrying several decisions runs by the
+//! earliest of theirs. The store-unavailable fallback is a layer around this store
 //! (`super::fallback`, composed in `super::stack`).
 
 use std::sync::Arc;
@@ -697,10 +699,24 @@ impl Shared {
         if !self.routes.refuses(slot_of(key)) {
             metrics::store_decisions("redis", requests.len());
         }
-        let reply: Vec<i64> = self
-            .exec_as_until("decide", deadline, key, &evalsha)
-            .await?;
-        parse_reply(&reply, requests.iter().map(|r| (&r.kind, &r.charges[..])))
+        let reply = self.exec_until("decide", deadline, key, &evalsha).await?;
+        // Read in place: the reply is a flat array of integers.
+        let ints: Option<SmallVec<[i64; 64]>> = match &reply {
+            Value::Array(items) => items
+                .iter()
+                .map(|v| match v {
+                    Value::Int(n) => Some(*n),
+                    _ => None,
+                })
+                .collect(),
+            _ => None,
+        };
+        let Some(ints) = ints else {
+            return Err(StoreError::Protocol(format!(
+                "Redis answered decide unexpectedly: {reply:?}, not an array of integers"
+            )));
+        };
+        parse_reply(&ints, requests.iter().map(|r| (&r.kind, &r.charges[..])))
     }
 }
 

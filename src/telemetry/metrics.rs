@@ -303,14 +303,48 @@ pub const BREAKER_STATE: &str = "tollgate_store_circuit_state";
 
 /// Records one store call's duration.
 pub fn store_call(store: &'static str, op: &'static str, took: std::time::Duration) {
-    metrics::histogram!(STORE_DURATION, "store" => store, "op" => op).record(took.as_secs_f64());
+    static HANDLES: OnceLock<dashmap::DashMap<(&str, &str), metrics::Histogram>> = OnceLock::new();
+    cached(
+        &HANDLES,
+        (store, op),
+        || metrics::histogram!(STORE_DURATION, "store" => store, "op" => op),
+    )
+    .record(took.as_secs_f64());
 }
 
 /// Decisions sent to the store, counted per script call: with Redis
 /// coalescing on, `tollgate_store_decisions_total` divided by the count of
 /// `tollgate_store_duration_seconds{op="decide"}` is the decisions per call.
 pub fn store_decisions(store: &'static str, decisions: usize) {
-    counter!(STORE_DECISIONS, "store" => store).increment(decisions as u64);
+    static HANDLES: OnceLock<dashmap::DashMap<&str, metrics::Counter>> = OnceLock::new();
+    cached(
+        &HANDLES,
+        store,
+        || counter!(STORE_DECISIONS, "store" => store),
+    )
+    .increment(decisions as u64);
+}
+
+/// The metric handle for `labels`, registered on first use: the hot path
+/// then neither builds a label list nor looks the series up. The recorder
+/// is installed before the first handle is made, so none is a no-op.
+fn cached<K, M>(
+    handles: &OnceLock<dashmap::DashMap<K, M>>,
+    labels: K,
+    register: impl FnOnce() -> M,
+) -> M
+where
+    K: std::hash::Hash + Eq,
+    M: Clone,
+{
+    let handles = handles.get_or_init(|| {
+        handle();
+        dashmap::DashMap::new()
+    });
+    if let Some(found) = handles.get(&labels) {
+        return found.clone();
+    }
+    handles.entry(labels).or_insert_with(register).clone()
 }
 
 /// Counts a store error.

@@ -225,9 +225,10 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
             return;
         };
         loop {
-            let mut batch = Vec::new();
+            let mut batch;
             {
                 let mut waiting = coalesce.lock();
+                batch = Vec::with_capacity(waiting.queue.len().min(shared.config.coalesce));
                 waiting.take_into(&mut batch, shared.config.coalesce, Instant::now());
                 if batch.is_empty() {
                     waiting.in_flight -= 1;
@@ -243,21 +244,21 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
 /// a script on one slot; a single Redis takes them all in one call), each
 /// call by the earliest deadline among its decisions, and answers each.
 async fn send_coalesced(shared: &Shared, mut taken: Vec<Queued>) {
-    let cluster = shared.routes.is_cluster();
+    // (hash tag, members, the earliest deadline among them)
     let mut groups: SmallVec<[(&str, Vec<usize>, Instant); 1]> = SmallVec::new();
-    for (i, q) in taken.iter().enumerate() {
-        let tag = if cluster {
-            hash_tag(&q.request.keys[0])
-        } else {
-            ""
-        };
-        match groups.iter_mut().find(|(t, ..)| *t == tag) {
-            Some((_, members, deadline)) => {
-                members.push(i);
-                *deadline = (*deadline).min(q.deadline);
+    if shared.routes.is_cluster() {
+        for (i, q) in taken.iter().enumerate() {
+            let tag = hash_tag(&q.request.keys[0]);
+            match groups.iter_mut().find(|(t, ..)| *t == tag) {
+                Some((_, members, deadline)) => {
+                    members.push(i);
+                    *deadline = (*deadline).min(q.deadline);
+                }
+                None => groups.push((tag, vec![i], q.deadline)),
             }
-            None => groups.push((tag, vec![i], q.deadline)),
         }
+    } else if let Some(deadline) = taken.iter().map(|q| q.deadline).min() {
+        groups.push(("", (0..taken.len()).collect(), deadline));
     }
     let calls = groups.iter().map(|(_, members, deadline)| {
         let group: SmallVec<[&Request; 16]> = members.iter().map(|&i| &taken[i].request).collect();
