@@ -885,9 +885,10 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
 
 /// A frozen Redis holds every script call: decisions in flight and those
 /// queued behind them (300, arriving over 0.8 s; 64 per call, 2 calls in
-/// flight) are each answered "unavailable" by their own deadline, not a
-/// timeout after the call that finally carries them started, and once
-/// Redis answers again no coalescing slot was lost.
+/// flight) are each answered "unavailable" by their own deadline (at worst
+/// a fifth of the timeout after it), not a timeout after the call that
+/// finally carries them started, and once Redis answers again no
+/// coalescing slot was lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline() {
     let server = RedisServer::start();
@@ -930,7 +931,7 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
     // would wait two timeouts (the frozen calls ahead of them, then their
     // own).
     assert!(
-        slowest < timeout + timeout / 2,
+        slowest < timeout + timeout * 3 / 5,
         "every decision answered about its deadline, the slowest after {slowest:?}"
     );
 

@@ -33,7 +33,7 @@
 //! Every decision has a deadline, the store's timeout from when it was
 //! asked, which covers its wait for a coalesced call and that call's
 //! redirects and retries; a call carrying several decisions runs by the
-//! earliest of theirs. The store-unavailable fallback is a layer around this store
+//! earliest of theirs (see `coalesce` for the one exception). The store-unavailable fallback is a layer around this store
 //! (`super::fallback`, composed in `super::stack`).
 
 use std::sync::Arc;

@@ -19,10 +19,13 @@
 //!
 //! Every decision has a deadline (the store's timeout from when it was
 //! asked), kept without a timer of its own: a script call runs by the
-//! earliest deadline among its decisions, so none waits past its own for
-//! the call, and a decision still queued when its deadline passes is
-//! answered "unavailable" by the next take from the queue (which comes
-//! when a call in flight ends, by that call's own deadline).
+//! earliest deadline among its decisions, but for at least a fifth of the
+//! timeout (so one decision about to expire cannot fail a call to a
+//! healthy Redis, and count against its breaker, for all the others), and
+//! a decision still queued when its deadline passes is answered
+//! "unavailable" by the next take from the queue (which comes when a call
+//! in flight ends, by that call's own deadline). So a decision is answered
+//! by its deadline, or at worst a fifth of the timeout after it.
 
 use std::sync::Arc;
 
@@ -126,6 +129,10 @@ struct Queued {
     deadline: Instant,
 }
 
+/// A script call has at least the store's timeout divided by this to run,
+/// whatever its decisions' deadlines (see the module docs).
+const MIN_CALL_SHARE: u32 = 5;
+
 /// Script calls in flight at once when coalescing. A decision that finds a
 /// free slot is sent at once from its own task, together with whatever has
 /// queued up; one that finds none queues, and the next call takes it. So
@@ -154,7 +161,7 @@ pub(super) async fn decide(
         let mut waiting = coalesce.lock();
         if waiting.in_flight < COALESCE_IN_FLIGHT {
             waiting.in_flight += 1;
-            let mut batch = Vec::with_capacity(waiting.queue.len() + 1);
+            let mut batch = Vec::with_capacity(waiting.queue.len().min(shared.config.coalesce) + 1);
             batch.push(mine);
             waiting.take_into(&mut batch, shared.config.coalesce, Instant::now());
             Some(batch)
@@ -242,8 +249,10 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
 
 /// Sends coalesced decisions, one script call per hash tag (a cluster runs
 /// a script on one slot; a single Redis takes them all in one call), each
-/// call by the earliest deadline among its decisions, and answers each.
+/// call by the earliest deadline among its decisions or [`MIN_CALL_SHARE`]
+/// of the timeout from now, whichever is later, and answers each.
 async fn send_coalesced(shared: &Shared, mut taken: Vec<Queued>) {
+    let floor = Instant::now() + shared.config.timeout / MIN_CALL_SHARE;
     // (hash tag, members, the earliest deadline among them)
     let mut groups: SmallVec<[(&str, Vec<usize>, Instant); 1]> = SmallVec::new();
     if shared.routes.is_cluster() {
@@ -262,7 +271,8 @@ async fn send_coalesced(shared: &Shared, mut taken: Vec<Queued>) {
     }
     let calls = groups.iter().map(|(_, members, deadline)| {
         let group: SmallVec<[&Request; 16]> = members.iter().map(|&i| &taken[i].request).collect();
-        async move { shared.run_refs_by(&group, *deadline).await }
+        let deadline = (*deadline).max(floor);
+        async move { shared.run_refs_by(&group, deadline).await }
     });
     let answers = futures_util::future::join_all(calls).await;
     let members: SmallVec<[Vec<usize>; 1]> = groups.into_iter().map(|(_, m, _)| m).collect();
