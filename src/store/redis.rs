@@ -33,7 +33,8 @@
 //! Every decision has a deadline, the store's timeout from when it was
 //! asked, which covers its wait for a coalesced call and that call's
 //! redirects and retries; a call carrying several decisions runs by the
-//! earliest of theirs (see `coalesce` for the one exception). The store-unavailable fallback is a layer around this store
+//! earliest of theirs (see `coalesce` for the one exception). The
+//! store-unavailable fallback is a layer around this store
 //! (`super::fallback`, composed in `super::stack`).
 
 use std::sync::Arc;
@@ -584,25 +585,15 @@ impl Shared {
         result
     }
 
-    /// [`Shared::exec_as_until`] by the store's timeout.
+    /// [`Shared::exec_until`] by the store's timeout, the reply converted
+    /// to `T`.
     async fn exec_as<T: redis::FromRedisValue>(
         &self,
         op: &'static str,
         key: &str,
         cmd: &redis::Cmd,
     ) -> Result<T, StoreError> {
-        self.exec_as_until(op, Instant::now() + self.config.timeout, key, cmd)
-            .await
-    }
-
-    /// [`Shared::exec_until`], the reply converted to `T`.
-    async fn exec_as_until<T: redis::FromRedisValue>(
-        &self,
-        op: &'static str,
-        deadline: Instant,
-        key: &str,
-        cmd: &redis::Cmd,
-    ) -> Result<T, StoreError> {
+        let deadline = Instant::now() + self.config.timeout;
         let value = self.exec_until(op, deadline, key, cmd).await?;
         redis::from_redis_value(value)
             .map_err(|e| StoreError::Protocol(format!("Redis answered {op} unexpectedly: {e}")))
