@@ -1,4 +1,5 @@
-//! The command line: `serve` (in `serve`), `limits` (in `limits`), and the
+//! The command line: `serve` (in `serve`), `limits` and `plans` (in
+//! `limits` and `plans`), and the
 //! commands that talk to a running server, `check`, `top` and `health` (in
 //! `client`). The load tool is a binary of its own (`bench/`). This file holds the command tree, the parsing of
 //! a `serve --config` file, and the value parsers the flags share.
@@ -25,6 +26,7 @@ macro_rules! out {
 
 mod client;
 mod limits;
+mod plans;
 mod serve;
 
 use std::io::Write;
@@ -34,6 +36,7 @@ use clap::{Args, Parser, Subcommand};
 
 pub use client::{ChargeArgs, CheckArgs, TopArgs, charge, check, health, top};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
+pub use plans::{PlansCommand, plans};
 pub use serve::{Process, Serve, ServeArgs};
 
 /// Tollgate: a rate-limit decision service.
@@ -53,6 +56,9 @@ pub enum Command {
     /// Manage the limits table.
     #[command(subcommand)]
     Limits(LimitsCommand),
+    /// Manage plans (named sets of rules) and the tenants on them.
+    #[command(subcommand)]
+    Plans(PlansCommand),
     /// Ask a running server for a decision and print it.
     Check(CheckArgs),
     /// Record usage known after the work on a running server (charged in

@@ -73,6 +73,10 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
             telemetry::init_logs(LogFormat::Text);
             cli::limits(command).await?;
         }
+        Command::Plans(command) => {
+            telemetry::init_logs(LogFormat::Text);
+            cli::plans(command).await?;
+        }
         Command::Check(args) => cli::check(args).await?,
         Command::Charge(args) => cli::charge(args).await?,
         Command::Top(args) => cli::top(args).await?,

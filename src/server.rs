@@ -75,8 +75,11 @@ pub struct ServeConfig {
     pub limits: String,
     /// Where bucket state lives.
     pub store: StoreSpec,
-    /// How often the limits table is re-read.
+    /// How often the limits table's version is read (SQLite; PostgreSQL
+    /// is notified) and Envoy's configuration directory re-read.
     pub reload_interval: Duration,
+    /// The most limits rows (rules) kept in memory.
+    pub max_limit_rows: usize,
     /// How often idle in-memory buckets are dropped.
     pub sweep_interval: Duration,
     /// The cap on in-memory buckets (also for the local fallback and the
@@ -138,7 +141,8 @@ impl Default for ServeConfig {
         Self {
             limits: crate::limits::table::DEFAULT_LOCATION.into(),
             store: StoreSpec::Memory,
-            reload_interval: Duration::from_secs(1),
+            reload_interval: Duration::from_millis(500),
+            max_limit_rows: 2_000_000,
             sweep_interval: Duration::from_secs(10),
             max_buckets: 1_000_000,
             max_bucket_bytes: 256 << 20,
@@ -369,7 +373,7 @@ pub async fn run(
     crate::telemetry::metrics::runtime();
     let tls = config.tls.as_ref().map(TlsFiles::config).transpose()?;
     let table = LimitsTable::open(&config.limits).await?;
-    let limits = Arc::new(LiveLimits::load(&table).await?);
+    let limits = Arc::new(LiveLimits::load(&table, config.max_limit_rows).await?);
     let envoy_config = Arc::new(match &config.envoy_config {
         Some(dir) => LiveEnvoyConfig::load(dir)?,
         None => LiveEnvoyConfig::empty(),

@@ -364,7 +364,7 @@ impl RateLimiterService {
             reset_after: Some(duration(item.reset_after)),
             limit_name: rules[0]
                 .as_ref()
-                .map(|r| r.name.clone())
+                .map(|r| r.name.to_string())
                 .unwrap_or_default(),
             degraded: degraded(item) as i32,
         })
@@ -607,13 +607,13 @@ pub fn to_response(answer: &ItemAnswer, rule: Option<&Rule>) -> ShouldAllowRespo
         retry_after: Some(duration(answer.retry_after)),
         reset_after: Some(duration(answer.reset_after)),
         limit: rule.limit.burst(),
-        limit_name: rule.name.clone(),
+        limit_name: rule.name.to_string(),
         shadow: answer.shadow,
         headers: answer
             .headers
             .map(|h| h.pairs().map(|(k, v)| (k.to_owned(), v)).collect())
             .unwrap_or_default(),
-        rate: rule.rate_text.clone(),
+        rate: rule.rate_text.to_string(),
         degraded: degraded(answer) as i32,
         debt: answer.debt,
     }

@@ -2,24 +2,43 @@
 
 use clap::{Args, Subcommand};
 
+use std::io::Write;
+
 use super::LimitsLocation;
-use crate::limits::table::LimitsTable;
+use crate::limits::file::{Format, read_rows, write_header, write_row};
+use crate::limits::table::{LimitsTable, RowFilter};
 use crate::limits::{LimitRow, StoredRow};
 
 /// `tollgate limits …`.
 #[derive(Debug, Subcommand)]
 pub enum LimitsCommand {
-    /// Print every row.
+    /// Print rows in name order, a page at a time (`--after` the last name
+    /// printed for the next page).
     List {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// Only this tenant's rows.
+        #[arg(long, default_value = "")]
+        tenant: String,
+        /// Only this plan's rows.
+        #[arg(long, default_value = "")]
+        plan: String,
+        /// Only rows whose name starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Only rows named after this (the previous page's last name).
+        #[arg(long, default_value = "")]
+        after: String,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
-    /// Add a row, or change the row with the same tenant, resource, scope
-    /// and mode.
+    /// Add a row, or change the row with the same owner (tenant or plan),
+    /// resource, scope, mode and kind.
     Set(SetArgs),
     /// Delete a row by name.
     Delete {
@@ -30,6 +49,30 @@ pub enum LimitsCommand {
         #[arg(long)]
         name: String,
     },
+    /// Upsert every row of a file (CSV with a header line, or JSON lines)
+    /// in one transaction: all rows or, if any line is bad, none.
+    Import {
+        /// The limits table.
+        #[command(flatten)]
+        location: LimitsLocation,
+        /// The file ('-' for standard input).
+        file: String,
+        /// The file's format (default: csv for a .csv file, else jsonl).
+        #[arg(long, value_enum)]
+        format: Option<Format>,
+    },
+    /// Write every row, in id order, as `import` reads them.
+    Export {
+        /// The limits table.
+        #[command(flatten)]
+        location: LimitsLocation,
+        /// The file to write (default: standard output).
+        #[arg(long)]
+        output: Option<String>,
+        /// The format (default: csv for a .csv output, else jsonl).
+        #[arg(long, value_enum)]
+        format: Option<Format>,
+    },
 }
 
 /// `tollgate limits set`.
@@ -38,9 +81,13 @@ pub struct SetArgs {
     /// The limits table.
     #[command(flatten)]
     pub location: LimitsLocation,
-    /// Tenant ('' or omitted: the default rows).
-    #[arg(long, default_value = "")]
+    /// Tenant ('' or omitted: the default rows, or the plan's).
+    #[arg(long, default_value = "", conflicts_with = "plan")]
     pub tenant: String,
+    /// The plan the row belongs to (instead of a tenant); the plan must
+    /// exist (`tollgate plans create`).
+    #[arg(long, default_value = "")]
+    pub plan: String,
     /// Resource ('' or omitted: any resource).
     #[arg(long, default_value = "")]
     pub resource: String,
@@ -75,9 +122,24 @@ pub struct SetArgs {
 /// Runs a `limits` subcommand, printing to stdout.
 pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
     match command {
-        LimitsCommand::List { location, json } => {
+        LimitsCommand::List {
+            location,
+            tenant,
+            plan,
+            prefix,
+            after,
+            limit,
+            json,
+        } => {
             let table = LimitsTable::open(&location.limits).await?;
-            let rows = table.rows().await?;
+            let filter = RowFilter {
+                tenant,
+                plan,
+                prefix,
+                after,
+                limit,
+            };
+            let rows = table.rows_page(&filter).await?;
             if json {
                 outln!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
@@ -87,6 +149,70 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                 if let Err(err) = row.validate() {
                     eprintln!("warning: {err}");
                 }
+            }
+            if rows.len() == limit {
+                if let Some(last) = rows.last() {
+                    eprintln!("(more rows: --after {:?})", last.name);
+                }
+            }
+        }
+        LimitsCommand::Import {
+            location,
+            file,
+            format,
+        } => {
+            let format = format.unwrap_or(Format::of_path(&file));
+            let rows = if file == "-" {
+                read_rows(std::io::stdin().lock(), format)
+            } else {
+                let f = std::fs::File::open(&file)
+                    .map_err(|e| anyhow::anyhow!("cannot open {file}: {e}"))?;
+                read_rows(std::io::BufReader::new(f), format)
+            }
+            .map_err(|e| anyhow::anyhow!("{file}: {e}; nothing was imported"))?;
+            let table = LimitsTable::open(&location.limits).await?;
+            let total = rows.len();
+            let mut shown = 0;
+            table
+                .import(&rows, |done| {
+                    if done == total || done >= shown + 10_000 {
+                        shown = done;
+                        eprint!("\rstaged {done}/{total} rows");
+                    }
+                })
+                .await
+                .map_err(|e| {
+                    eprintln!();
+                    anyhow::anyhow!("{file}: {e}")
+                })?;
+            eprintln!();
+            outln!("imported {total} rows from {file} in one transaction");
+        }
+        LimitsCommand::Export {
+            location,
+            output,
+            format,
+        } => {
+            let format = format.unwrap_or(Format::of_path(output.as_deref().unwrap_or("")));
+            let table = LimitsTable::open(&location.limits).await?;
+            let mut out: Box<dyn std::io::Write> = match &output {
+                Some(path) => Box::new(std::io::BufWriter::new(
+                    std::fs::File::create(path)
+                        .map_err(|e| anyhow::anyhow!("cannot create {path}: {e}"))?,
+                )),
+                None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
+            };
+            write_header(&mut out, format)?;
+            let mut n = 0u64;
+            table
+                .export(|row| {
+                    n += 1;
+                    write_row(&mut out, format, &row)
+                })
+                .await?;
+            out.flush()?;
+            if let Some(path) = &output {
+                eprintln!("exported {n} rows to {path}");
             }
         }
         LimitsCommand::Set(args) => {
@@ -98,6 +224,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                     args.rate.unwrap_or_default(),
                 ),
             };
+            let named = args.name.is_some();
             let row = LimitRow::from_request(
                 args.tenant,
                 args.resource,
@@ -110,7 +237,8 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                 kind,
                 args.name,
             )
-            .map_err(anyhow::Error::msg)?;
+            .map_err(anyhow::Error::msg)?
+            .for_plan(args.plan, named);
             let rule = row.validate()?;
             let table = LimitsTable::open(&args.location.limits).await?;
             table.upsert(&row).await?;
@@ -132,6 +260,7 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
     let mut lines = vec![[
         "NAME".to_owned(),
         "TENANT".into(),
+        "PLAN".into(),
         "RESOURCE".into(),
         "SCOPE".into(),
         "BURST".into(),
@@ -151,7 +280,8 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
     for r in rows {
         lines.push([
             r.name.clone(),
-            or(&r.tenant, "(default)"),
+            or(&r.tenant, if r.plan.is_empty() { "(default)" } else { "" }),
+            r.plan.clone(),
             or(&r.resource, "(any)"),
             r.scope.clone(),
             r.burst.to_string(),

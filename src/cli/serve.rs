@@ -107,10 +107,16 @@ pub struct ServeArgs {
     /// per decision.
     #[arg(long, env = "TOLLGATE_RUNTIME_LIFO_SLOT", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
     pub runtime_lifo_slot: Option<bool>,
-    /// How often the limits table is re-read (e.g. 1s, 500ms).
+    /// How often the limits table's version is read on SQLite (PostgreSQL
+    /// notifies) and the Envoy configuration re-read (e.g. 1s, 500ms).
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub reload_interval: Option<Duration>,
+    /// Most limits rows (rules) held in memory, about 150 bytes each; a
+    /// larger table is a start-up error, and rows beyond it added later
+    /// are rejected (listed at /v1/limits). Tenants on a plan need no rows.
+    #[arg(long, env = "TOLLGATE_MAX_LIMIT_ROWS")]
+    pub max_limit_rows: Option<usize>,
     /// Most buckets held in memory. At the cap full buckets are dropped;
     /// if none is full, decisions needing new buckets get their rule's
     /// store-unavailable answer (a bucket still refilling is never dropped).
@@ -382,6 +388,7 @@ impl ServeArgs {
                 None => d.store,
             },
             reload_interval: or(self.reload_interval, d.reload_interval),
+            max_limit_rows: self.max_limit_rows.unwrap_or(d.max_limit_rows),
             sweep_interval: d.sweep_interval,
             max_buckets: self.max_buckets.unwrap_or(d.max_buckets),
             max_bucket_bytes: self.max_bucket_bytes.unwrap_or(d.max_bucket_bytes),
@@ -492,6 +499,7 @@ impl ServeArgs {
             worker_threads: Some(p.worker_threads),
             runtime_lifo_slot: Some(p.runtime_lifo_slot),
             reload_interval: Some(d.reload_interval),
+            max_limit_rows: Some(d.max_limit_rows),
             max_buckets: Some(d.max_buckets),
             max_bucket_bytes: Some(d.max_bucket_bytes),
             unmatched: Some(d.unmatched),

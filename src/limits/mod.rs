@@ -1,13 +1,16 @@
 //! Limits as data: the rules that say how much each tenant may spend.
 //!
 //! Rows come from the limits table ([`table`]) as [`StoredRow`]s, the text
-//! a database client wrote, and are validated into [`Rule`]s, which cannot
-//! hold a bad value. Rows written by Tollgate itself are typed
-//! [`LimitRow`]s. A [`RuleSet`] is
-//! one validated snapshot of the whole table, indexed for the hot path;
-//! [`watch`] reloads it while the server runs.
+//! a database client wrote, and are validated one by one into [`Rule`]s,
+//! which cannot hold a bad value. Rows written by Tollgate itself are typed
+//! [`LimitRow`]s. A [`RuleSet`] ([`rules`]) is one snapshot of every rule in
+//! force, indexed for the hot path; [`watch`] keeps it current by reading
+//! only what changed.
 //!
-//! Which rules apply to a request for `(tenant, resource)`: for each scope
+//! A row belongs to one owner: a tenant (`tenant = 'acme'`), a plan
+//! (`plan = 'pro'`: a named set of rules that tenants are assigned to), or
+//! the defaults (both empty). Which rules apply to a request for
+//! `(tenant, resource)`: for each scope
 //! (`key`: one bucket per key; `tenant`: one ceiling shared by all the
 //! tenant's keys) there are two slots:
 //!
@@ -16,22 +19,26 @@
 //! - the resource slot (rows with `resource` equal to the request's), which
 //!   only requests for that resource meet, on top of the any-resource one.
 //!
-//! In each slot the most specific row wins: the tenant's own row, else the
-//! default row (`tenant = ''`). Each slot holds one enforced rule and, next
+//! In each slot the most specific row wins: the tenant's own row, else its
+//! plan's row, else the default row. Each slot holds one enforced rule and, next
 //! to it, optionally one shadow rule (to try a new limit on live traffic
 //! before enforcing it), with a bucket of its own. So a request meets at
 //! most four enforced rules, and all of them must admit it.
 
+pub mod file;
+pub mod rules;
 pub mod table;
 pub mod watch;
 
-use std::collections::HashMap;
 use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Limit, Rate, RateUnit};
+
+pub use rules::{Owner, RuleSet};
 
 /// Longest tenant or resource name, in bytes.
 pub const MAX_LABEL_LEN: usize = 128;
@@ -121,7 +128,7 @@ fn default_kind() -> String {
 }
 
 /// Whether a rule rejects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Rejects requests over the limit.
@@ -147,10 +154,16 @@ fn parse_enum<T: for<'de> Deserialize<'de>>(
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoredRow {
+    /// The table's id of the row (0 for a row not read from a table).
+    #[serde(skip)]
+    pub id: i64,
     /// The row's unique name; reported as `limit_name` when it decides.
     pub name: String,
-    /// The tenant the row applies to; '' for the default rows.
+    /// The tenant the row applies to; '' for a plan's or the default rows.
     pub tenant: String,
+    /// The plan the row belongs to; '' for a tenant's or the default rows.
+    #[serde(default)]
+    pub plan: String,
     /// The resource the row applies to; '' for any resource.
     pub resource: String,
     /// `key` or `tenant`.
@@ -185,8 +198,10 @@ pub struct StoredRow {
 pub struct LimitRow {
     /// The row's unique name; reported as `limit_name` when it decides.
     pub name: String,
-    /// The tenant the row applies to; '' for the default rows.
+    /// The tenant the row applies to; '' for a plan's or the default rows.
     pub tenant: String,
+    /// The plan the row belongs to; '' for a tenant's or the default rows.
+    pub plan: String,
     /// The resource the row applies to; '' for any resource.
     pub resource: String,
     /// Who shares a bucket.
@@ -303,6 +318,7 @@ impl LimitRow {
         Ok(Self {
             name,
             tenant,
+            plan: String::new(),
             resource,
             scope,
             burst,
@@ -314,11 +330,24 @@ impl LimitRow {
         })
     }
 
+    /// The same row for plan `plan` instead of a tenant; unless `named`,
+    /// its default name starts `plan-PLAN-` instead of the tenant's part.
+    pub fn for_plan(mut self, plan: String, named: bool) -> Self {
+        if !named && !plan.is_empty() {
+            let rest = self.name.split_once('-').map_or("", |(_, r)| r);
+            self.name = format!("plan-{plan}-{rest}");
+        }
+        self.plan = plan;
+        self
+    }
+
     /// The row as the table stores it.
     pub fn stored(&self) -> StoredRow {
         StoredRow {
+            id: 0,
             name: self.name.clone(),
             tenant: self.tenant.clone(),
+            plan: self.plan.clone(),
             resource: self.resource.clone(),
             scope: self.scope.as_str().into(),
             burst: i64::try_from(self.burst).unwrap_or(i64::MAX),
@@ -334,17 +363,34 @@ impl LimitRow {
 
     /// Validates the row into a [`Rule`]. The error names the row.
     pub fn validate(&self) -> Result<Rule, RowError> {
-        self.rule().map_err(|reason| RowError {
-            row: self.stored().describe(),
-            reason,
-        })
+        self.shape()
+            .map(|shape| Rule::new(0, &self.name, Arc::new(shape)))
+            .map_err(|reason| RowError {
+                row: self.stored().describe(),
+                reason,
+            })
     }
 
-    fn rule(&self) -> Result<Rule, String> {
+    /// Everything of the rule but its name, checked.
+    fn shape(&self) -> Result<Shape, String> {
         if self.name.trim().is_empty() {
             return Err("name is empty; every row needs a unique name".into());
         }
+        if self.name.len() > MAX_NAME_LEN {
+            return Err(format!(
+                "name is {} bytes; at most {MAX_NAME_LEN} are allowed",
+                self.name.len()
+            ));
+        }
         check_label("tenant", &self.tenant)?;
+        check_label("plan", &self.plan)?;
+        if !self.tenant.is_empty() && !self.plan.is_empty() {
+            return Err(format!(
+                "the row names tenant {:?} and plan {:?}; a row belongs to a tenant or to a plan, \
+                 not both (assign the tenant to the plan with `tollgate plans assign`)",
+                self.tenant, self.plan
+            ));
+        }
         check_label("resource", &self.resource)?;
         let limit = match self.kind {
             Kind::Rate => Limit::new(self.burst, self.rate)
@@ -372,14 +418,12 @@ impl LimitRow {
             Kind::Rate => self.rate.to_string(),
             Kind::Concurrency => format!("{} concurrent", self.burst),
         };
-        Ok(Rule {
-            name: self.name.clone(),
-            tenant: self.tenant.clone(),
-            resource: self.resource.clone(),
+        Ok(Shape {
+            resource: self.resource.as_str().into(),
             scope: self.scope,
             limit,
             rate: self.rate,
-            rate_text,
+            rate_text: rate_text.into(),
             mode: self.mode,
             on_store_unavailable: self.on_store_unavailable,
             kind: self.kind,
@@ -401,6 +445,7 @@ impl TryFrom<&StoredRow> for LimitRow {
         Ok(Self {
             name: row.name.clone(),
             tenant: row.tenant.clone(),
+            plan: row.plan.clone(),
             resource: row.resource.clone(),
             scope: row.scope.parse()?,
             burst: u64::try_from(row.burst)
@@ -422,21 +467,62 @@ impl TryFrom<&StoredRow> for LimitRow {
 impl StoredRow {
     /// Validates the row into a [`Rule`]. The error names the row.
     pub fn validate(&self) -> Result<Rule, RowError> {
-        LimitRow::try_from(self)
-            .and_then(|row| row.rule())
-            .map_err(|reason| RowError {
-                row: self.describe(),
-                reason,
-            })
+        self.shape()
+            .map(|shape| Rule::new(self.id, &self.name, Arc::new(shape)))
+            .map_err(|reason| self.error(reason))
     }
 
-    /// How error messages name this row.
+    /// Everything of the rule but its name, checked.
+    pub fn shape(&self) -> Result<Shape, String> {
+        LimitRow::try_from(self).and_then(|row| row.shape())
+    }
+
+    /// Whose rule the row is.
+    pub fn owner(&self) -> Owner {
+        Owner::of(&self.tenant, &self.plan)
+    }
+
+    /// An error about this row.
+    pub fn error(&self, reason: String) -> RowError {
+        RowError {
+            row: self.describe(),
+            reason,
+        }
+    }
+
+    /// How error messages name this row; a hostile row (a 10 KB tenant
+    /// name) is named by its start.
     pub fn describe(&self) -> String {
+        let owner = if self.plan.is_empty() {
+            format!("tenant {:?}", short(&self.tenant))
+        } else if self.tenant.is_empty() {
+            format!("plan {:?}", short(&self.plan))
+        } else {
+            format!(
+                "tenant {:?}, plan {:?}",
+                short(&self.tenant),
+                short(&self.plan)
+            )
+        };
         format!(
-            "row {:?} (tenant {:?}, resource {:?}, scope {:?})",
-            self.name, self.tenant, self.resource, self.scope
+            "row {:?} ({owner}, resource {:?}, scope {:?})",
+            short(&self.name),
+            short(&self.resource),
+            short(&self.scope)
         )
     }
+}
+
+/// `s`, or its first [`MAX_LABEL_LEN`] bytes and its length when longer.
+pub fn short(s: &str) -> String {
+    if s.len() <= MAX_LABEL_LEN {
+        return s.to_owned();
+    }
+    let end = (0..=MAX_LABEL_LEN)
+        .rev()
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(0);
+    format!("{}... ({} bytes)", &s[..end], s.len())
 }
 
 /// A row that failed validation.
@@ -449,15 +535,15 @@ pub struct RowError {
     pub reason: String,
 }
 
-/// A validated rule.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rule {
-    /// Unique name.
-    pub name: String,
-    /// '' for the default rows.
-    pub tenant: String,
+/// Longest row name, in bytes.
+pub const MAX_NAME_LEN: usize = 256;
+
+/// Everything a rule says but its name: shared by every rule of the same
+/// shape (a million tenants on a few tiers hold a few shapes).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Shape {
     /// '' for any resource.
-    pub resource: String,
+    pub resource: Box<str>,
     /// Who shares a bucket.
     pub scope: Scope,
     /// The bucket shape.
@@ -466,7 +552,7 @@ pub struct Rule {
     pub rate: Rate,
     /// `rate` rendered once (`100/second`), for every response that
     /// reports it.
-    pub rate_text: String,
+    pub rate_text: Box<str>,
     /// Enforce or shadow.
     pub mode: Mode,
     /// Behaviour when the shared store is down.
@@ -475,142 +561,41 @@ pub struct Rule {
     pub kind: Kind,
 }
 
-/// Rules of one (tenant, resource), indexed by [`slot_index`].
-type Slots = [Option<Arc<Rule>>; 8];
-
-fn slot_index(scope: Scope, mode: Mode, kind: Kind) -> usize {
-    kind as usize * 4 + scope as usize * 2 + mode as usize
-}
-
-#[derive(Debug, Default)]
-struct TenantRules {
-    any: Slots,
-    by_resource: HashMap<String, Slots>,
-}
-
-/// One validated snapshot of the limits table, indexed for lookup.
-#[derive(Debug, Default)]
-pub struct RuleSet {
-    tenants: HashMap<String, TenantRules>,
-    rules: Vec<Arc<Rule>>,
-}
-
-impl RuleSet {
-    /// Validates every row. Any invalid row rejects the whole set, so that a
-    /// half-applied table never takes effect; the error names the row.
-    pub fn from_rows(rows: &[StoredRow]) -> Result<Self, RowError> {
-        let mut set = Self::default();
-        let mut names: HashMap<&str, &StoredRow> = HashMap::new();
-        for row in rows {
-            let rule = Arc::new(row.validate()?);
-            if let Some(first) = names.insert(&row.name, row) {
-                return Err(RowError {
-                    row: row.describe(),
-                    reason: format!("name {:?} is also used by {}", row.name, first.describe()),
-                });
-            }
-            let tenant = set.tenants.entry(rule.tenant.clone()).or_default();
-            let slots = if rule.resource.is_empty() {
-                &mut tenant.any
-            } else {
-                tenant.by_resource.entry(rule.resource.clone()).or_default()
-            };
-            let slot = &mut slots[slot_index(rule.scope, rule.mode, rule.kind)];
-            if let Some(other) = slot {
-                return Err(RowError {
-                    row: row.describe(),
-                    reason: format!(
-                        "rule {:?} already covers the same tenant, resource, scope, mode and kind",
-                        other.name
-                    ),
-                });
-            }
-            *slot = Some(rule.clone());
-            set.rules.push(rule);
-        }
-        Ok(set)
-    }
-
-    /// Every rule, in table order.
-    pub fn rules(&self) -> &[Arc<Rule>] {
-        &self.rules
-    }
-
-    /// Number of rules.
-    pub fn len(&self) -> usize {
-        self.rules.len()
-    }
-
-    /// True when the table is empty.
-    pub fn is_empty(&self) -> bool {
-        self.rules.is_empty()
-    }
-
-    /// The rate rules a request for `(tenant, resource)` must pass (see the
-    /// module docs): per key, then the tenant ceiling; for each, the
-    /// any-resource slot before the resource's own; in each slot, the
-    /// enforced rule before the shadow one.
-    pub fn applicable<'a>(
-        &'a self,
-        tenant: &str,
-        resource: &str,
-    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
-        self.applicable_of(tenant, resource, Kind::Rate)
-    }
-
-    /// The concurrency rules an acquire for `(tenant, resource)` must pass,
-    /// chosen and ordered as [`RuleSet::applicable`] chooses rate rules.
-    pub fn concurrency<'a>(
-        &'a self,
-        tenant: &str,
-        resource: &str,
-    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
-        self.applicable_of(tenant, resource, Kind::Concurrency)
-    }
-
-    fn applicable_of<'a>(
-        &'a self,
-        tenant: &str,
-        resource: &str,
-        kind: Kind,
-    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
-        let own = self.tenants.get(tenant);
-        let default = self.tenants.get("");
-        let slots = |rules: Option<&'a TenantRules>, resource: &str| -> Option<&'a Slots> {
-            let rules = rules?;
-            if resource.is_empty() {
-                Some(&rules.any)
-            } else {
-                rules.by_resource.get(resource)
-            }
-        };
-        let pick = |resource: &str, scope: Scope, mode: Mode| -> Option<&'a Arc<Rule>> {
-            let in_slot = |rules| {
-                slots(rules, resource)
-                    .and_then(|s: &'a Slots| s[slot_index(scope, mode, kind)].as_ref())
-            };
-            in_slot(own).or_else(|| in_slot(default))
-        };
-        let mut found = [None; 8];
-        let resources: &[&str] = if resource.is_empty() {
-            &[""]
-        } else {
-            &["", resource]
-        };
-        let mut n = 0;
-        for scope in [Scope::Key, Scope::Tenant] {
-            for res in resources {
-                for mode in [Mode::Enforce, Mode::Shadow] {
-                    found[n] = pick(res, scope, mode);
-                    n += 1;
-                }
-            }
-        }
-        found.into_iter().flatten()
-    }
+/// A validated rule: a row's id and name, and its [`Shape`] (which the
+/// rule derefs to: `rule.limit`, `rule.scope`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// The table's id of the row (0 when not read from a table).
+    pub id: i64,
+    /// Unique name.
+    pub name: Box<str>,
+    shape: Arc<Shape>,
 }
 
 impl Rule {
+    /// A rule named `name` of row `id`.
+    pub fn new(id: i64, name: &str, shape: Arc<Shape>) -> Self {
+        Self {
+            id,
+            name: name.into(),
+            shape,
+        }
+    }
+
+    /// The shape, shared with every rule like it.
+    pub fn shape(&self) -> &Arc<Shape> {
+        &self.shape
+    }
+}
+
+impl Deref for Rule {
+    type Target = Shape;
+    fn deref(&self) -> &Shape {
+        &self.shape
+    }
+}
+
+impl Shape {
     /// The scope part of this rule's bucket names: `k` or `t`, with an `s`
     /// added for shadow rules so they count in buckets of their own.
     /// A concurrency rule's sets are tagged `kc`, `kcs`, `tc` and `tcs`,

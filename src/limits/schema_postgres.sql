@@ -1,4 +1,4 @@
--- The limits table (PostgreSQL): the same columns as the SQLite default.
+-- The limits tables (PostgreSQL): the same tables as the SQLite default.
 -- Applied at start-up under an advisory lock, so instances starting together
 -- do not race; every statement is idempotent.
 CREATE TABLE IF NOT EXISTS limits (
@@ -16,12 +16,44 @@ CREATE TABLE IF NOT EXISTS limits (
     kind                 TEXT        NOT NULL DEFAULT 'rate',
     updated_at           TIMESTAMPTZ NOT NULL DEFAULT now()
 );
--- Tables made before the debt and kind columns get them; a rate rule and a
--- concurrency rule may share a tenant, resource, scope and mode.
+-- Tables made before the debt, kind and plan columns get them.
 ALTER TABLE limits ADD COLUMN IF NOT EXISTS debt BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE limits ADD COLUMN IF NOT EXISTS kind TEXT NOT NULL DEFAULT 'rate';
+ALTER TABLE limits ADD COLUMN IF NOT EXISTS plan TEXT NOT NULL DEFAULT '';
 ALTER TABLE limits DROP CONSTRAINT IF EXISTS limits_tenant_resource_scope_mode_key;
-CREATE UNIQUE INDEX IF NOT EXISTS limits_slot ON limits (tenant, resource, scope, mode, kind);
+DROP INDEX IF EXISTS limits_slot;
+CREATE UNIQUE INDEX IF NOT EXISTS limits_owner_slot ON limits (tenant, plan, resource, scope, mode, kind);
+CREATE INDEX IF NOT EXISTS limits_by_plan ON limits (plan) WHERE plan <> '';
+
+CREATE TABLE IF NOT EXISTS plans (
+    name        TEXT        NOT NULL PRIMARY KEY,
+    description TEXT        NOT NULL DEFAULT '',
+    updated_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS tenants (
+    tenant     TEXT        NOT NULL PRIMARY KEY,
+    plan       TEXT        NOT NULL,
+    updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS tenants_by_plan ON tenants (plan);
+
+-- The table's version: one row, bumped by every changing statement. The
+-- bump takes the row's lock until the transaction ends, so versions are
+-- handed out in commit order and a reader that sees version v has seen
+-- every change up to v. `pruned`: see the SQLite schema.
+CREATE TABLE IF NOT EXISTS limits_version (
+    id      INT    PRIMARY KEY CHECK (id = 1),
+    version BIGINT NOT NULL,
+    pruned  BIGINT NOT NULL
+);
+INSERT INTO limits_version (id, version, pruned) VALUES (1, 0, 0) ON CONFLICT DO NOTHING;
+CREATE TABLE IF NOT EXISTS limits_changes (
+    version BIGINT      NOT NULL,
+    tenant  TEXT        NOT NULL,
+    plan    TEXT        NOT NULL,
+    at      TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS limits_changes_by_version ON limits_changes (version);
 
 -- Plain SQL edits keep updated_at honest too.
 CREATE OR REPLACE FUNCTION tollgate_limits_touch() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -36,14 +68,62 @@ DROP TRIGGER IF EXISTS limits_touch ON limits;
 CREATE TRIGGER limits_touch BEFORE UPDATE ON limits
     FOR EACH ROW EXECUTE FUNCTION tollgate_limits_touch();
 
--- Every change notifies the instances listening on 'tollgate_limits', so
--- edits take effect everywhere at once.
-CREATE OR REPLACE FUNCTION tollgate_limits_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+-- Once per statement: bump the version, log the owners the statement
+-- touched, and notify 'tollgate_limits' with the new version (delivered at
+-- commit). A TRUNCATE logs nothing and marks everything as pruned, so
+-- every instance reads the whole table again.
+CREATE OR REPLACE FUNCTION tollgate_limits_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v BIGINT;
 BEGIN
-    PERFORM pg_notify('tollgate_limits', TG_OP);
+    UPDATE limits_version SET version = version + 1 WHERE id = 1 RETURNING version INTO v;
+    IF TG_OP = 'TRUNCATE' THEN
+        UPDATE limits_version SET pruned = version WHERE id = 1;
+    ELSIF TG_TABLE_NAME = 'limits' THEN
+        IF TG_OP IN ('INSERT', 'UPDATE') THEN
+            INSERT INTO limits_changes (version, tenant, plan) SELECT DISTINCT v, tenant, plan FROM new_rows;
+        END IF;
+        IF TG_OP IN ('UPDATE', 'DELETE') THEN
+            INSERT INTO limits_changes (version, tenant, plan) SELECT DISTINCT v, tenant, plan FROM old_rows;
+        END IF;
+    ELSIF TG_TABLE_NAME = 'tenants' THEN
+        IF TG_OP IN ('INSERT', 'UPDATE') THEN
+            INSERT INTO limits_changes (version, tenant, plan) SELECT DISTINCT v, tenant, '' FROM new_rows;
+        END IF;
+        IF TG_OP IN ('UPDATE', 'DELETE') THEN
+            INSERT INTO limits_changes (version, tenant, plan) SELECT DISTINCT v, tenant, '' FROM old_rows;
+        END IF;
+    ELSE
+        IF TG_OP IN ('INSERT', 'UPDATE') THEN
+            INSERT INTO limits_changes (version, tenant, plan) SELECT DISTINCT v, '', name FROM new_rows;
+        END IF;
+        IF TG_OP IN ('UPDATE', 'DELETE') THEN
+            INSERT INTO limits_changes (version, tenant, plan) SELECT DISTINCT v, '', name FROM old_rows;
+        END IF;
+    END IF;
+    PERFORM pg_notify('tollgate_limits', v::text);
     RETURN NULL;
 END
 $$;
 DROP TRIGGER IF EXISTS limits_notify ON limits;
-CREATE TRIGGER limits_notify AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON limits
-    FOR EACH STATEMENT EXECUTE FUNCTION tollgate_limits_notify();
+DROP FUNCTION IF EXISTS tollgate_limits_notify();
+DO $$
+DECLARE
+    t TEXT;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['limits', 'tenants', 'plans'] LOOP
+        EXECUTE format('DROP TRIGGER IF EXISTS %1$s_logged_insert ON %1$s', t);
+        EXECUTE format('DROP TRIGGER IF EXISTS %1$s_logged_update ON %1$s', t);
+        EXECUTE format('DROP TRIGGER IF EXISTS %1$s_logged_delete ON %1$s', t);
+        EXECUTE format('DROP TRIGGER IF EXISTS %1$s_logged_truncate ON %1$s', t);
+        EXECUTE format('CREATE TRIGGER %1$s_logged_insert AFTER INSERT ON %1$s REFERENCING NEW TABLE AS new_rows '
+                       'FOR EACH STATEMENT EXECUTE FUNCTION tollgate_limits_changed()', t);
+        EXECUTE format('CREATE TRIGGER %1$s_logged_update AFTER UPDATE ON %1$s REFERENCING OLD TABLE AS old_rows '
+                       'NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION tollgate_limits_changed()', t);
+        EXECUTE format('CREATE TRIGGER %1$s_logged_delete AFTER DELETE ON %1$s REFERENCING OLD TABLE AS old_rows '
+                       'FOR EACH STATEMENT EXECUTE FUNCTION tollgate_limits_changed()', t);
+        EXECUTE format('CREATE TRIGGER %1$s_logged_truncate AFTER TRUNCATE ON %1$s '
+                       'FOR EACH STATEMENT EXECUTE FUNCTION tollgate_limits_changed()', t);
+    END LOOP;
+END
+$$;

@@ -1,8 +1,15 @@
--- The limits table (SQLite). One row per rule; see README "The limits table".
+-- The limits tables (SQLite). See docs/limits.md.
+--
+-- limits: one row per rule, owned by a tenant, a plan, or the defaults
+-- (tenant and plan both ''). plans: the plans that exist. tenants: which
+-- plan each tenant is on. Every change to the three bumps limits_version
+-- and logs its owner in limits_changes, in the writing transaction, so an
+-- instance reads only the owners that changed since the version it holds.
 CREATE TABLE IF NOT EXISTS limits (
     id                   INTEGER PRIMARY KEY,
     name                 TEXT    NOT NULL UNIQUE,
     tenant               TEXT    NOT NULL DEFAULT '',
+    plan                 TEXT    NOT NULL DEFAULT '',
     resource             TEXT    NOT NULL DEFAULT '',
     scope                TEXT    NOT NULL DEFAULT 'key',
     burst                INTEGER NOT NULL,
@@ -13,12 +20,101 @@ CREATE TABLE IF NOT EXISTS limits (
     debt                 INTEGER NOT NULL DEFAULT 0,
     kind                 TEXT    NOT NULL DEFAULT 'rate',
     updated_at           TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
-    UNIQUE (tenant, resource, scope, mode, kind)
+    UNIQUE (tenant, plan, resource, scope, mode, kind)
 );
+CREATE INDEX IF NOT EXISTS limits_by_plan ON limits (plan) WHERE plan <> '';
+
+CREATE TABLE IF NOT EXISTS plans (
+    name        TEXT NOT NULL PRIMARY KEY,
+    description TEXT NOT NULL DEFAULT '',
+    updated_at  TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);
+
+CREATE TABLE IF NOT EXISTS tenants (
+    tenant     TEXT NOT NULL PRIMARY KEY,
+    plan       TEXT NOT NULL,
+    updated_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);
+CREATE INDEX IF NOT EXISTS tenants_by_plan ON tenants (plan);
+
+-- The table's version: one row, bumped by every change. `pruned` is the
+-- highest version whose log entries were deleted: an instance behind it
+-- reads everything again.
+CREATE TABLE IF NOT EXISTS limits_version (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),
+    version INTEGER NOT NULL,
+    pruned  INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO limits_version (id, version, pruned) VALUES (1, 0, 0);
+
+-- Whose rules changed at which version (tenant '' and plan '': the
+-- defaults; plan set: a plan's rows or the plan itself).
+CREATE TABLE IF NOT EXISTS limits_changes (
+    version INTEGER NOT NULL,
+    tenant  TEXT    NOT NULL,
+    plan    TEXT    NOT NULL,
+    at      INTEGER NOT NULL DEFAULT (CAST(strftime('%s', 'now') AS INTEGER))
+);
+CREATE INDEX IF NOT EXISTS limits_changes_by_version ON limits_changes (version);
 
 -- Plain SQL edits keep updated_at honest too.
 CREATE TRIGGER IF NOT EXISTS limits_touch AFTER UPDATE ON limits
 WHEN NEW.updated_at IS OLD.updated_at
 BEGIN
     UPDATE limits SET updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = NEW.id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS limits_logged_insert AFTER INSERT ON limits BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, NEW.tenant, NEW.plan FROM limits_version;
+END;
+CREATE TRIGGER IF NOT EXISTS limits_logged_update AFTER UPDATE ON limits BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, OLD.tenant, OLD.plan FROM limits_version;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, NEW.tenant, NEW.plan FROM limits_version
+        WHERE NEW.tenant IS NOT OLD.tenant OR NEW.plan IS NOT OLD.plan;
+END;
+CREATE TRIGGER IF NOT EXISTS limits_logged_delete AFTER DELETE ON limits BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, OLD.tenant, OLD.plan FROM limits_version;
+END;
+
+CREATE TRIGGER IF NOT EXISTS tenants_logged_insert AFTER INSERT ON tenants BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, NEW.tenant, '' FROM limits_version;
+END;
+CREATE TRIGGER IF NOT EXISTS tenants_logged_update AFTER UPDATE ON tenants BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, OLD.tenant, '' FROM limits_version;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, NEW.tenant, '' FROM limits_version WHERE NEW.tenant IS NOT OLD.tenant;
+END;
+CREATE TRIGGER IF NOT EXISTS tenants_logged_delete AFTER DELETE ON tenants BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, OLD.tenant, '' FROM limits_version;
+END;
+
+CREATE TRIGGER IF NOT EXISTS plans_logged_insert AFTER INSERT ON plans BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, '', NEW.name FROM limits_version;
+END;
+CREATE TRIGGER IF NOT EXISTS plans_logged_update AFTER UPDATE ON plans BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, '', OLD.name FROM limits_version;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, '', NEW.name FROM limits_version WHERE NEW.name IS NOT OLD.name;
+END;
+CREATE TRIGGER IF NOT EXISTS plans_logged_delete AFTER DELETE ON plans BEGIN
+    UPDATE limits_version SET version = version + 1;
+    INSERT INTO limits_changes (version, tenant, plan)
+        SELECT version, '', OLD.name FROM limits_version;
 END;

@@ -1,33 +1,44 @@
-//! The limits table in SQL: an embedded SQLite file by default, PostgreSQL
+//! The limits tables in SQL: an embedded SQLite file by default, PostgreSQL
 //! in production.
 //!
-//! The table is created on first use (migrations run at start-up) and
-//! seeded with one default rule ([`DEFAULT_ROW`]). Rows are read as plain
-//! [`StoredRow`]s; validation happens in [`super::RuleSet::from_rows`], so
-//! rows written with plain SQL are checked exactly like rows written by
-//! `tollgate limits set`. On PostgreSQL every change also sends a
-//! notification on the `tollgate_limits` channel ([`LimitsTable::listener`]).
+//! Three tables: `limits` (one row per rule, owned by a tenant, a plan or
+//! the defaults), `plans` (the plans that exist) and `tenants` (which plan
+//! each tenant is on). They are created on first use (migrations run at
+//! start-up) and seeded with one default rule ([`DEFAULT_ROW`]). Triggers
+//! log every change's owner under a monotonic version (`limits_version`,
+//! `limits_changes`), so [`LimitsTable::read_changes`] reads only what
+//! changed since the version an instance holds; PostgreSQL also notifies
+//! the version on the `tollgate_limits` channel at commit
+//! ([`LimitsTable::listener`]). Rows are read as plain [`StoredRow`]s and
+//! validated by the loader, so rows written with plain SQL are checked
+//! exactly like rows written by `tollgate limits set`.
 
 use std::str::FromStr;
 use std::time::Duration;
 
+use futures_util::TryStreamExt;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{Executor, Row};
 
-use super::{Kind, LimitRow, Mode, OnStoreUnavailable, Scope, StoredRow};
+use super::{Kind, LimitRow, Mode, OnStoreUnavailable, Owner, Scope, StoredRow};
 use crate::algorithm::{Rate, RateUnit};
 use crate::store::redact;
 
 const SCHEMA: &str = include_str!("schema_sqlite.sql");
 const SCHEMA_POSTGRES: &str = include_str!("schema_postgres.sql");
 
-/// The channel PostgreSQL notifies on every change of the table.
+/// The channel PostgreSQL notifies on every change of the tables; the
+/// payload is the table's new version.
 pub const NOTIFY_CHANNEL: &str = "tollgate_limits";
 
 /// Where `serve` and `limits` find the table unless told: a SQLite file in
 /// the working directory.
 pub const DEFAULT_LOCATION: &str = "tollgate-limits.db";
+
+/// How long the change log keeps an entry. An instance that has not caught
+/// up for longer reads every row again.
+pub const CHANGE_LOG_RETENTION: Duration = Duration::from_secs(600);
 
 /// The row a new table starts with: every key of every tenant may make 600
 /// requests a minute, with bursts of up to 30.
@@ -35,6 +46,7 @@ pub fn default_row() -> LimitRow {
     LimitRow {
         name: "default-per-key".into(),
         tenant: String::new(),
+        plan: String::new(),
         resource: String::new(),
         scope: Scope::Key,
         burst: 30,
@@ -65,6 +77,9 @@ pub enum TableError {
     /// A write was refused because it conflicts with another row.
     #[error("{0}")]
     Conflict(String),
+    /// A write names something that does not exist.
+    #[error("{0}")]
+    NotFound(String),
 }
 
 /// A handle on the limits table.
@@ -80,10 +95,36 @@ enum Pool {
     Postgres(PgPool),
 }
 
+/// Runs `$body` with `$pool` bound to whichever pool the table has: the
+/// statements are the same text for both (placeholders go through
+/// [`LimitsTable::sql`]).
+macro_rules! with_pool {
+    ($table:expr, $pool:ident => $body:expr) => {
+        match &$table.pool {
+            Pool::Sqlite($pool) => $body,
+            Pool::Postgres($pool) => $body,
+        }
+    };
+}
+
 /// A value bound into a statement.
-enum Bind<'a> {
+#[derive(Debug, Clone)]
+pub(crate) enum Bind<'a> {
     Text(&'a str),
     Int(i64),
+}
+
+macro_rules! bound {
+    ($query:expr, $binds:expr) => {{
+        let mut q = $query;
+        for b in $binds {
+            q = match b {
+                Bind::Text(s) => q.bind(*s),
+                Bind::Int(i) => q.bind(*i),
+            };
+        }
+        q
+    }};
 }
 
 /// `?` placeholders as PostgreSQL's `$1, $2, …` (our statements have no `?`
@@ -101,6 +142,64 @@ fn numbered(sql: &str) -> String {
     }
     out
 }
+
+/// What [`LimitsTable::read_changes`] feeds, in this order: `begin` once,
+/// then the plans that exist, the rows (a tenant's rows one after another)
+/// and the tenants' plan assignments, all read in one snapshot.
+pub trait ChangeSink {
+    /// Everything follows (`full`), or the state of `owners` only.
+    fn begin(&mut self, full: bool, owners: Vec<Owner>);
+    /// A plan that exists.
+    fn plan(&mut self, name: &str);
+    /// A row.
+    fn row(&mut self, row: StoredRow);
+    /// A tenant's plan.
+    fn assignment(&mut self, tenant: &str, plan: &str);
+}
+
+/// A filter for [`LimitsTable::rows_page`].
+#[derive(Debug, Clone, Default)]
+pub struct RowFilter {
+    /// Only this tenant's rows ('' for any; the default rows are tenant ''
+    /// and plan '': ask with `defaults`).
+    pub tenant: String,
+    /// Only this plan's rows ('' for any).
+    pub plan: String,
+    /// Only names starting with this.
+    pub prefix: String,
+    /// Only names after this one (the previous page's last).
+    pub after: String,
+    /// At most this many rows.
+    pub limit: usize,
+}
+
+/// A plan and how many tenants are on it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PlanRow {
+    /// The plan's name.
+    pub name: String,
+    /// What it is for.
+    pub description: String,
+    /// Its rules.
+    pub rules: i64,
+    /// Tenants assigned to it.
+    pub tenants: i64,
+}
+
+const COLUMNS: &str = "id, name, tenant, plan, resource, scope, burst, rate, rate_unit, mode, \
+                       on_store_unavailable, debt, kind";
+
+const INSERT: &str = "INSERT INTO limits (name, tenant, plan, resource, scope, burst, rate, rate_unit, \
+                      mode, on_store_unavailable, debt, kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+
+const CLASH: &str = "SELECT tenant, plan, resource, scope FROM limits WHERE name = ? \
+                     AND NOT (tenant = ? AND plan = ? AND resource = ? AND scope = ? AND mode = ? AND kind = ?)";
+
+const CONFLICT_TARGET: &str = "(tenant, plan, resource, scope, mode, kind)";
+
+/// The batch above which reading every row beats reading the owners that
+/// changed: more change-log entries than this fraction of the rules held.
+const FULL_READ_FRACTION: usize = 2;
 
 impl LimitsTable {
     /// Opens the table at `location`: a file path or `sqlite:` URL, or a
@@ -153,41 +252,51 @@ impl LimitsTable {
         matches!(self.pool, Pool::Postgres(_))
     }
 
+    /// `sql` with this database's placeholders.
+    fn sql(&self, sql: &str) -> sqlx::AssertSqlSafe<String> {
+        // Our statements are constants; only placeholders are rewritten.
+        sqlx::AssertSqlSafe(match self.pool {
+            Pool::Sqlite(_) => sql.to_owned(),
+            Pool::Postgres(_) => numbered(sql),
+        })
+    }
+
+    fn now(&self) -> &'static str {
+        match self.pool {
+            Pool::Sqlite(_) => "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')",
+            Pool::Postgres(_) => "now()",
+        }
+    }
+
     async fn migrate(&self) -> Result<(), TableError> {
         match &self.pool {
             Pool::Sqlite(pool) => {
                 let mut tx = pool.begin().await?;
-                let exists: i64 = sqlx::query(
-                    "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'limits'",
-                )
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get(0)?;
-                tx.execute(SCHEMA).await?;
-                // Tables made before the debt column get it (SQLite has no
-                // ADD COLUMN IF NOT EXISTS).
-                let has_debt: i64 = sqlx::query(
-                    "SELECT count(*) FROM pragma_table_info('limits') WHERE name = 'debt'",
-                )
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get(0)?;
-                if has_debt == 0 {
-                    tx.execute("ALTER TABLE limits ADD COLUMN debt INTEGER NOT NULL DEFAULT 0")
+                let columns: Vec<String> =
+                    sqlx::query("SELECT name FROM pragma_table_info('limits')")
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .iter()
+                        .map(|r| r.try_get(0))
+                        .collect::<Result<_, _>>()?;
+                let exists = !columns.is_empty();
+                let has = |c: &str| columns.iter().any(|n| n == c);
+                if exists && !has("plan") {
+                    // Tables made before plans are rebuilt: their uniqueness
+                    // must include the plan, and SQLite cannot change a
+                    // table's constraints in place.
+                    if !has("debt") {
+                        tx.execute("ALTER TABLE limits ADD COLUMN debt INTEGER NOT NULL DEFAULT 0")
+                            .await?;
+                    }
+                    if !has("kind") {
+                        tx.execute(
+                            "ALTER TABLE limits ADD COLUMN kind TEXT NOT NULL DEFAULT 'rate'",
+                        )
                         .await?;
-                }
-                // Tables made before the kind column are rebuilt: their
-                // uniqueness must include the kind, and SQLite cannot
-                // change a table's constraints in place.
-                let has_kind: i64 = sqlx::query(
-                    "SELECT count(*) FROM pragma_table_info('limits') WHERE name = 'kind'",
-                )
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get(0)?;
-                if has_kind == 0 {
+                    }
                     tx.execute(
-                        "ALTER TABLE limits RENAME TO limits_before_kind; \
+                        "ALTER TABLE limits RENAME TO limits_before_plan; \
                          DROP TRIGGER IF EXISTS limits_touch;",
                     )
                     .await?;
@@ -196,13 +305,14 @@ impl LimitsTable {
                         "INSERT INTO limits (id, name, tenant, resource, scope, burst, rate, rate_unit, \
                          mode, on_store_unavailable, debt, kind, updated_at) \
                          SELECT id, name, tenant, resource, scope, burst, rate, rate_unit, mode, \
-                         on_store_unavailable, debt, 'rate', updated_at FROM limits_before_kind; \
-                         DROP TABLE limits_before_kind;",
+                         on_store_unavailable, debt, kind, updated_at FROM limits_before_plan; \
+                         DROP TABLE limits_before_plan;",
                     )
                     .await?;
                 }
+                tx.execute(SCHEMA).await?;
                 tx.commit().await?;
-                if exists == 0 {
+                if !exists {
                     self.insert(&default_row()).await?;
                 }
             }
@@ -218,13 +328,10 @@ impl LimitsTable {
                     .try_get(0)?;
                 sqlx::raw_sql(SCHEMA_POSTGRES).execute(&mut *tx).await?;
                 if !exists {
-                    let row = default_row();
-                    bind_pg(
-                        sqlx::query(sqlx::AssertSqlSafe(numbered(INSERT))),
-                        &insert_binds(&row.stored()),
-                    )
-                    .execute(&mut *tx)
-                    .await?;
+                    let row = default_row().stored();
+                    bound!(sqlx::query(self.sql(INSERT)), &insert_binds(&row))
+                        .execute(&mut *tx)
+                        .await?;
                 }
                 tx.commit().await?;
             }
@@ -233,19 +340,10 @@ impl LimitsTable {
     }
 
     async fn execute(&self, sql: &str, binds: &[Bind<'_>]) -> Result<u64, sqlx::Error> {
-        Ok(match &self.pool {
-            // Our statements are constants; only placeholders are rewritten.
-            Pool::Sqlite(pool) => {
-                bind_sqlite(sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())), binds)
-                    .execute(pool)
-                    .await?
-                    .rows_affected()
-            }
-            Pool::Postgres(pool) => bind_pg(sqlx::query(sqlx::AssertSqlSafe(numbered(sql))), binds)
-                .execute(pool)
-                .await?
-                .rows_affected(),
-        })
+        Ok(with_pool!(self, pool => bound!(sqlx::query(self.sql(sql)), binds)
+            .execute(pool)
+            .await?
+            .rows_affected()))
     }
 
     async fn insert(&self, row: &LimitRow) -> Result<(), sqlx::Error> {
@@ -255,69 +353,278 @@ impl LimitsTable {
 
     /// Every row, in id order.
     pub async fn rows(&self) -> Result<Vec<StoredRow>, TableError> {
-        const COLUMNS: &str = "name, tenant, resource, scope, burst, rate, rate_unit, mode, on_store_unavailable, debt, kind";
-        match &self.pool {
-            Pool::Sqlite(pool) => {
-                let sql = format!("SELECT {COLUMNS}, updated_at FROM limits ORDER BY id");
-                let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(pool)
-                    .await?;
-                rows.iter()
-                    .map(to_row)
-                    .collect::<Result<_, _>>()
-                    .map_err(Into::into)
+        let mut rows = Vec::new();
+        self.export(|row| {
+            rows.push(row);
+            Ok(())
+        })
+        .await?;
+        Ok(rows)
+    }
+
+    /// Every row in id order, one at a time (never all in memory).
+    pub async fn export(
+        &self,
+        mut each: impl FnMut(StoredRow) -> std::io::Result<()>,
+    ) -> Result<(), TableError> {
+        let sql = format!(
+            "SELECT {COLUMNS}, {} AS updated_at FROM limits ORDER BY id",
+            self.updated_at()
+        );
+        with_pool!(self, pool => {
+            let mut stream = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch(pool);
+            while let Some(r) = stream.try_next().await? {
+                each(to_row(&r)?).map_err(|e| TableError::Location(self.location(), e.to_string()))?;
             }
-            Pool::Postgres(pool) => {
-                let sql = format!(
-                    "SELECT {COLUMNS}, to_char(updated_at AT TIME ZONE 'UTC', \
-                     'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS updated_at FROM limits ORDER BY id"
-                );
-                let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(pool)
-                    .await?;
-                rows.iter()
-                    .map(to_row)
-                    .collect::<Result<_, _>>()
-                    .map_err(Into::into)
+        });
+        Ok(())
+    }
+
+    fn updated_at(&self) -> &'static str {
+        match self.pool {
+            Pool::Sqlite(_) => "updated_at",
+            Pool::Postgres(_) => {
+                "to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
             }
         }
     }
 
-    /// Inserts the row, or updates the row with the same tenant, resource,
-    /// scope and mode. Validate it first; the table only enforces uniqueness.
+    /// One page of rows, in name order, as `filter` asks.
+    pub async fn rows_page(&self, filter: &RowFilter) -> Result<Vec<StoredRow>, TableError> {
+        let sql = format!(
+            "SELECT {COLUMNS}, {} AS updated_at FROM limits \
+             WHERE (? = '' OR tenant = ?) AND (? = '' OR plan = ?) \
+             AND substr(name, 1, length(?)) = ? AND name > ? ORDER BY name LIMIT ?",
+            self.updated_at()
+        );
+        let limit = i64::try_from(filter.limit).unwrap_or(i64::MAX);
+        let binds = [
+            Bind::Text(&filter.tenant),
+            Bind::Text(&filter.tenant),
+            Bind::Text(&filter.plan),
+            Bind::Text(&filter.plan),
+            Bind::Text(&filter.prefix),
+            Bind::Text(&filter.prefix),
+            Bind::Text(&filter.after),
+            Bind::Int(limit),
+        ];
+        let rows = with_pool!(self, pool => bound!(sqlx::query(self.sql(&sql)), &binds)
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(to_row)
+            .collect::<Result<Vec<_>, _>>()?);
+        Ok(rows)
+    }
+
+    /// How many rows the table holds.
+    pub async fn count(&self) -> Result<u64, TableError> {
+        let n: i64 = with_pool!(self, pool => sqlx::query("SELECT count(*) FROM limits")
+            .fetch_one(pool)
+            .await?
+            .try_get(0)?);
+        Ok(n.max(0) as u64)
+    }
+
+    /// The table's version: bumped by every change.
+    pub async fn version(&self) -> Result<i64, TableError> {
+        Ok(
+            with_pool!(self, pool => sqlx::query("SELECT version FROM limits_version WHERE id = 1")
+            .fetch_one(pool)
+            .await?
+            .try_get(0)?),
+        )
+    }
+
+    /// Reads what changed after version `since` into `sink`, in one
+    /// snapshot, and returns the version read up to; `None` (and nothing
+    /// fed) when nothing changed. Reads everything when `since` is 0, when
+    /// the change log no longer reaches back to `since`, or when more
+    /// changed than `held / 2` (the rules the caller holds).
+    pub async fn read_changes(
+        &self,
+        since: i64,
+        held: usize,
+        sink: &mut (dyn ChangeSink + Send),
+    ) -> Result<Option<i64>, TableError> {
+        with_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            if self.is_postgres() {
+                sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            let head = sqlx::query("SELECT version, pruned FROM limits_version WHERE id = 1")
+                .fetch_one(&mut *tx)
+                .await?;
+            let (version, pruned): (i64, i64) = (head.try_get(0)?, head.try_get(1)?);
+            if version == since {
+                tx.commit().await?;
+                return Ok(None);
+            }
+            let mut full = since == 0 || since < pruned || since > version;
+            if !full {
+                let logged: i64 = bound!(
+                    sqlx::query(self.sql("SELECT count(*) FROM limits_changes WHERE version > ?")),
+                    &[Bind::Int(since)]
+                )
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+                full = logged as u64 > (held / FULL_READ_FRACTION).max(1000) as u64;
+            }
+            let since_bind = [Bind::Int(since)];
+            let row_sql = format!("SELECT {COLUMNS}, '' AS updated_at FROM limits");
+            if full {
+                sink.begin(true, Vec::new());
+                let mut plans = sqlx::query("SELECT name FROM plans").fetch(&mut *tx);
+                while let Some(r) = plans.try_next().await? {
+                    sink.plan(r.try_get::<&str, _>(0)?);
+                }
+                drop(plans);
+                let sql = format!("{row_sql} ORDER BY tenant, plan");
+                let mut rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch(&mut *tx);
+                while let Some(r) = rows.try_next().await? {
+                    sink.row(to_row(&r)?);
+                }
+                drop(rows);
+                let mut assigned = sqlx::query("SELECT tenant, plan FROM tenants").fetch(&mut *tx);
+                while let Some(r) = assigned.try_next().await? {
+                    sink.assignment(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?);
+                }
+                drop(assigned);
+            } else {
+                let owners: Vec<Owner> = bound!(
+                    sqlx::query(self.sql(
+                        "SELECT DISTINCT tenant, plan FROM limits_changes WHERE version > ?"
+                    )),
+                    &since_bind
+                )
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(|r| Ok(Owner::of(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?)))
+                .collect::<Result<_, sqlx::Error>>()?;
+                sink.begin(false, owners);
+                let changed_plans =
+                    "SELECT plan FROM limits_changes WHERE version > ? AND plan <> ''";
+                let changed_tenants =
+                    "SELECT tenant FROM limits_changes WHERE version > ? AND plan = ''";
+                let sql = format!("SELECT name FROM plans WHERE name IN ({changed_plans})");
+                for r in bound!(sqlx::query(self.sql(&sql)), &since_bind)
+                    .fetch_all(&mut *tx)
+                    .await?
+                {
+                    sink.plan(r.try_get::<&str, _>(0)?);
+                }
+                let sql = format!(
+                    "{row_sql} WHERE plan = '' AND tenant IN ({changed_tenants}) \
+                     UNION ALL {row_sql} WHERE plan <> '' AND plan IN ({changed_plans}) \
+                     ORDER BY 3, 4"
+                );
+                let binds = [Bind::Int(since), Bind::Int(since)];
+                let mut rows = bound!(sqlx::query(self.sql(&sql)), &binds).fetch(&mut *tx);
+                while let Some(r) = rows.try_next().await? {
+                    sink.row(to_row(&r)?);
+                }
+                drop(rows);
+                let sql =
+                    format!("SELECT tenant, plan FROM tenants WHERE tenant IN ({changed_tenants})");
+                for r in bound!(sqlx::query(self.sql(&sql)), &since_bind)
+                    .fetch_all(&mut *tx)
+                    .await?
+                {
+                    sink.assignment(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?);
+                }
+            }
+            tx.commit().await?;
+            Ok(Some(version))
+        })
+    }
+
+    /// Deletes change-log entries older than `retention`, and records the
+    /// highest version deleted (an instance behind it reads everything).
+    /// Returns how many entries went. Costs one indexed read when there is
+    /// nothing to delete.
+    pub async fn prune_changes(&self, retention: Duration) -> Result<u64, TableError> {
+        let secs = retention.as_secs() as i64;
+        let (oldest, cutoff) = match self.pool {
+            Pool::Sqlite(_) => (
+                "SELECT 1 FROM limits_changes WHERE version = (SELECT min(version) FROM limits_changes) \
+                 AND at < CAST(strftime('%s', 'now') AS INTEGER) - ?",
+                "SELECT max(version) FROM limits_changes WHERE at < CAST(strftime('%s', 'now') AS INTEGER) - ?",
+            ),
+            Pool::Postgres(_) => (
+                "SELECT 1 FROM limits_changes WHERE version = (SELECT min(version) FROM limits_changes) \
+                 AND at < now() - make_interval(secs => ?)",
+                "SELECT max(version) FROM limits_changes WHERE at < now() - make_interval(secs => ?)",
+            ),
+        };
+        let secs_bind = [Bind::Int(secs)];
+        let pg_secs = secs as f64;
+        with_pool!(self, pool => {
+            let due = if self.is_postgres() {
+                sqlx::query(self.sql(oldest)).bind(pg_secs).fetch_optional(pool).await?
+            } else {
+                bound!(sqlx::query(self.sql(oldest)), &secs_bind).fetch_optional(pool).await?
+            };
+            if due.is_none() {
+                return Ok(0);
+            }
+            let mut tx = pool.begin().await?;
+            let upto: Option<i64> = if self.is_postgres() {
+                sqlx::query(self.sql(cutoff)).bind(pg_secs).fetch_one(&mut *tx).await?.try_get(0)?
+            } else {
+                bound!(sqlx::query(self.sql(cutoff)), &secs_bind).fetch_one(&mut *tx).await?.try_get(0)?
+            };
+            let Some(upto) = upto else {
+                return Ok(0);
+            };
+            let bind = [Bind::Int(upto)];
+            let sql = "UPDATE limits_version SET pruned = CASE WHEN pruned > ? THEN pruned ELSE ? END WHERE id = 1";
+            bound!(sqlx::query(self.sql(sql)), &[Bind::Int(upto), Bind::Int(upto)])
+                .execute(&mut *tx)
+                .await?;
+            let gone = bound!(sqlx::query(self.sql("DELETE FROM limits_changes WHERE version <= ?")), &bind)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            Ok(gone)
+        })
+    }
+
+    /// Inserts the row, or updates the row with the same owner, resource,
+    /// scope, mode and kind. Validate it first; the table only enforces
+    /// uniqueness. A plan's row needs the plan to exist.
     pub async fn upsert(&self, row: &LimitRow) -> Result<(), TableError> {
         let row = &row.stored();
-        let clash = match &self.pool {
-            Pool::Sqlite(pool) => bind_sqlite(sqlx::query(CLASH), &clash_binds(row))
-                .fetch_optional(pool)
-                .await?
-                .map(|r| clash_of(&r))
-                .transpose()?,
-            Pool::Postgres(pool) => bind_pg(
-                sqlx::query(sqlx::AssertSqlSafe(numbered(CLASH))),
-                &clash_binds(row),
-            )
+        if !row.plan.is_empty() && !self.plan_exists(&row.plan).await? {
+            return Err(missing_plan(&row.plan));
+        }
+        let clash = with_pool!(self, pool => bound!(sqlx::query(self.sql(CLASH)), &clash_binds(row))
             .fetch_optional(pool)
             .await?
             .map(|r| clash_of(&r))
-            .transpose()?,
-        };
-        if let Some((tenant, resource, scope)) = clash {
+            .transpose()?);
+        if let Some((tenant, plan, resource, scope)) = clash {
+            let owner = if plan.is_empty() {
+                format!("tenant {tenant:?}")
+            } else {
+                format!("plan {plan:?}")
+            };
             return Err(TableError::Conflict(format!(
-                "name {:?} already belongs to the row for tenant {tenant:?}, resource {resource:?}, scope {scope:?}; \
+                "name {:?} already belongs to the row for {owner}, resource {resource:?}, scope {scope:?}; \
                  pick another --name or delete that row first",
                 row.name
             )));
         }
-        let now = match self.pool {
-            Pool::Sqlite(_) => "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')",
-            Pool::Postgres(_) => "now()",
-        };
         let sql = format!(
-            "{INSERT} ON CONFLICT (tenant, resource, scope, mode, kind) DO UPDATE SET name = excluded.name, \
+            "{INSERT} ON CONFLICT {CONFLICT_TARGET} DO UPDATE SET name = excluded.name, \
              burst = excluded.burst, rate = excluded.rate, rate_unit = excluded.rate_unit, \
              on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, \
-             updated_at = {now}"
+             updated_at = {}",
+            self.now()
         );
         self.execute(&sql, &insert_binds(row)).await?;
         Ok(())
@@ -331,14 +638,201 @@ impl LimitsTable {
             > 0)
     }
 
+    async fn plan_exists(&self, plan: &str) -> Result<bool, TableError> {
+        Ok(with_pool!(self, pool => bound!(
+            sqlx::query(self.sql("SELECT 1 FROM plans WHERE name = ?")),
+            &[Bind::Text(plan)]
+        )
+        .fetch_optional(pool)
+        .await?
+        .is_some()))
+    }
+
+    /// Creates a plan, or changes its description.
+    pub async fn create_plan(&self, name: &str, description: &str) -> Result<(), TableError> {
+        let sql = format!(
+            "INSERT INTO plans (name, description) VALUES (?, ?) ON CONFLICT (name) DO UPDATE \
+             SET description = excluded.description, updated_at = {}",
+            self.now()
+        );
+        self.execute(&sql, &[Bind::Text(name), Bind::Text(description)])
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes a plan and its rules, in one transaction. Refused while
+    /// tenants are on it, unless `force` (they then get the default rows
+    /// until they are moved). Returns whether the plan existed.
+    pub async fn delete_plan(&self, name: &str, force: bool) -> Result<bool, TableError> {
+        let name_bind = [Bind::Text(name)];
+        with_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let on: i64 = bound!(sqlx::query(self.sql("SELECT count(*) FROM tenants WHERE plan = ?")), &name_bind)
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+            if on > 0 && !force {
+                return Err(TableError::Conflict(format!(
+                    "{on} tenants are on plan {name:?}; move them first (`tollgate plans assign`) \
+                     or delete with --force, and they get the default rows"
+                )));
+            }
+            bound!(sqlx::query(self.sql("DELETE FROM limits WHERE plan = ?")), &name_bind)
+                .execute(&mut *tx)
+                .await?;
+            let gone = bound!(sqlx::query(self.sql("DELETE FROM plans WHERE name = ?")), &name_bind)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            Ok(gone > 0)
+        })
+    }
+
+    /// The plans, with their rules and tenants counted.
+    pub async fn plans(&self) -> Result<Vec<PlanRow>, TableError> {
+        let sql = "SELECT name, description, \
+                   (SELECT count(*) FROM limits l WHERE l.plan = p.name) AS rules, \
+                   (SELECT count(*) FROM tenants t WHERE t.plan = p.name) AS tenants \
+                   FROM plans p ORDER BY name";
+        let rows = with_pool!(self, pool => sqlx::query(sql)
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(PlanRow {
+                    name: r.try_get(0)?,
+                    description: r.try_get(1)?,
+                    rules: r.try_get(2)?,
+                    tenants: r.try_get(3)?,
+                })
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()?);
+        Ok(rows)
+    }
+
+    /// Puts `tenant` on `plan` (which must exist), or takes it off any plan
+    /// (`None`). Returns the plan it was on.
+    pub async fn assign(
+        &self,
+        tenant: &str,
+        plan: Option<&str>,
+    ) -> Result<Option<String>, TableError> {
+        if let Some(plan) = plan {
+            if !self.plan_exists(plan).await? {
+                return Err(missing_plan(plan));
+            }
+        }
+        let tenant_bind = [Bind::Text(tenant)];
+        with_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let before: Option<String> = bound!(
+                sqlx::query(self.sql("SELECT plan FROM tenants WHERE tenant = ?")),
+                &tenant_bind
+            )
+            .fetch_optional(&mut *tx)
+            .await?
+            .map(|r| r.try_get(0))
+            .transpose()?;
+            match plan {
+                Some(plan) => {
+                    let sql = format!(
+                        "INSERT INTO tenants (tenant, plan) VALUES (?, ?) ON CONFLICT (tenant) \
+                         DO UPDATE SET plan = excluded.plan, updated_at = {}",
+                        self.now()
+                    );
+                    bound!(sqlx::query(self.sql(&sql)), &[Bind::Text(tenant), Bind::Text(plan)])
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                None => {
+                    bound!(sqlx::query(self.sql("DELETE FROM tenants WHERE tenant = ?")), &tenant_bind)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+            tx.commit().await?;
+            Ok(before)
+        })
+    }
+
+    /// Upserts `rows` (already validated; `line` numbers them for errors)
+    /// in one transaction: every row or none. `progress` is called with the
+    /// rows written so far. A name that another owner's row already uses,
+    /// or a plan that does not exist, fails the import naming the line.
+    pub async fn import(
+        &self,
+        rows: &[(usize, StoredRow)],
+        mut progress: impl FnMut(usize),
+    ) -> Result<(), TableError> {
+        const CHUNK: usize = 500;
+        let stage = "CREATE TEMPORARY TABLE tollgate_import (line BIGINT NOT NULL, name TEXT NOT NULL, \
+                     tenant TEXT NOT NULL, plan TEXT NOT NULL, resource TEXT NOT NULL, scope TEXT NOT NULL, \
+                     burst BIGINT NOT NULL, rate BIGINT NOT NULL, rate_unit TEXT NOT NULL, mode TEXT NOT NULL, \
+                     on_store_unavailable TEXT NOT NULL, debt BIGINT NOT NULL, kind TEXT NOT NULL)";
+        let cols = "line, name, tenant, plan, resource, scope, burst, rate, rate_unit, mode, \
+                    on_store_unavailable, debt, kind";
+        let one = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+        let clash = "SELECT s.line, s.name, l.tenant, l.plan FROM tollgate_import s JOIN limits l \
+                     ON l.name = s.name AND NOT (l.tenant = s.tenant AND l.plan = s.plan AND \
+                     l.resource = s.resource AND l.scope = s.scope AND l.mode = s.mode AND l.kind = s.kind) \
+                     ORDER BY s.line LIMIT 1";
+        let missing = "SELECT s.line, s.plan FROM tollgate_import s WHERE s.plan <> '' AND NOT EXISTS \
+                       (SELECT 1 FROM plans p WHERE p.name = s.plan) ORDER BY s.line LIMIT 1";
+        let upsert = format!(
+            "INSERT INTO limits (name, tenant, plan, resource, scope, burst, rate, rate_unit, mode, \
+             on_store_unavailable, debt, kind) SELECT name, tenant, plan, resource, scope, burst, rate, \
+             rate_unit, mode, on_store_unavailable, debt, kind FROM tollgate_import WHERE true \
+             ON CONFLICT {CONFLICT_TARGET} DO UPDATE SET name = excluded.name, burst = excluded.burst, \
+             rate = excluded.rate, rate_unit = excluded.rate_unit, \
+             on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, updated_at = {}",
+            self.now()
+        );
+        with_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            sqlx::query("DROP TABLE IF EXISTS tollgate_import").execute(&mut *tx).await?;
+            sqlx::query(stage).execute(&mut *tx).await?;
+            for (n, chunk) in rows.chunks(CHUNK).enumerate() {
+                let sql = format!(
+                    "INSERT INTO tollgate_import ({cols}) VALUES {}",
+                    vec![one; chunk.len()].join(", ")
+                );
+                let mut binds = Vec::with_capacity(chunk.len() * 13);
+                for (line, row) in chunk {
+                    binds.push(Bind::Int(*line as i64));
+                    binds.extend(insert_binds(row));
+                }
+                bound!(sqlx::query(self.sql(&sql)), &binds).execute(&mut *tx).await?;
+                progress(n * CHUNK + chunk.len());
+            }
+            if let Some(r) = sqlx::query(clash).fetch_optional(&mut *tx).await? {
+                let (line, name, tenant, plan): (i64, String, String, String) =
+                    (r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?);
+                let owner = if plan.is_empty() { format!("tenant {tenant:?}") } else { format!("plan {plan:?}") };
+                return Err(TableError::Conflict(format!(
+                    "line {line}: name {name:?} already belongs to a row of {owner} with another \
+                     resource, scope, mode or kind; nothing was imported"
+                )));
+            }
+            if let Some(r) = sqlx::query(missing).fetch_optional(&mut *tx).await? {
+                let (line, plan): (i64, String) = (r.try_get(0)?, r.try_get(1)?);
+                return Err(TableError::NotFound(format!(
+                    "line {line}: plan {plan:?} does not exist; create it with `tollgate plans create {plan}`; \
+                     nothing was imported"
+                )));
+            }
+            sqlx::query(sqlx::AssertSqlSafe(upsert)).execute(&mut *tx).await?;
+            sqlx::query("DROP TABLE tollgate_import").execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+
     /// Runs SQL (one or more statements): for tests and tools that edit the
     /// table the way an operator would, with plain SQL.
     pub async fn execute_sql(&self, sql: &str) -> Result<u64, TableError> {
         let sql = sqlx::AssertSqlSafe(sql.to_owned());
-        Ok(match &self.pool {
-            Pool::Sqlite(pool) => sqlx::raw_sql(sql).execute(pool).await?.rows_affected(),
-            Pool::Postgres(pool) => sqlx::raw_sql(sql).execute(pool).await?.rows_affected(),
-        })
+        Ok(with_pool!(self, pool => sqlx::raw_sql(sql).execute(pool).await?.rows_affected()))
     }
 
     /// A listener on the change notifications (PostgreSQL only).
@@ -355,23 +849,23 @@ impl LimitsTable {
 
     /// Closes the connections.
     pub async fn close(&self) {
-        match &self.pool {
-            Pool::Sqlite(pool) => pool.close().await,
-            Pool::Postgres(pool) => pool.close().await,
-        }
+        with_pool!(self, pool => pool.close().await)
     }
 }
 
-const INSERT: &str = "INSERT INTO limits (name, tenant, resource, scope, burst, rate, rate_unit, mode, \
-                      on_store_unavailable, debt, kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
-
-const CLASH: &str = "SELECT tenant, resource, scope FROM limits WHERE name = ? \
-                     AND NOT (tenant = ? AND resource = ? AND scope = ? AND mode = ? AND kind = ?)";
+fn missing_plan(plan: &str) -> TableError {
+    TableError::NotFound(format!(
+        "plan {:?} does not exist; create it with `tollgate plans create {}` (`tollgate plans list` shows the plans)",
+        super::short(plan),
+        super::short(plan)
+    ))
+}
 
 fn insert_binds(row: &StoredRow) -> Vec<Bind<'_>> {
     vec![
         Bind::Text(&row.name),
         Bind::Text(&row.tenant),
+        Bind::Text(&row.plan),
         Bind::Text(&row.resource),
         Bind::Text(&row.scope),
         Bind::Int(row.burst),
@@ -388,34 +882,12 @@ fn clash_binds(row: &StoredRow) -> Vec<Bind<'_>> {
     vec![
         Bind::Text(&row.name),
         Bind::Text(&row.tenant),
+        Bind::Text(&row.plan),
         Bind::Text(&row.resource),
         Bind::Text(&row.scope),
         Bind::Text(&row.mode),
         Bind::Text(&row.kind),
     ]
-}
-
-type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
-type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
-
-fn bind_sqlite<'q>(mut q: SqliteQuery<'q>, binds: &[Bind<'q>]) -> SqliteQuery<'q> {
-    for b in binds {
-        q = match b {
-            Bind::Text(s) => q.bind(*s),
-            Bind::Int(i) => q.bind(*i),
-        };
-    }
-    q
-}
-
-fn bind_pg<'q>(mut q: PgQuery<'q>, binds: &[Bind<'q>]) -> PgQuery<'q> {
-    for b in binds {
-        q = match b {
-            Bind::Text(s) => q.bind(*s),
-            Bind::Int(i) => q.bind(*i),
-        };
-    }
-    q
 }
 
 fn to_row<R: Row>(r: &R) -> Result<StoredRow, sqlx::Error>
@@ -425,8 +897,10 @@ where
     for<'d> i64: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
 {
     Ok(StoredRow {
+        id: r.try_get("id")?,
         name: r.try_get("name")?,
         tenant: r.try_get("tenant")?,
+        plan: r.try_get("plan")?,
         resource: r.try_get("resource")?,
         scope: r.try_get("scope")?,
         burst: r.try_get("burst")?,
@@ -440,10 +914,12 @@ where
     })
 }
 
-fn clash_of<R: Row>(r: &R) -> Result<(String, String, String), sqlx::Error>
+type Clash = (String, String, String, String);
+
+fn clash_of<R: Row>(r: &R) -> Result<Clash, sqlx::Error>
 where
     usize: sqlx::ColumnIndex<R>,
     for<'d> String: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
 {
-    Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))
+    Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?))
 }

@@ -12,8 +12,10 @@ pub(crate) fn row(
 ) -> StoredRow {
     let (count, unit) = rate.split_once('/').unwrap();
     StoredRow {
+        id: 0,
         name: name.into(),
         tenant: tenant.into(),
+        plan: String::new(),
         resource: resource.into(),
         scope: scope.into(),
         burst,
@@ -29,7 +31,7 @@ pub(crate) fn row(
 
 fn names<'a>(set: &'a RuleSet, tenant: &str, resource: &str) -> Vec<&'a str> {
     set.applicable(tenant, resource)
-        .map(|r| r.name.as_str())
+        .map(|r| &*r.name)
         .collect()
 }
 
@@ -126,27 +128,256 @@ fn invalid_rows_are_named_with_what_to_fix() {
 }
 
 #[test]
-fn duplicates_reject_the_whole_set() {
-    let err = RuleSet::from_rows(&[
+fn a_bad_row_is_rejected_alone_and_duplicates_name_the_later_row() {
+    let (set, errors) = RuleSet::from_rows(&[
         row("a", "", "", "key", 1, "1/second"),
         row("b", "", "", "key", 2, "1/second"),
-    ])
-    .unwrap_err();
-    assert_eq!(
-        err.row,
-        "row \"b\" (tenant \"\", resource \"\", scope \"key\")"
+        row("bad", "acme", "", "key", 0, "1/second"),
+        row("c", "acme", "", "tenant", 5, "1/second"),
+    ]);
+    assert_eq!(names(&set, "acme", ""), ["a", "c"]);
+    assert_eq!(set.len(), 2);
+    let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(
+        errors.iter().any(|e| e
+            == "row \"b\" (tenant \"\", resource \"\", scope \"key\"): another row already covers \
+                the same owner, resource, scope, mode and kind"),
+        "{errors:?}"
     );
-    assert!(err.reason.contains("rule \"a\" already covers"));
-    let err = RuleSet::from_rows(&[
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("row \"bad\"") && e.ends_with("burst must be at least 1")),
+        "{errors:?}"
+    );
+    let (_, errors) = RuleSet::from_rows(&[
         row("a", "", "", "key", 1, "1/second"),
         row("a", "x", "", "key", 2, "1/second"),
-    ])
-    .unwrap_err();
-    assert!(err.reason.contains("name \"a\" is also used"), "{err}");
+    ]);
+    assert!(errors[0].reason.contains("name \"a\" is used by another row"));
+}
+
+fn plan_row(name: &str, plan: &str, scope: &str, burst: i64) -> StoredRow {
+    StoredRow {
+        plan: plan.into(),
+        ..row(name, "", "", scope, burst, "1/second")
+    }
+}
+
+#[test]
+fn a_tenants_row_beats_its_plans_which_beats_the_defaults() {
+    let rows = [
+        row("default-key", "", "", "key", 30, "600/minute"),
+        row("default-ceiling", "", "", "tenant", 1000, "10000/minute"),
+        plan_row("pro-key", "pro", "key", 300),
+        plan_row("pro-ceiling", "pro", "tenant", 5000),
+        row("acme-key", "acme", "", "key", 7, "1/second"),
+    ];
+    let (set, errors) = RuleSet::from_parts(
+        &rows,
+        &["pro", "free"],
+        &[("acme", "pro"), ("globex", "pro"), ("initech", "free"), ("hooli", "gone")],
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(names(&set, "acme", ""), ["acme-key", "pro-ceiling"]);
+    assert_eq!(names(&set, "globex", ""), ["pro-key", "pro-ceiling"]);
+    // An empty plan and a plan that does not exist: the defaults.
+    assert_eq!(names(&set, "initech", ""), ["default-key", "default-ceiling"]);
+    assert_eq!(names(&set, "hooli", ""), ["default-key", "default-ceiling"]);
+    assert_eq!(set.tenants(), 4);
+    // A plan's rows for a plan that does not exist are rejected.
+    let (set, errors) = RuleSet::from_parts(&rows, &[], &[("acme", "pro")]);
+    assert_eq!(names(&set, "globex", ""), ["default-key", "default-ceiling"]);
+    assert_eq!(errors.len(), 2);
+    assert!(
+        errors[0]
+            .reason
+            .starts_with("plan \"pro\" does not exist; create it with `tollgate plans create pro`"),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn a_row_naming_a_tenant_and_a_plan_is_rejected() {
+    let both = StoredRow {
+        plan: "pro".into(),
+        ..row("x", "acme", "", "key", 1, "1/second")
+    };
+    let err = both.validate().unwrap_err().to_string();
+    assert!(err.contains("a row belongs to a tenant or to a plan, not both"), "{err}");
+    let huge = row("x", &"t".repeat(10_000), "", "key", 1, "1/second");
+    let err = huge.validate().unwrap_err().to_string();
+    assert!(err.len() < 600, "the message names the row by its start: {err}");
+    assert!(err.contains("tenant is 10000 bytes; at most 128 are allowed"), "{err}");
+}
+
+/// Applies one batch: `owners` changed, and these are their rows now.
+fn apply(
+    loader: &mut rules::Loader,
+    base: &RuleSet,
+    owners: &[Owner],
+    plans: &[&str],
+    rows: &[StoredRow],
+    assignments: &[(&str, &str)],
+) -> (RuleSet, Vec<RowError>) {
+    let mut update = loader.begin(base, false, owners.to_vec());
+    for p in plans {
+        update.plan(p);
+    }
+    let mut rows = rows.to_vec();
+    rows.sort_by_cached_key(StoredRow::owner);
+    for r in rows {
+        update.row(r);
+    }
+    for (t, p) in assignments {
+        update.assignment(t, p);
+    }
+    let (set, applied) = update.finish();
+    (set, applied.newly_rejected)
+}
+
+fn with_id(id: i64, r: StoredRow) -> StoredRow {
+    StoredRow { id, ..r }
+}
+
+#[test]
+fn a_batch_replaces_only_the_owners_it_names() {
+    let mut loader = rules::Loader::new(usize::MAX);
+    let base = RuleSet::default();
+    let mut update = loader.begin(&base, true, Vec::new());
+    update.plan("pro");
+    for (i, r) in [
+        row("default-key", "", "", "key", 30, "600/minute"),
+        row("acme-key", "acme", "", "key", 7, "1/second"),
+        row("globex-key", "globex", "", "key", 8, "1/second"),
+        plan_row("pro-key", "pro", "key", 300),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        update.row(with_id(i as i64 + 1, r));
+    }
+    update.assignment("initech", "pro");
+    let (v1, _) = update.finish();
+    assert_eq!((v1.len(), v1.tenants()), (4, 3));
+    assert_eq!(names(&v1, "initech", ""), ["pro-key"]);
+
+    // acme's row deleted, globex's row changed, initech moved off its plan,
+    // a new tenant.
+    let (v2, rejected) = apply(
+        &mut loader,
+        &v1,
+        &[
+            Owner::Tenant("acme".into()),
+            Owner::Tenant("globex".into()),
+            Owner::Tenant("initech".into()),
+            Owner::Tenant("hooli".into()),
+        ],
+        &[],
+        &[
+            with_id(3, row("globex-key", "globex", "", "key", 80, "1/second")),
+            with_id(5, row("hooli-key", "hooli", "", "key", 9, "1/second")),
+        ],
+        &[],
+    );
+    assert!(rejected.is_empty());
+    assert_eq!(names(&v2, "acme", ""), ["default-key"]);
+    assert_eq!(v2.applicable("globex", "").next().unwrap().limit.burst(), 80);
+    assert_eq!(names(&v2, "initech", ""), ["default-key"]);
+    assert_eq!(names(&v2, "hooli", ""), ["hooli-key"]);
+    assert_eq!((v2.len(), v2.tenants()), (4, 2));
+    // The snapshot before is untouched: a decision holding it sees no part
+    // of the batch.
+    assert_eq!(names(&v1, "acme", ""), ["acme-key"]);
+    assert_eq!(v1.applicable("globex", "").next().unwrap().limit.burst(), 8);
+
+    // A bad edit of globex's row keeps its last valid version; the same
+    // batch's good edit of hooli applies.
+    let (v3, rejected) = apply(
+        &mut loader,
+        &v2,
+        &[Owner::Tenant("globex".into()), Owner::Tenant("hooli".into())],
+        &[],
+        &[
+            with_id(3, row("globex-key", "globex", "", "key", 0, "1/second")),
+            with_id(5, row("hooli-key", "hooli", "", "key", 90, "1/second")),
+        ],
+        &[],
+    );
+    assert_eq!(rejected.len(), 1);
+    assert!(rejected[0].row.starts_with("row \"globex-key\""));
+    assert_eq!(v3.applicable("globex", "").next().unwrap().limit.burst(), 80);
+    assert_eq!(v3.applicable("hooli", "").next().unwrap().limit.burst(), 90);
+    assert_eq!(loader.rejected(10).1, 1);
+    // Rejected again by a later batch: logged once only.
+    let (v4, rejected) = apply(
+        &mut loader,
+        &v3,
+        &[Owner::Tenant("globex".into())],
+        &[],
+        &[with_id(3, row("globex-key", "globex", "", "key", 0, "1/second"))],
+        &[],
+    );
+    assert!(rejected.is_empty());
+    // Fixed: in force, and no longer listed.
+    let (v5, _) = apply(
+        &mut loader,
+        &v4,
+        &[Owner::Tenant("globex".into())],
+        &[],
+        &[with_id(3, row("globex-key", "globex", "", "key", 3, "1/second"))],
+        &[],
+    );
+    assert_eq!(v5.applicable("globex", "").next().unwrap().limit.burst(), 3);
+    assert_eq!(loader.rejected(10).1, 0);
+
+    // The plan's rule changes for every tenant on it in one edit; the plan
+    // deleted, its tenants fall back to the defaults and are reported.
+    let (v6, _) = apply(
+        &mut loader,
+        &v5,
+        &[Owner::Plan("pro".into()), Owner::Tenant("acme".into())],
+        &["pro"],
+        &[with_id(4, plan_row("pro-key", "pro", "key", 301))],
+        &[("acme", "pro")],
+    );
+    assert_eq!(v6.applicable("acme", "").next().unwrap().limit.burst(), 301);
+    let (v7, _) = apply(&mut loader, &v6, &[Owner::Plan("pro".into())], &[], &[], &[]);
+    assert_eq!(names(&v7, "acme", ""), ["default-key"]);
+    assert_eq!(loader.missing_plans(&v7), [("pro".to_owned(), 1)]);
+    assert_eq!(v7.len(), 3);
+}
+
+#[test]
+fn rows_beyond_the_bound_are_rejected_and_the_rest_stay() {
+    let mut loader = rules::Loader::new(2);
+    let base = RuleSet::default();
+    let mut update = loader.begin(&base, true, Vec::new());
+    update.row(with_id(1, row("d", "", "", "key", 30, "600/minute")));
+    update.row(with_id(2, row("a", "a", "", "key", 1, "1/second")));
+    let (v1, _) = update.finish();
+    assert_eq!(v1.len(), 2);
+    let (v2, rejected) = apply(
+        &mut loader,
+        &v1,
+        &[Owner::Tenant("b".into())],
+        &[],
+        &[with_id(3, row("b", "b", "", "key", 1, "1/second"))],
+        &[],
+    );
+    assert_eq!(v2.len(), 2);
+    assert_eq!(names(&v2, "b", ""), ["d"]);
+    assert!(
+        rejected[0].reason.contains("(--max-limit-rows 2); the row is not in force"),
+        "{rejected:?}"
+    );
 }
 
 impl RuleSet {
     fn from_rules_for_test(rows: &[StoredRow]) -> Self {
-        Self::from_rows(rows).unwrap()
+        let (set, errors) = Self::from_rows(rows);
+        assert!(errors.is_empty(), "{errors:?}");
+        set
     }
 }

@@ -1,14 +1,21 @@
 //! The rules in force, kept current while the server runs.
 //!
-//! [`LiveLimits`] holds the last good [`RuleSet`] behind an atomic pointer, so
-//! the hot path reads it without locks. [`watch`] re-reads the table every
-//! interval: a changed, valid table replaces the rules at once; an invalid
-//! one is logged (naming the row), counted, reported on the admin port, and
-//! the last good rules stay in force.
+//! [`LiveLimits`] holds the rules in force ([`RuleSet`]) behind an atomic
+//! pointer, so the hot path reads them without locks. [`watch`] catches up
+//! with the table: SQLite by reading its one-row version every interval
+//! (one indexed read when nothing changed), PostgreSQL at once on each
+//! change notification (and every [`PG_SAFETY_POLL`] in case one was
+//! missed). Catching up reads only the owners (tenants, plans, the
+//! defaults) that changed after the version in force, in one snapshot, and
+//! swaps in the next rules at once. A row that fails validation is
+//! rejected alone: logged once, counted, listed on the admin port, and its
+//! last valid version (if any) stays in force.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -16,19 +23,38 @@ use serde::Serialize;
 
 use sqlx::postgres::{PgListener, PgNotification};
 
-use super::table::{LimitsTable, TableError};
-use super::{RowError, RuleSet, StoredRow};
+use super::rules::{Loader, Update};
+use super::table::{CHANGE_LOG_RETENTION, ChangeSink, LimitsTable, TableError};
+use super::{Owner, RuleSet, StoredRow};
 use crate::telemetry::metrics;
 
-/// Why the rules could not be (re)loaded.
+/// How often a PostgreSQL instance that listens for notifications still
+/// reads the version, in case a notification was lost.
+pub const PG_SAFETY_POLL: Duration = Duration::from_secs(30);
+
+/// How often the change log is pruned.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
+
+/// How many rejected rows the status lists (all are counted).
+const LISTED_REJECTED: usize = 50;
+
+/// Why the rules could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     /// The table could not be read.
     #[error(transparent)]
     Table(#[from] TableError),
-    /// A row is invalid.
-    #[error("invalid limits table: {0}")]
-    Invalid(#[from] RowError),
+    /// The table holds more rows than this instance keeps in memory.
+    #[error(
+        "the limits table holds {rows} rows; this instance keeps at most {max} in memory \
+         (raise --max-limit-rows, or move tenants onto plans: a tenant on a plan needs no rows)"
+    )]
+    TooLarge {
+        /// Rows in the table.
+        rows: u64,
+        /// The bound.
+        max: usize,
+    },
 }
 
 /// What the admin port reports about the limits.
@@ -36,50 +62,122 @@ pub enum LoadError {
 pub struct ReloadStatus {
     /// Rules in force.
     pub rules: usize,
-    /// Successful loads that changed the rules (including the first).
+    /// Tenants with rules of their own or a plan.
+    pub tenants: usize,
+    /// The most rules kept in force (`--max-limit-rows`).
+    pub max_rules: usize,
+    /// Batches of changes applied (the first load included).
     pub generation: u64,
-    /// Why the latest reload failed, if it did; cleared by the next success.
+    /// The table's version the rules in force reflect.
+    pub version: i64,
+    /// Rows rejected by validation and not fixed since.
+    pub rejected_rows: usize,
+    /// The first of them (by id), each naming the row and what to fix.
+    pub rejected: Vec<String>,
+    /// Plans tenants are assigned to that do not exist, with the number of
+    /// tenants on each (they get the default rows).
+    pub missing_plans: Vec<MissingPlan>,
+    /// Why the latest read of the table failed, if it did; cleared by the
+    /// next success.
     pub last_error: Option<String>,
 }
 
-struct Seen {
-    /// The rows behind the rules in force.
-    applied: Vec<StoredRow>,
-    /// The last rows that failed, so each bad edit is logged once.
-    rejected: Option<Vec<StoredRow>>,
+/// A plan that tenants are on but that does not exist.
+#[derive(Debug, Clone, Serialize)]
+pub struct MissingPlan {
+    /// The plan's name.
+    pub plan: String,
+    /// Tenants assigned to it.
+    pub tenants: u64,
+}
+
+struct Catchup {
+    loader: Loader,
+    version: i64,
 }
 
 /// The rules in force.
 pub struct LiveLimits {
     current: ArcSwap<RuleSet>,
-    seen: Mutex<Seen>,
+    catchup: tokio::sync::Mutex<Catchup>,
     status: Mutex<ReloadStatus>,
 }
 
+/// Feeds a table read into the loader.
+struct Sink<'a> {
+    loader: Option<&'a mut Loader>,
+    base: &'a RuleSet,
+    update: Option<Update<'a>>,
+}
+
+impl ChangeSink for Sink<'_> {
+    fn begin(&mut self, full: bool, owners: Vec<Owner>) {
+        if let Some(loader) = self.loader.take() {
+            self.update = Some(loader.begin(self.base, full, owners));
+        }
+    }
+    fn plan(&mut self, name: &str) {
+        if let Some(u) = &mut self.update {
+            u.plan(name);
+        }
+    }
+    fn row(&mut self, row: StoredRow) {
+        if let Some(u) = &mut self.update {
+            u.row(row);
+        }
+    }
+    fn assignment(&mut self, tenant: &str, plan: &str) {
+        if let Some(u) = &mut self.update {
+            u.assignment(tenant, plan);
+        }
+    }
+}
+
 impl LiveLimits {
-    /// Loads the table once. At start-up there is no last good table, so an
-    /// invalid one is an error.
-    pub async fn load(table: &LimitsTable) -> Result<Self, LoadError> {
-        let live = Self::from_rows(table.rows().await?)?;
-        metrics::limits_reload(true, live.current.load().len());
+    /// Loads the table, keeping at most `max_rules` rules in memory; a
+    /// table with more rows than that is an error at start-up.
+    pub async fn load(table: &LimitsTable, max_rules: usize) -> Result<Self, LoadError> {
+        let rows = table.count().await?;
+        if rows > max_rules as u64 {
+            return Err(LoadError::TooLarge {
+                rows,
+                max: max_rules,
+            });
+        }
+        let live = Self::empty(max_rules);
+        live.catch_up(table).await?;
         Ok(live)
     }
 
-    /// Rules from rows given directly (no table): for tests and embedding.
-    pub fn from_rows(rows: Vec<StoredRow>) -> Result<Self, RowError> {
-        let set = RuleSet::from_rows(&rows)?;
-        Ok(Self {
+    fn empty(max_rules: usize) -> Self {
+        Self {
+            current: ArcSwap::from_pointee(RuleSet::default()),
+            catchup: tokio::sync::Mutex::new(Catchup {
+                loader: Loader::new(max_rules),
+                version: 0,
+            }),
             status: Mutex::new(ReloadStatus {
-                rules: set.len(),
-                generation: 1,
-                last_error: None,
+                max_rules,
+                ..ReloadStatus::default()
             }),
-            current: ArcSwap::from_pointee(set),
-            seen: Mutex::new(Seen {
-                applied: rows,
-                rejected: None,
-            }),
-        })
+        }
+    }
+
+    /// Rules from rows given directly (no table): for tests and embedding.
+    /// Invalid rows are left out and listed in the status.
+    pub fn from_rows(rows: Vec<StoredRow>) -> Self {
+        let (set, rejected) = RuleSet::from_rows(&rows);
+        let live = Self::empty(usize::MAX);
+        {
+            let mut status = live.status.lock();
+            status.rules = set.len();
+            status.tenants = set.tenants();
+            status.generation = 1;
+            status.rejected_rows = rejected.len();
+            status.rejected = rejected.iter().map(ToString::to_string).collect();
+        }
+        live.current.store(Arc::new(set));
+        live
     }
 
     /// The rules in force now.
@@ -92,62 +190,99 @@ impl LiveLimits {
         self.status.lock().clone()
     }
 
-    /// Re-reads the table. Returns whether the rules changed. On error the
-    /// rules in force are untouched.
-    pub async fn reload(&self, table: &LimitsTable) -> Result<bool, LoadError> {
-        let rows = table.rows().await?;
-        self.apply_rows(rows)
-    }
-
-    fn apply_rows(&self, rows: Vec<StoredRow>) -> Result<bool, LoadError> {
-        let mut seen = self.seen.lock();
-        if seen.applied == rows {
-            // Unchanged (also after a bad edit was reverted).
-            seen.rejected = None;
+    /// Reads what changed in the table since the rules in force and applies
+    /// it. Returns whether the rules changed. On error the rules in force
+    /// are untouched (and the next call reads from the same version).
+    pub async fn catch_up(&self, table: &LimitsTable) -> Result<bool, LoadError> {
+        let mut guard = self.catchup.lock().await;
+        let Catchup { loader, version } = &mut *guard;
+        let base = self.current.load_full();
+        let started = Instant::now();
+        let mut sink = Sink {
+            loader: Some(loader),
+            base: &base,
+            update: None,
+        };
+        let read = table.read_changes(*version, base.len(), &mut sink).await;
+        let update = sink.update.take();
+        let read = match read {
+            Ok(read) => read,
+            Err(err) => {
+                metrics::limits_reload(false, base.len(), self.status.lock().rejected_rows);
+                self.status.lock().last_error = Some(err.to_string());
+                return Err(err.into());
+            }
+        };
+        let Some(next_version) = read else {
             self.status.lock().last_error = None;
             return Ok(false);
+        };
+        let Some(update) = update else {
+            // The version moved but nothing was logged (a statement that
+            // changed no row).
+            *version = next_version;
+            return Ok(false);
+        };
+        let (set, applied) = update.finish();
+        let (rules, tenants) = (set.len(), set.tenants());
+        self.current.store(Arc::new(set));
+        *version = next_version;
+        let current = self.current.load();
+        let (rejected, rejected_rows) = loader.rejected(LISTED_REJECTED);
+        let missing_plans = loader
+            .missing_plans(&current)
+            .into_iter()
+            .map(|(plan, tenants)| MissingPlan { plan, tenants })
+            .collect();
+        for err in &applied.newly_rejected {
+            tracing::error!(error = %err, "limits row rejected; its last valid version (if any) stays in force");
         }
-        match RuleSet::from_rows(&rows) {
-            Ok(set) => {
-                let n = set.len();
-                self.current.store(Arc::new(set));
-                seen.applied = rows;
-                seen.rejected = None;
-                let mut status = self.status.lock();
-                status.rules = n;
-                status.generation += 1;
-                status.last_error = None;
-                metrics::limits_reload(true, n);
-                tracing::info!(rules = n, generation = status.generation, "limits reloaded");
-                Ok(true)
-            }
-            Err(err) => {
-                let first_time = seen.rejected.as_ref() != Some(&rows);
-                seen.rejected = Some(rows);
-                self.status.lock().last_error = Some(err.to_string());
-                if first_time {
-                    metrics::limits_reload(false, self.current.load().len());
-                    tracing::error!(error = %err, "limits table rejected; the last good rules stay in force");
-                }
-                Err(err.into())
-            }
-        }
+        metrics::limits_reload(applied.newly_rejected.is_empty(), rules, rejected_rows);
+        let generation = {
+            let mut status = self.status.lock();
+            status.rules = rules;
+            status.tenants = tenants;
+            status.generation += 1;
+            status.version = next_version;
+            status.rejected_rows = rejected_rows;
+            status.rejected = rejected;
+            status.missing_plans = missing_plans;
+            status.last_error = None;
+            status.generation
+        };
+        tracing::info!(
+            rules,
+            tenants,
+            generation,
+            version = next_version,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "limits applied"
+        );
+        Ok(true)
     }
 }
 
-/// Reloads `limits` from `table` every `every`, and on PostgreSQL also at
-/// once on every change notification, until `shutdown` completes. A lost
-/// database connection keeps the last good rules in force; the listener
-/// reconnects, and every time it starts listening the table is read, so no
-/// edit made while it was not listening is missed.
+/// Keeps `limits` current with `table` until `shutdown` completes: on
+/// SQLite by reading the version every `every`; on PostgreSQL on every
+/// change notification, and every [`PG_SAFETY_POLL`]. A lost database
+/// connection keeps the rules in force; the listener reconnects, and every
+/// time it starts listening the instance catches up from the version it
+/// holds, so no edit made while it was not listening is missed.
 pub async fn watch(
     limits: Arc<LiveLimits>,
     table: LimitsTable,
     every: Duration,
     shutdown: impl Future<Output = ()>,
 ) {
-    let mut tick = tokio::time::interval(every);
+    let poll = if table.is_postgres() {
+        PG_SAFETY_POLL
+    } else {
+        every
+    };
+    let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut prune = tokio::time::interval(PRUNE_EVERY);
+    prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     let mut listener: Option<PgListener> = None;
     loop {
@@ -156,8 +291,8 @@ pub async fn watch(
                 Ok(l) => {
                     listener = l;
                     // Edits made while nobody listened sent their NOTIFY
-                    // into the void: read the table now that we listen.
-                    reload(&limits, &table).await;
+                    // into the void: catch up now that we listen.
+                    catch_up(&limits, &table).await;
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "cannot listen for limits changes; polling meanwhile")
@@ -167,14 +302,29 @@ pub async fn watch(
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tick.tick() => {}
+            _ = prune.tick() => {
+                match table.prune_changes(CHANGE_LOG_RETENTION).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(entries = n, "limits change log pruned"),
+                    Err(err) => tracing::debug!(error = %err, "cannot prune the limits change log"),
+                }
+                continue;
+            }
             // Without a listener, retry (and poll) every second.
             _ = tokio::time::sleep(Duration::from_secs(1)), if listener.is_none() && table.is_postgres() => {}
             note = next_change(&mut listener) => match note {
-                Ok(Some(_)) => {}
+                Ok(Some(note)) => {
+                    // Already applied (another notification's catch-up read it).
+                    let held = limits.status.lock().version;
+                    if note.payload().parse::<i64>().is_ok_and(|v| v <= held) {
+                        continue;
+                    }
+                }
                 // The connection dropped. Listen again on a fresh connection
-                // (and read the table once listening) rather than let the
+                // (and catch up once listening) rather than let the
                 // listener reconnect by itself on the next receive: an edit
-                // made between its reconnection and no reload would be lost.
+                // made between its reconnection and no catch-up would wait
+                // for the safety poll.
                 Ok(None) => {
                     tracing::warn!("limits listener lost its connection; reconnecting");
                     listener = None;
@@ -188,18 +338,14 @@ pub async fn watch(
                 }
             },
         }
-        reload(&limits, &table).await;
+        catch_up(&limits, &table).await;
     }
 }
 
-/// Reloads, keeping the last good rules when the table cannot be read.
-async fn reload(limits: &LiveLimits, table: &LimitsTable) {
-    match limits.reload(table).await {
-        Ok(_) | Err(LoadError::Invalid(_)) => {}
-        Err(LoadError::Table(err)) => {
-            limits.status.lock().last_error = Some(err.to_string());
-            tracing::warn!(error = %err, "cannot read the limits table; the last good rules stay in force");
-        }
+/// Catches up, keeping the rules in force when the table cannot be read.
+async fn catch_up(limits: &LiveLimits, table: &LimitsTable) {
+    if let Err(err) = limits.catch_up(table).await {
+        tracing::warn!(error = %err, "cannot read the limits table; the rules in force stay");
     }
 }
 

@@ -237,7 +237,7 @@ pub trait Store: Send + Sync + 'static {
 }
 
 /// What a rule does when the shared store cannot be reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnStoreUnavailable {
     /// Fail open: admit.

@@ -18,6 +18,8 @@ pub const TOKENS: &str = "tollgate_decision_tokens_total";
 pub const RELOADS: &str = "tollgate_limits_reloads_total";
 /// Rules in force.
 pub const RULES: &str = "tollgate_rules_loaded";
+/// Limits rows rejected by validation and not fixed since.
+pub const REJECTED_ROWS: &str = "tollgate_limits_rejected_rows";
 /// Buckets held in memory.
 pub const BUCKETS: &str = "tollgate_buckets";
 /// The in-memory bucket cap.
@@ -124,9 +126,13 @@ pub fn handle() -> &'static PrometheusHandle {
         );
         describe_counter!(
             RELOADS,
-            "Limits table reloads that changed or rejected the rules."
+            "Batches of limits changes applied (success), and batches that rejected a row or reads of the table that failed (failure)."
         );
         describe_gauge!(RULES, "Rules in force.");
+        describe_gauge!(
+            REJECTED_ROWS,
+            "Limits rows rejected by validation and not fixed since (each listed at /v1/limits)."
+        );
         describe_gauge!(BUCKETS, "Buckets held in this process's memory.");
         describe_gauge!(BUCKETS_MAX, "The cap on buckets held in memory.");
         describe_gauge!(
@@ -267,10 +273,13 @@ fn decision_handles() -> &'static dashmap::DashMap<String, DecisionSlots> {
     HANDLES.get_or_init(dashmap::DashMap::new)
 }
 
-/// Counts a limits reload.
-pub fn limits_reload(ok: bool, rules: usize) {
+/// Counts a batch of limits changes applied (`ok`: no row newly rejected)
+/// or a failed read of the table (`ok` false), with the rules in force and
+/// the rows rejected.
+pub fn limits_reload(ok: bool, rules: usize, rejected_rows: usize) {
     counter!(RELOADS, "result" => if ok { "success" } else { "failure" }).increment(1);
     gauge!(RULES).set(rules as f64);
+    gauge!(REJECTED_ROWS).set(rejected_rows as f64);
 }
 
 /// Publishes the in-memory store's figures (called when metrics are scraped).

@@ -9,10 +9,12 @@
 //! | `/healthz`    | 200 while the process runs                             |
 //! | `/readyz`     | 200 once the limits are loaded and the server accepts  |
 //! | `/metrics`    | Prometheus text format                                 |
-//! | `/v1/limits`  | JSON: the rules in force and the last reload's status  |
+//! | `/v1/limits`  | JSON: the limits status and one page of rows (`?tenant=&plan=&prefix=&after=&limit=`) |
+//! | `/v1/plans`   | JSON: the plans, with their rules and tenants counted  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
 //! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), the tenants seen in debt, and those holding the most concurrency slots |
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
+//! | `POST /v1/plans`, `DELETE /v1/plans/{name}`, `PUT`/`DELETE /v1/tenants/{tenant}/plan` | plans and tenants' plans (token required) |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -25,6 +27,7 @@ use axum::{Json, Router};
 use serde_json::json;
 
 pub mod grpc;
+mod limits;
 
 use subtle::ConstantTimeEq;
 
@@ -188,96 +191,6 @@ async fn guard(
     }
 }
 
-/// A row to add or change, as `POST /v1/limits` takes it.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RowRequest {
-    #[serde(default)]
-    tenant: String,
-    #[serde(default)]
-    resource: String,
-    #[serde(default = "default_scope")]
-    scope: String,
-    /// Capacity; for a concurrency rule, the most leases held at once.
-    burst: i64,
-    /// `N/unit` (omitted for a concurrency rule).
-    #[serde(default)]
-    rate: String,
-    /// `rate` (default) or `concurrency`.
-    #[serde(default = "default_kind")]
-    kind: String,
-    #[serde(default = "default_mode")]
-    mode: String,
-    #[serde(default = "default_policy")]
-    on_store_unavailable: String,
-    #[serde(default)]
-    debt: i64,
-    name: Option<String>,
-}
-
-fn default_scope() -> String {
-    "key".into()
-}
-fn default_kind() -> String {
-    "rate".into()
-}
-fn default_mode() -> String {
-    "enforce".into()
-}
-fn default_policy() -> String {
-    "allow".into()
-}
-
-async fn set_limit(State(state): State<Arc<AdminState>>, body: axum::body::Bytes) -> Response {
-    let bad = |why: String| (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response();
-    let req: RowRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => return bad(format!("the body must be a JSON row: {e}")),
-    };
-    let row = match crate::limits::LimitRow::from_request(
-        req.tenant,
-        req.resource,
-        &req.scope,
-        req.burst,
-        &req.rate,
-        &req.mode,
-        &req.on_store_unavailable,
-        req.debt,
-        &req.kind,
-        req.name,
-    ) {
-        Ok(row) => row,
-        Err(e) => return bad(e),
-    };
-    if let Err(e) = row.validate() {
-        return bad(e.to_string());
-    }
-    match state.table.upsert(&row).await {
-        Ok(()) => {
-            let _ = state.limits.reload(&state.table).await;
-            (StatusCode::OK, Json(json!({ "set": row.name }))).into_response()
-        }
-        Err(crate::limits::table::TableError::Conflict(why)) => {
-            (StatusCode::CONFLICT, format!("{why}\n")).into_response()
-        }
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
-    }
-}
-
-async fn delete_limit(
-    State(state): State<Arc<AdminState>>,
-    axum::extract::Path(name): axum::extract::Path<String>,
-) -> Response {
-    match state.table.delete(&name).await {
-        Ok(true) => {
-            let _ = state.limits.reload(&state.table).await;
-            (StatusCode::OK, Json(json!({ "deleted": name }))).into_response()
-        }
-        Ok(false) => (StatusCode::NOT_FOUND, format!("no row is named {name:?}\n")).into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
-    }
-}
-
 /// The admin router.
 pub fn router(state: Arc<AdminState>) -> Router {
     Router::new()
@@ -285,8 +198,14 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(render_metrics))
-        .route("/v1/limits", get(limits).post(set_limit))
-        .route("/v1/limits/{name}", axum::routing::delete(delete_limit))
+        .route("/v1/limits", get(limits::list).post(limits::set))
+        .route("/v1/limits/{name}", axum::routing::delete(limits::delete))
+        .route("/v1/plans", get(limits::plans).post(limits::create_plan))
+        .route("/v1/plans/{name}", axum::routing::delete(limits::delete_plan))
+        .route(
+            "/v1/tenants/{tenant}/plan",
+            axum::routing::put(limits::assign).delete(limits::unassign),
+        )
         .route("/v1/envoy-config", get(envoy_config))
         .route("/v1/top-limited", get(top_limited))
         .route("/v1/status", get(status))
@@ -431,26 +350,3 @@ async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::
     Json(json!({ "status": (state.envoy_status)() }))
 }
 
-async fn limits(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
-    let limits = &state.limits;
-    let rules: Vec<_> = limits
-        .snapshot()
-        .rules()
-        .iter()
-        .map(|r| {
-            json!({
-                "name": r.name,
-                "tenant": r.tenant,
-                "resource": r.resource,
-                "scope": r.scope,
-                "kind": r.kind,
-                "burst": r.limit.burst(),
-                "rate": r.rate_text,
-                "mode": r.mode,
-                "on_store_unavailable": r.on_store_unavailable,
-                "debt": r.limit.debt(),
-            })
-        })
-        .collect();
-    Json(json!({ "status": limits.status(), "rules": rules }))
-}

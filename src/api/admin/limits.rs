@@ -1,0 +1,347 @@
+//! The admin port's view of the limits tables: pages of rows, plans, and
+//! the edits (`POST /v1/limits`, plans, tenants' plans). Each edit is
+//! applied to this instance at once (the others catch up by themselves).
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use super::AdminState;
+use crate::limits::table::{RowFilter, TableError};
+use crate::limits::{LimitRow, StoredRow, check_label};
+
+/// The most rows one page holds.
+pub const MAX_PAGE: usize = 1000;
+
+/// A row to add or change, as `POST /v1/limits` takes it.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RowRequest {
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    plan: String,
+    #[serde(default)]
+    resource: String,
+    #[serde(default = "default_scope")]
+    scope: String,
+    /// Capacity; for a concurrency rule, the most leases held at once.
+    burst: i64,
+    /// `N/unit` (omitted for a concurrency rule).
+    #[serde(default)]
+    rate: String,
+    /// `rate` (default) or `concurrency`.
+    #[serde(default = "default_kind")]
+    kind: String,
+    #[serde(default = "default_mode")]
+    mode: String,
+    #[serde(default = "default_policy")]
+    on_store_unavailable: String,
+    #[serde(default)]
+    debt: i64,
+    name: Option<String>,
+}
+
+fn default_scope() -> String {
+    "key".into()
+}
+fn default_kind() -> String {
+    "rate".into()
+}
+fn default_mode() -> String {
+    "enforce".into()
+}
+fn default_policy() -> String {
+    "allow".into()
+}
+
+fn bad(why: impl std::fmt::Display) -> Response {
+    (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
+}
+
+fn table_error(err: TableError) -> Response {
+    match err {
+        TableError::Conflict(why) => (StatusCode::CONFLICT, format!("{why}\n")).into_response(),
+        TableError::NotFound(why) => (StatusCode::NOT_FOUND, format!("{why}\n")).into_response(),
+        e => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
+    }
+}
+
+async fn applied(state: &AdminState) {
+    let _ = state.limits.catch_up(&state.table).await;
+}
+
+/// `GET /v1/limits` query.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PageQuery {
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    plan: String,
+    #[serde(default)]
+    prefix: String,
+    #[serde(default)]
+    after: String,
+    limit: Option<usize>,
+}
+
+/// A row as the admin port shows it.
+pub fn row_json(r: &StoredRow) -> serde_json::Value {
+    let rate = if r.kind == "concurrency" {
+        format!("{} concurrent", r.burst)
+    } else {
+        format!("{}/{}", r.rate, r.rate_unit)
+    };
+    json!({
+        "name": r.name,
+        "tenant": r.tenant,
+        "plan": r.plan,
+        "resource": r.resource,
+        "scope": r.scope,
+        "kind": r.kind,
+        "burst": r.burst,
+        "rate": rate,
+        "mode": r.mode,
+        "on_store_unavailable": r.on_store_unavailable,
+        "debt": r.debt,
+        "updated_at": r.updated_at,
+    })
+}
+
+/// The limits status and one page of rows in name order; `next` is the
+/// `after` of the next page (absent on the last).
+pub(super) async fn list(
+    State(state): State<Arc<AdminState>>,
+    query: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Query(q) = match query {
+        Ok(q) => q,
+        Err(e) => return bad(format!("{e}; use tenant, plan, prefix, after and limit")),
+    };
+    let limit = q.limit.unwrap_or(100);
+    if limit == 0 || limit > MAX_PAGE {
+        return bad(format!("limit is {limit}; ask for 1 to {MAX_PAGE} rows a page"));
+    }
+    for (what, value) in [("tenant", &q.tenant), ("plan", &q.plan)] {
+        if let Err(e) = check_label(what, value) {
+            return bad(e);
+        }
+    }
+    if q.prefix.len() > crate::limits::MAX_NAME_LEN || q.after.len() > crate::limits::MAX_NAME_LEN {
+        return bad(format!(
+            "prefix and after are row names: at most {} bytes",
+            crate::limits::MAX_NAME_LEN
+        ));
+    }
+    let filter = RowFilter {
+        tenant: q.tenant,
+        plan: q.plan,
+        prefix: q.prefix,
+        after: q.after,
+        limit,
+    };
+    match state.table.rows_page(&filter).await {
+        Ok(rows) => {
+            let next = (rows.len() == limit).then(|| rows.last().map(|r| r.name.clone()));
+            let rules: Vec<_> = rows.iter().map(row_json).collect();
+            Json(json!({ "status": state.limits.status(), "rules": rules, "next": next.flatten() }))
+                .into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+/// `POST /v1/limits`: adds or changes a row.
+pub(super) async fn set(State(state): State<Arc<AdminState>>, body: axum::body::Bytes) -> Response {
+    let req: RowRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad(format!("the body must be a JSON row: {e}")),
+    };
+    let named = req.name.is_some();
+    let row = match LimitRow::from_request(
+        req.tenant,
+        req.resource,
+        &req.scope,
+        req.burst,
+        &req.rate,
+        &req.mode,
+        &req.on_store_unavailable,
+        req.debt,
+        &req.kind,
+        req.name,
+    ) {
+        Ok(row) => row.for_plan(req.plan, named),
+        Err(e) => return bad(e),
+    };
+    if let Err(e) = row.validate() {
+        return bad(e);
+    }
+    match state.table.upsert(&row).await {
+        Ok(()) => {
+            applied(&state).await;
+            (StatusCode::OK, Json(json!({ "set": row.name }))).into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+/// `DELETE /v1/limits/{name}`.
+pub(super) async fn delete(
+    State(state): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+) -> Response {
+    match state.table.delete(&name).await {
+        Ok(true) => {
+            applied(&state).await;
+            (StatusCode::OK, Json(json!({ "deleted": name }))).into_response()
+        }
+        Ok(false) => (
+            StatusCode::NOT_FOUND,
+            format!("no row is named {:?}\n", crate::limits::short(&name)),
+        )
+            .into_response(),
+        Err(e) => table_error(e),
+    }
+}
+
+/// `GET /v1/plans`.
+pub(super) async fn plans(State(state): State<Arc<AdminState>>) -> Response {
+    match state.table.plans().await {
+        Ok(plans) => Json(json!({
+            "plans": plans,
+            "missing": state.limits.status().missing_plans,
+        }))
+        .into_response(),
+        Err(e) => table_error(e),
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PlanRequest {
+    name: String,
+    #[serde(default)]
+    description: String,
+}
+
+/// The longest plan description, in bytes.
+pub const MAX_DESCRIPTION_LEN: usize = 1024;
+
+/// `POST /v1/plans`: creates a plan (or changes its description).
+pub(super) async fn create_plan(
+    State(state): State<Arc<AdminState>>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: PlanRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad(format!("the body must be {{\"name\": ..., \"description\": ...}}: {e}")),
+    };
+    if let Err(e) = check_plan_name(&req.name) {
+        return bad(e);
+    }
+    if req.description.len() > MAX_DESCRIPTION_LEN {
+        return bad(format!("description is {} bytes; at most {MAX_DESCRIPTION_LEN} are allowed", req.description.len()));
+    }
+    match state.table.create_plan(&req.name, &req.description).await {
+        Ok(()) => {
+            applied(&state).await;
+            Json(json!({ "plan": req.name })).into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+/// A plan's name: a label that is not empty.
+pub fn check_plan_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the plan's name is empty".into());
+    }
+    check_label("plan", name)
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ForceQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+/// `DELETE /v1/plans/{name}[?force=true]`: deletes a plan and its rules.
+pub(super) async fn delete_plan(
+    State(state): State<Arc<AdminState>>,
+    Path(name): Path<String>,
+    query: Result<Query<ForceQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else {
+        return bad("the only parameter is force=true");
+    };
+    if let Err(e) = check_plan_name(&name) {
+        return bad(e);
+    }
+    match state.table.delete_plan(&name, q.force).await {
+        Ok(true) => {
+            applied(&state).await;
+            Json(json!({ "deleted": name })).into_response()
+        }
+        Ok(false) => (StatusCode::NOT_FOUND, format!("no plan is named {name:?}\n")).into_response(),
+        Err(e) => table_error(e),
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AssignRequest {
+    plan: String,
+}
+
+/// `PUT /v1/tenants/{tenant}/plan` with `{"plan": "pro"}`.
+pub(super) async fn assign(
+    State(state): State<Arc<AdminState>>,
+    Path(tenant): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: AssignRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad(format!("the body must be {{\"plan\": \"NAME\"}}: {e}")),
+    };
+    if let Err(e) = check_tenant_name(&tenant).and_then(|()| check_plan_name(&req.plan)) {
+        return bad(e);
+    }
+    match state.table.assign(&tenant, Some(&req.plan)).await {
+        Ok(before) => {
+            applied(&state).await;
+            Json(json!({ "tenant": tenant, "plan": req.plan, "was": before })).into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+/// `DELETE /v1/tenants/{tenant}/plan`: the tenant leaves its plan.
+pub(super) async fn unassign(
+    State(state): State<Arc<AdminState>>,
+    Path(tenant): Path<String>,
+) -> Response {
+    if let Err(e) = check_tenant_name(&tenant) {
+        return bad(e);
+    }
+    match state.table.assign(&tenant, None).await {
+        Ok(before) => {
+            applied(&state).await;
+            Json(json!({ "tenant": tenant, "plan": null, "was": before })).into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+/// A tenant's name as plans take it: a label that is not empty.
+pub fn check_tenant_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the tenant is empty; the default rows apply to every tenant without a plan".into());
+    }
+    check_label("tenant", name)
+}

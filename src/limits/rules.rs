@@ -1,0 +1,789 @@
+//! The rules in force ([`RuleSet`]), indexed for the hot path, and how a
+//! batch of changed owners turns one snapshot into the next ([`Loader`]).
+//!
+//! A snapshot holds the default rules, the plans' rules (by plan id) and the
+//! tenants, spread over [`SHARDS`] shards by a hash of the tenant's name;
+//! each shard is a sorted slice behind its own `Arc`. A batch that changes
+//! a few tenants copies only their shards (and the array of shard
+//! pointers); everything else is shared with the snapshot before. A
+//! decision reads one snapshot (one atomic pointer load, no lock), so it
+//! sees a batch, which is one or more whole transactions, entirely or not
+//! at all.
+//!
+//! Memory grows with what is stored, not with what could be: a tenant
+//! costs its entry (name, plan id, rule pointers: 40 bytes) and its own
+//! rules (48 bytes each plus the name); a tenant that only has a plan holds
+//! no rule of its own, and rules of the same shape share one [`Shape`].
+
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use super::{Kind, Mode, Rule, RowError, Scope, Shape, StoredRow, check_label};
+
+/// How many shards the tenants are spread over.
+pub const SHARDS: usize = 4096;
+
+/// Whose rules a row is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Owner {
+    /// A tenant's own rows; the tenant `""` holds the default rows.
+    Tenant(Box<str>),
+    /// A plan's rows.
+    Plan(Box<str>),
+}
+
+impl Owner {
+    /// The owner of a row with these `tenant` and `plan` columns: the plan
+    /// when one is named (a row naming both is invalid, and reported as
+    /// one of the plan's).
+    pub fn of(tenant: &str, plan: &str) -> Self {
+        if plan.is_empty() {
+            Self::Tenant(tenant.into())
+        } else {
+            Self::Plan(plan.into())
+        }
+    }
+
+    /// How messages name the owner.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Tenant(t) if t.is_empty() => "the default rows".into(),
+            Self::Tenant(t) => format!("tenant {:?}", super::short(t)),
+            Self::Plan(p) => format!("plan {:?}", super::short(p)),
+        }
+    }
+}
+
+type Rules = Box<[Arc<Rule>]>;
+
+/// A tenant with rules of its own or a plan.
+#[derive(Debug, Clone)]
+struct TenantEntry {
+    name: Box<str>,
+    plan: Option<u32>,
+    rules: Rules,
+}
+
+/// One snapshot of every rule in force.
+#[derive(Debug, Clone)]
+pub struct RuleSet {
+    defaults: Rules,
+    /// By plan id; `None` for a plan that does not exist (any more).
+    plans: Arc<[Option<Rules>]>,
+    shards: Arc<[Arc<[TenantEntry]>]>,
+    rules: usize,
+    tenants: usize,
+}
+
+impl Default for RuleSet {
+    fn default() -> Self {
+        let empty: Arc<[TenantEntry]> = Arc::from(Vec::new());
+        Self {
+            defaults: Box::default(),
+            plans: Arc::from(Vec::new()),
+            shards: (0..SHARDS).map(|_| empty.clone()).collect(),
+            rules: 0,
+            tenants: 0,
+        }
+    }
+}
+
+fn shard_of(tenant: &str) -> usize {
+    // Fixed seed: the same tenant lands in the same shard in every batch.
+    let hash = foldhash::fast::FixedState::with_seed(0x7011_6a7e).hash_one(tenant);
+    (hash as usize) & (SHARDS - 1)
+}
+
+impl RuleSet {
+    /// A snapshot of `rows` (every plan they name exists; no tenant is
+    /// assigned a plan), with invalid rows left out and returned: for
+    /// tests and embedding.
+    pub fn from_rows(rows: &[StoredRow]) -> (Self, Vec<RowError>) {
+        let plans: Vec<&str> = rows
+            .iter()
+            .filter(|r| !r.plan.is_empty())
+            .map(|r| r.plan.as_str())
+            .collect();
+        Self::from_parts(rows, &plans, &[])
+    }
+
+    /// A snapshot of `rows`, the plans that exist and the tenants' plan
+    /// assignments, with invalid rows left out and returned.
+    pub fn from_parts(
+        rows: &[StoredRow],
+        plans: &[&str],
+        assignments: &[(&str, &str)],
+    ) -> (Self, Vec<RowError>) {
+        let mut loader = Loader::new(usize::MAX);
+        let base = Self::default();
+        let mut update = loader.begin(&base, true, Vec::new());
+        for plan in plans {
+            update.plan(plan);
+        }
+        let mut rows = rows.to_vec();
+        // Rows of one owner must arrive together; table order otherwise.
+        rows.sort_by_cached_key(StoredRow::owner);
+        let mut names = HashSet::new();
+        let mut errors = Vec::new();
+        for row in rows {
+            if !names.insert(row.name.clone()) {
+                errors.push(row.error(format!("name {:?} is used by another row", row.name)));
+                continue;
+            }
+            update.row(row);
+        }
+        for (tenant, plan) in assignments {
+            update.assignment(tenant, plan);
+        }
+        let (set, _) = update.finish();
+        errors.extend(
+            loader
+                .invalid
+                .into_values()
+                .flatten()
+                .map(|bad| bad.error),
+        );
+        (set, errors)
+    }
+
+    /// Rules in force.
+    pub fn len(&self) -> usize {
+        self.rules
+    }
+
+    /// True when no rule is in force.
+    pub fn is_empty(&self) -> bool {
+        self.rules == 0
+    }
+
+    /// Tenants with rules of their own or a plan.
+    pub fn tenants(&self) -> usize {
+        self.tenants
+    }
+
+    fn tenant(&self, tenant: &str) -> Option<&TenantEntry> {
+        let shard = &self.shards[shard_of(tenant)];
+        shard
+            .binary_search_by(|e| (*e.name).cmp(tenant))
+            .ok()
+            .map(|i| &shard[i])
+    }
+
+    /// The plan id `tenant` is assigned to, if any.
+    pub fn plan_of(&self, tenant: &str) -> Option<u32> {
+        self.tenant(tenant)?.plan
+    }
+
+    /// The rate rules a request for `(tenant, resource)` must pass (see the
+    /// module docs of [`super`]): per key, then the tenant ceiling; for
+    /// each, the any-resource slot before the resource's own; in each slot,
+    /// the enforced rule before the shadow one.
+    pub fn applicable<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        self.applicable_of(tenant, resource, Kind::Rate)
+    }
+
+    /// The concurrency rules an acquire for `(tenant, resource)` must pass,
+    /// chosen and ordered as [`RuleSet::applicable`] chooses rate rules.
+    pub fn concurrency<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        self.applicable_of(tenant, resource, Kind::Concurrency)
+    }
+
+    fn applicable_of<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+        kind: Kind,
+    ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        let entry = if tenant.is_empty() {
+            None
+        } else {
+            self.tenant(tenant)
+        };
+        let own: &[Arc<Rule>] = entry.map_or(&[], |e| &e.rules);
+        let plan: &[Arc<Rule>] = entry
+            .and_then(|e| e.plan)
+            .and_then(|id| self.plans.get(id as usize)?.as_deref())
+            .unwrap_or(&[]);
+        // Slot order: scope, then any-resource before the resource's own,
+        // then enforce before shadow. Tiers fill only empty slots, so the
+        // most specific row of each slot wins.
+        let mut found: [Option<&'a Arc<Rule>>; 8] = [None; 8];
+        for tier in [own, plan, &self.defaults] {
+            for rule in tier {
+                if rule.kind != kind {
+                    continue;
+                }
+                let specific = if rule.resource.is_empty() {
+                    0
+                } else if *rule.resource == *resource {
+                    1
+                } else {
+                    continue;
+                };
+                let slot = &mut found[rule.scope as usize * 4 + specific * 2 + rule.mode as usize];
+                if slot.is_none() {
+                    *slot = Some(rule);
+                }
+            }
+        }
+        found.into_iter().flatten()
+    }
+}
+
+/// A row the loader rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// The row's id in the table.
+    pub id: i64,
+    /// What is wrong, naming the row.
+    pub error: RowError,
+}
+
+/// What one batch did, for the status and the log.
+#[derive(Debug, Default)]
+pub struct Applied {
+    /// Rows rejected by this batch that were not rejected before (each bad
+    /// edit is logged once).
+    pub newly_rejected: Vec<RowError>,
+}
+
+/// The state that turns batches of changes into snapshots: plan ids,
+/// shared shapes, the rows rejected so far. Only the watcher touches it;
+/// decisions never do.
+#[derive(Debug)]
+pub struct Loader {
+    plan_ids: HashMap<Box<str>, u32>,
+    plan_names: Vec<Box<str>>,
+    /// Tenants assigned to each plan id.
+    plan_tenants: Vec<u64>,
+    shapes: HashSet<Arc<Shape>>,
+    shapes_after_prune: usize,
+    invalid: HashMap<Owner, Vec<Rejected>>,
+    max_rules: usize,
+}
+
+impl Loader {
+    /// A loader that keeps at most `max_rules` rules in force.
+    pub fn new(max_rules: usize) -> Self {
+        Self {
+            plan_ids: HashMap::new(),
+            plan_names: Vec::new(),
+            plan_tenants: Vec::new(),
+            shapes: HashSet::new(),
+            shapes_after_prune: 0,
+            invalid: HashMap::new(),
+            max_rules,
+        }
+    }
+
+    /// The most rules kept in force.
+    pub fn max_rules(&self) -> usize {
+        self.max_rules
+    }
+
+    /// Rows rejected and not fixed since, in id order (at most `limit`),
+    /// and how many there are.
+    pub fn rejected(&self, limit: usize) -> (Vec<String>, usize) {
+        let mut all: Vec<&Rejected> = self.invalid.values().flatten().collect();
+        all.sort_by_key(|r| r.id);
+        let total = all.len();
+        (
+            all.into_iter()
+                .take(limit)
+                .map(|r| r.error.to_string())
+                .collect(),
+            total,
+        )
+    }
+
+    /// Plans that tenants are assigned to but that do not exist, with how
+    /// many tenants each (those tenants get the default rows).
+    pub fn missing_plans(&self, set: &RuleSet) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .plan_tenants
+            .iter()
+            .enumerate()
+            .filter(|(id, n)| **n > 0 && set.plans.get(*id).is_none_or(Option::is_none))
+            .map(|(id, n)| (self.plan_names[id].to_string(), *n))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// The plan's name of an id.
+    pub fn plan_name(&self, id: u32) -> Option<&str> {
+        self.plan_names.get(id as usize).map(|s| &**s)
+    }
+
+    fn plan_id(&mut self, name: &str) -> u32 {
+        if let Some(id) = self.plan_ids.get(name) {
+            return *id;
+        }
+        let id = self.plan_names.len() as u32;
+        self.plan_names.push(name.into());
+        self.plan_tenants.push(0);
+        self.plan_ids.insert(name.into(), id);
+        id
+    }
+
+    fn intern(&mut self, shape: Shape) -> Arc<Shape> {
+        if let Some(shared) = self.shapes.get(&shape) {
+            return shared.clone();
+        }
+        let shared = Arc::new(shape);
+        self.shapes.insert(shared.clone());
+        shared
+    }
+
+    /// Starts a batch on top of `base`: all of the table when `full`, else
+    /// the state of `owners` (the owners that changed; each is replaced
+    /// whole by what the batch then reads of it, so an owner with no rows
+    /// read loses its rules).
+    pub fn begin<'a>(&'a mut self, base: &'a RuleSet, full: bool, owners: Vec<Owner>) -> Update<'a> {
+        let mut changed_tenants = HashMap::new();
+        let mut changed_plans = HashMap::new();
+        if full {
+            self.invalid.clear();
+            self.plan_tenants.iter_mut().for_each(|n| *n = 0);
+        }
+        let mut defaults_changed = false;
+        for owner in owners {
+            match owner {
+                Owner::Tenant(t) if t.is_empty() => defaults_changed = true,
+                Owner::Tenant(t) => {
+                    changed_tenants.insert(t, TenantChange::default());
+                }
+                Owner::Plan(p) => {
+                    if check_label("plan", &p).is_ok() {
+                        let id = self.plan_id(&p);
+                        changed_plans.insert(id, PlanChange::default());
+                    }
+                }
+            }
+        }
+        let rules = if full { 0 } else { base.rules };
+        Update {
+            loader: self,
+            base,
+            full,
+            changed_tenants,
+            changed_plans,
+            defaults: None,
+            defaults_changed,
+            full_shards: if full {
+                (0..SHARDS).map(|_| Vec::new()).collect()
+            } else {
+                Vec::new()
+            },
+            full_assignments: if full {
+                (0..SHARDS).map(|_| Vec::new()).collect()
+            } else {
+                Vec::new()
+            },
+            group: None,
+            plan_rows: HashMap::new(),
+            rules,
+            newly_rejected: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct TenantChange {
+    rules: Option<Rules>,
+    plan: Option<u32>,
+}
+
+#[derive(Debug, Default)]
+struct PlanChange {
+    exists: bool,
+    rules: Option<Rules>,
+}
+
+/// One batch being applied: feed it the plans that exist, then the rows
+/// (grouped by owner), then the tenants' plan assignments; `finish` gives
+/// the next snapshot.
+pub struct Update<'a> {
+    loader: &'a mut Loader,
+    base: &'a RuleSet,
+    full: bool,
+    changed_tenants: HashMap<Box<str>, TenantChange>,
+    changed_plans: HashMap<u32, PlanChange>,
+    defaults: Option<Rules>,
+    defaults_changed: bool,
+    full_shards: Vec<Vec<TenantEntry>>,
+    full_assignments: Vec<Vec<(Box<str>, u32)>>,
+    group: Option<(Owner, Vec<StoredRow>)>,
+    plan_rows: HashMap<Box<str>, Vec<StoredRow>>,
+    rules: usize,
+    newly_rejected: Vec<RowError>,
+}
+
+impl Update<'_> {
+    /// A plan that exists (of the changed ones, or every one when full).
+    pub fn plan(&mut self, name: &str) {
+        if check_label("plan", name).is_err() {
+            return;
+        }
+        let id = self.loader.plan_id(name);
+        self.changed_plans.entry(id).or_default().exists = true;
+    }
+
+    /// A row of a changed owner (every row when full). A tenant's rows
+    /// must come one after another (ordered by tenant); plans' rows may
+    /// come in any order.
+    pub fn row(&mut self, row: StoredRow) {
+        let owner = row.owner();
+        if let Owner::Plan(plan) = owner {
+            self.plan_rows.entry(plan).or_default().push(row);
+            return;
+        }
+        match &mut self.group {
+            Some((current, rows)) if *current == owner => rows.push(row),
+            _ => {
+                self.flush();
+                self.group = Some((owner, vec![row]));
+            }
+        }
+    }
+
+    /// The plan `tenant` is assigned to (of the changed tenants, or every
+    /// assignment when full).
+    pub fn assignment(&mut self, tenant: &str, plan: &str) {
+        self.flush();
+        if tenant.is_empty() || check_label("tenant", tenant).is_err() {
+            return;
+        }
+        if check_label("plan", plan).is_err() {
+            return;
+        }
+        let id = self.loader.plan_id(plan);
+        if self.full {
+            self.full_assignments[shard_of(tenant)].push((tenant.into(), id));
+            self.loader.plan_tenants[id as usize] += 1;
+        } else if let Some(change) = self.changed_tenants.get_mut(tenant) {
+            change.plan = Some(id);
+        }
+    }
+
+    /// Validates the group of rows read last into its owner's rules.
+    fn flush(&mut self) {
+        let Some((owner, rows)) = self.group.take() else {
+            return;
+        };
+        let (old, plan_missing): (&[Arc<Rule>], bool) = match &owner {
+            Owner::Tenant(t) if t.is_empty() => (&self.base.defaults, false),
+            Owner::Tenant(t) => (self.base.tenant(t).map_or(&[], |e| &e.rules), false),
+            Owner::Plan(p) => {
+                let id = self.loader.plan_ids.get(p).copied();
+                let exists = id
+                    .and_then(|id| self.changed_plans.get(&id))
+                    .is_some_and(|c| c.exists);
+                let old = id
+                    .and_then(|id| self.base.plans.get(id as usize)?.as_deref())
+                    .unwrap_or(&[]);
+                (old, !exists)
+            }
+        };
+        let mut rejected = Vec::new();
+        let mut valid: Vec<Arc<Rule>> = Vec::with_capacity(rows.len());
+        for row in &rows {
+            if plan_missing {
+                let reason = format!(
+                    "plan {:?} does not exist; create it with `tollgate plans create {}`",
+                    super::short(&row.plan),
+                    super::short(&row.plan)
+                );
+                rejected.push(Rejected {
+                    id: row.id,
+                    error: row.error(reason),
+                });
+                continue;
+            }
+            match row.shape() {
+                Ok(shape) => {
+                    let shape = self.loader.intern(shape);
+                    valid.push(Arc::new(Rule::new(row.id, &row.name, shape)));
+                }
+                Err(reason) => rejected.push(Rejected {
+                    id: row.id,
+                    error: row.error(reason),
+                }),
+            }
+        }
+        // An invalid row keeps its last valid version in force.
+        let kept: Vec<Arc<Rule>> = rejected
+            .iter()
+            .filter_map(|bad| old.iter().find(|r| r.id == bad.id && bad.id != 0))
+            .cloned()
+            .collect();
+        let mut taken: HashSet<(&str, usize)> = HashSet::new();
+        let mut rules = Vec::with_capacity(valid.len() + kept.len());
+        for (rule, is_kept) in valid
+            .iter()
+            .map(|r| (r, false))
+            .chain(kept.iter().map(|r| (r, true)))
+        {
+            let slot = slot_index(rule.scope, rule.mode, rule.kind);
+            if taken.insert((&rule.resource, slot)) {
+                rules.push(rule.clone());
+            } else if !is_kept {
+                let row = rows.iter().find(|r| r.id == rule.id && *r.name == *rule.name);
+                if let Some(row) = row {
+                    rejected.push(Rejected {
+                        id: row.id,
+                        error: row.error(
+                            "another row already covers the same owner, resource, scope, mode and kind"
+                                .into(),
+                        ),
+                    });
+                }
+            }
+        }
+        let old_len = if self.full { 0 } else { old.len() };
+        let rules: Rules = if self.rules.saturating_sub(old_len).saturating_add(rules.len())
+            > self.loader.max_rules
+        {
+            // Over the bound: the owner keeps what it had (nothing, when
+            // loading everything), and its new rows are reported.
+            for row in &rows {
+                if !rejected.iter().any(|r| r.id == row.id) {
+                    rejected.push(Rejected {
+                        id: row.id,
+                        error: row.error(format!(
+                            "the limits table holds more rules than this instance keeps \
+                             in memory (--max-limit-rows {}); the row is not in force",
+                            self.loader.max_rules
+                        )),
+                    });
+                }
+            }
+            if self.full { Box::default() } else { old.into() }
+        } else {
+            rules.into()
+        };
+        self.record_rejected(&owner, rejected);
+        match owner {
+            Owner::Tenant(t) if t.is_empty() => self.defaults = Some(rules),
+            Owner::Tenant(t) => {
+                // Plans and the defaults are counted in `finish`.
+                self.rules = self.rules - old_len + rules.len();
+                if self.full {
+                    if !rules.is_empty() {
+                        let shard = shard_of(&t);
+                        self.full_shards[shard].push(TenantEntry {
+                            name: t,
+                            plan: None,
+                            rules,
+                        });
+                    }
+                } else if let Some(change) = self.changed_tenants.get_mut(&t) {
+                    change.rules = Some(rules);
+                }
+            }
+            Owner::Plan(p) => {
+                if let Some(id) = self.loader.plan_ids.get(&p) {
+                    if let Some(change) = self.changed_plans.get_mut(id) {
+                        change.rules = Some(rules);
+                    }
+                }
+            }
+        }
+    }
+
+    fn record_rejected(&mut self, owner: &Owner, rejected: Vec<Rejected>) {
+        let before = self.loader.invalid.get(owner);
+        for bad in &rejected {
+            if before.is_none_or(|b| !b.contains(bad)) {
+                self.newly_rejected.push(bad.error.clone());
+            }
+        }
+        if rejected.is_empty() {
+            self.loader.invalid.remove(owner);
+        } else {
+            self.loader.invalid.insert(owner.clone(), rejected);
+        }
+    }
+
+    /// The next snapshot, and what the batch did.
+    pub fn finish(mut self) -> (RuleSet, Applied) {
+        self.flush();
+        for (plan, rows) in std::mem::take(&mut self.plan_rows) {
+            self.group = Some((Owner::Plan(plan), rows));
+            self.flush();
+        }
+        let base = self.base;
+        // Changed owners with no rows read lost their rows: clear what was
+        // reported about them.
+        if !self.full {
+            for t in self.changed_tenants.keys() {
+                if let Some(TenantChange { rules: None, .. }) = self.changed_tenants.get(t) {
+                    self.loader.invalid.remove(&Owner::Tenant(t.clone()));
+                }
+            }
+        }
+        let names: Vec<(u32, Box<str>)> = self
+            .changed_plans
+            .iter()
+            .filter(|(_, c)| c.rules.is_none())
+            .map(|(id, _)| (*id, self.loader.plan_names[*id as usize].clone()))
+            .collect();
+        for (_, name) in names {
+            self.loader.invalid.remove(&Owner::Plan(name));
+        }
+        let mut plans: Vec<Option<Rules>> = if self.full {
+            Vec::new()
+        } else {
+            base.plans.to_vec()
+        };
+        plans.resize(self.loader.plan_names.len(), None);
+        for (id, change) in std::mem::take(&mut self.changed_plans) {
+            let old_len = if self.full {
+                0
+            } else {
+                plans[id as usize].as_ref().map_or(0, |r| r.len())
+            };
+            let rules = change.exists.then(|| change.rules.unwrap_or_default());
+            self.rules = self.rules - old_len + rules.as_ref().map_or(0, |r| r.len());
+            plans[id as usize] = rules;
+        }
+        let defaults = match self.defaults.take() {
+            Some(d) => Some(d),
+            None if self.full || self.defaults_changed => Some(Box::default()),
+            None => None,
+        };
+        let defaults = match defaults {
+            Some(d) => {
+                let old_len = if self.full { 0 } else { base.defaults.len() };
+                self.rules = self.rules - old_len + d.len();
+                d
+            }
+            None => base.defaults.clone(),
+        };
+        let (shards, tenants) = if self.full {
+            self.full_shards_built()
+        } else {
+            self.changed_shards_built()
+        };
+        if self.full || self.loader.shapes.len() > 2 * self.loader.shapes_after_prune + 64 {
+            self.loader.shapes.retain(|s| Arc::strong_count(s) > 1);
+            self.loader.shapes_after_prune = self.loader.shapes.len();
+        }
+        let set = RuleSet {
+            defaults,
+            plans: plans.into(),
+            shards,
+            rules: self.rules,
+            tenants,
+        };
+        (
+            set,
+            Applied {
+                newly_rejected: self.newly_rejected,
+            },
+        )
+    }
+
+    fn full_shards_built(&mut self) -> (Arc<[Arc<[TenantEntry]>]>, usize) {
+        let mut tenants = 0;
+        let shards = std::mem::take(&mut self.full_shards)
+            .into_iter()
+            .zip(std::mem::take(&mut self.full_assignments))
+            .map(|(mut entries, mut assigned)| {
+                entries.sort_by(|a, b| a.name.cmp(&b.name));
+                // A tenant read in two groups (a database ordering names
+                // unlike bytes) is one tenant.
+                entries.dedup_by(|later, first| {
+                    let same = later.name == first.name;
+                    if same {
+                        let mut rules = std::mem::take(&mut first.rules).into_vec();
+                        rules.extend(later.rules.iter().cloned());
+                        first.rules = rules.into();
+                    }
+                    same
+                });
+                assigned.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+                let mut extra = Vec::new();
+                for (name, plan) in assigned {
+                    match entries.binary_search_by(|e| e.name.cmp(&name)) {
+                        Ok(i) => entries[i].plan = Some(plan),
+                        Err(_) => extra.push(TenantEntry {
+                            name,
+                            plan: Some(plan),
+                            rules: Box::default(),
+                        }),
+                    }
+                }
+                if !extra.is_empty() {
+                    entries.extend(extra);
+                    entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+                }
+                tenants += entries.len();
+                Arc::from(entries)
+            })
+            .collect();
+        (shards, tenants)
+    }
+
+    fn changed_shards_built(&mut self) -> (Arc<[Arc<[TenantEntry]>]>, usize) {
+        let base = self.base;
+        let mut tenants = base.tenants;
+        let mut by_shard: HashMap<usize, Vec<(Box<str>, TenantChange)>> = HashMap::new();
+        for (name, change) in std::mem::take(&mut self.changed_tenants) {
+            by_shard.entry(shard_of(&name)).or_default().push((name, change));
+        }
+        let mut shards: Vec<Arc<[TenantEntry]>> = base.shards.to_vec();
+        for (shard, mut changes) in by_shard {
+            changes.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            let old = &base.shards[shard];
+            let mut next = Vec::with_capacity(old.len() + changes.len());
+            let mut i = 0;
+            for (name, change) in changes {
+                while i < old.len() && *old[i].name < *name {
+                    next.push(old[i].clone());
+                    i += 1;
+                }
+                let previous = (i < old.len() && old[i].name == name).then(|| {
+                    i += 1;
+                    &old[i - 1]
+                });
+                if let Some(p) = previous.and_then(|p| p.plan) {
+                    self.loader.plan_tenants[p as usize] -= 1;
+                }
+                if let Some(p) = change.plan {
+                    self.loader.plan_tenants[p as usize] += 1;
+                }
+                if let (None, Some(p)) = (&change.rules, previous) {
+                    // No rows read: the tenant's rows are all gone.
+                    self.rules -= p.rules.len();
+                }
+                let rules = change.rules.unwrap_or_default();
+                tenants -= usize::from(previous.is_some());
+                if !rules.is_empty() || change.plan.is_some() {
+                    tenants += 1;
+                    next.push(TenantEntry {
+                        name,
+                        plan: change.plan,
+                        rules,
+                    });
+                }
+            }
+            next.extend(old[i..].iter().cloned());
+            shards[shard] = Arc::from(next);
+        }
+        (shards.into(), tenants)
+    }
+}
+
+fn slot_index(scope: Scope, mode: Mode, kind: Kind) -> usize {
+    kind as usize * 4 + scope as usize * 2 + mode as usize
+}
