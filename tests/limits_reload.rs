@@ -80,7 +80,7 @@ async fn a_smaller_burst_clamps_existing_buckets() {
 }
 
 #[tokio::test]
-async fn an_invalid_row_is_named_and_the_last_good_table_stays_in_force() {
+async fn an_invalid_row_is_named_and_rejected_alone() {
     let server = TestServer::start().await;
     let mut client = server.client().await;
     server
@@ -91,17 +91,20 @@ async fn an_invalid_row_is_named_and_the_last_good_table_stays_in_force() {
         )
         .await
         .unwrap();
-    let error = server.wait_reload_error().await;
+    let error = server.wait_rejected_row().await;
     assert_eq!(
         error,
         "row \"broken\" (tenant \"acme\", resource \"\", scope \"key\"): burst must be at least 1"
     );
-    // Still deciding with the last good table.
+    // The row is not in force (it never was valid); every other rule is.
     let r = ask(&mut client, req("acme", "k")).await;
     assert_eq!((r.limit_name.as_str(), r.limit), ("default-per-key", 30));
     let (_, body) = server.http_get("/v1/limits").await.unwrap();
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(v["rules"].as_array().unwrap().len(), 1);
+    assert_eq!(v["status"]["rules"], 1);
+    assert_eq!(v["status"]["rejected_rows"], 1);
+    // The page lists the table's rows, the rejected one too.
+    assert_eq!(v["rules"].as_array().unwrap().len(), 2);
     let (_, metrics) = server.http_get("/metrics").await.unwrap();
     assert!(
         metrics.contains(r#"tollgate_limits_reloads_total{result="failure"}"#),
@@ -114,12 +117,14 @@ async fn an_invalid_row_is_named_and_the_last_good_table_stays_in_force() {
         .execute_sql("UPDATE limits SET burst = 7 WHERE name = 'broken'")
         .await
         .unwrap();
-    server.wait_generation(2).await;
+    // Generation 2 was the batch that rejected it.
+    server.wait_generation(3).await;
     let r = ask(&mut client, req("acme", "k")).await;
     assert_eq!((r.limit_name.as_str(), r.limit), ("broken", 7));
     let (_, body) = server.http_get("/v1/limits").await.unwrap();
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert!(v["status"]["last_error"].is_null());
+    assert_eq!(v["status"]["rejected_rows"], 0);
+    assert!(v["status"]["rejected"].as_array().unwrap().is_empty());
     server.stop().await;
 }
 

@@ -83,12 +83,12 @@ async fn edits_reach_every_instance_through_notify() {
     );
     assert!(rows[1].updated_at.ends_with('Z'));
 
-    // An invalid row is refused everywhere; the last good limits stay.
+    // An invalid row is rejected alone everywhere; the rest stay.
     table
         .execute_sql("INSERT INTO limits (name, tenant, burst, rate, rate_unit) VALUES ('bad', 'x', 1, 1, 'fortnight')")
         .await
         .unwrap();
-    let error = b.wait_reload_error().await;
+    let error = b.wait_rejected_row().await;
     assert!(error.starts_with("row \"bad\""), "{error}");
     assert_eq!(limit_of(&b, "acme").await, ("acme-pro".into(), 5));
     table

@@ -248,7 +248,7 @@ async fn every_dashboard_and_alert_expression_returns_data() {
         "domain: edge\nbogus: 1\n",
     )
     .unwrap();
-    server.wait_reload_error().await;
+    server.wait_rejected_row().await;
 
     // Keep the load going while Prometheus scrapes, until every expression
     // answers (bounded: about a minute).

@@ -105,7 +105,9 @@ pub async fn plans(command: PlansCommand) -> anyhow::Result<()> {
             nonempty_label("plan", &name)?;
             let table = LimitsTable::open(&location.limits).await?;
             table.create_plan(&name, &description).await?;
-            outln!("plan {name} exists; add its rules with `tollgate limits set --plan {name} ...`");
+            outln!(
+                "plan {name} exists; add its rules with `tollgate limits set --plan {name} ...`"
+            );
         }
         PlansCommand::Delete {
             location,

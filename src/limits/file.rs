@@ -309,7 +309,10 @@ mod tests {
         assert_eq!(rows.len(), 2);
         assert_eq!((rows[0].0, rows[0].1.tenant.as_str()), (2, "acme"));
         assert_eq!(rows[1].1.name, "b,\"quoted\"");
-        assert_eq!((rows[1].1.rate, rows[1].1.rate_unit.as_str()), (1, "second"));
+        assert_eq!(
+            (rows[1].1.rate, rows[1].1.rate_unit.as_str()),
+            (1, "second")
+        );
         for format in [Format::Csv, Format::Jsonl] {
             let mut out = Vec::new();
             write_header(&mut out, format).unwrap();

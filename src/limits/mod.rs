@@ -301,20 +301,8 @@ impl LimitRow {
                 s.to_owned()
             }
         };
-        let name = name.unwrap_or_else(|| {
-            let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
-            let concurrency = if kind == Kind::Concurrency {
-                "-concurrency"
-            } else {
-                ""
-            };
-            format!(
-                "{}-{}-{}{concurrency}{shadow}",
-                or(&tenant, "default"),
-                or(&resource, "any"),
-                scope.as_str()
-            )
-        });
+        let name = name
+            .unwrap_or_else(|| default_name(&or(&tenant, "default"), &resource, scope, kind, mode));
         Ok(Self {
             name,
             tenant,
@@ -334,8 +322,8 @@ impl LimitRow {
     /// its default name starts `plan-PLAN-` instead of the tenant's part.
     pub fn for_plan(mut self, plan: String, named: bool) -> Self {
         if !named && !plan.is_empty() {
-            let rest = self.name.split_once('-').map_or("", |(_, r)| r);
-            self.name = format!("plan-{plan}-{rest}");
+            let owner = format!("plan-{plan}");
+            self.name = default_name(&owner, &self.resource, self.scope, self.kind, self.mode);
         }
         self.plan = plan;
         self
@@ -429,6 +417,19 @@ impl LimitRow {
             kind: self.kind,
         })
     }
+}
+
+/// `OWNER-RESOURCE-SCOPE`, with `any` for no resource, `-concurrency` for
+/// a concurrency row and `-shadow` for a shadow row.
+fn default_name(owner: &str, resource: &str, scope: Scope, kind: Kind, mode: Mode) -> String {
+    let resource = if resource.is_empty() { "any" } else { resource };
+    let concurrency = if kind == Kind::Concurrency {
+        "-concurrency"
+    } else {
+        ""
+    };
+    let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
+    format!("{owner}-{resource}-{}{concurrency}{shadow}", scope.as_str())
 }
 
 impl TryFrom<&StoredRow> for LimitRow {

@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use super::{Kind, Mode, Rule, RowError, Scope, Shape, StoredRow, check_label};
+use super::{Kind, Mode, RowError, Rule, Scope, Shape, StoredRow, check_label};
 
 /// How many shards the tenants are spread over.
 pub const SHARDS: usize = 4096;
@@ -137,13 +137,7 @@ impl RuleSet {
             update.assignment(tenant, plan);
         }
         let (set, _) = update.finish();
-        errors.extend(
-            loader
-                .invalid
-                .into_values()
-                .flatten()
-                .map(|bad| bad.error),
-        );
+        errors.extend(loader.invalid.into_values().flatten().map(|bad| bad.error));
         (set, errors)
     }
 
@@ -348,7 +342,12 @@ impl Loader {
     /// the state of `owners` (the owners that changed; each is replaced
     /// whole by what the batch then reads of it, so an owner with no rows
     /// read loses its rules).
-    pub fn begin<'a>(&'a mut self, base: &'a RuleSet, full: bool, owners: Vec<Owner>) -> Update<'a> {
+    pub fn begin<'a>(
+        &'a mut self,
+        base: &'a RuleSet,
+        full: bool,
+        owners: Vec<Owner>,
+    ) -> Update<'a> {
         let mut changed_tenants = HashMap::new();
         let mut changed_plans = HashMap::new();
         if full {
@@ -537,7 +536,9 @@ impl Update<'_> {
             if taken.insert((&rule.resource, slot)) {
                 rules.push(rule.clone());
             } else if !is_kept {
-                let row = rows.iter().find(|r| r.id == rule.id && *r.name == *rule.name);
+                let row = rows
+                    .iter()
+                    .find(|r| r.id == rule.id && *r.name == *rule.name);
                 if let Some(row) = row {
                     rejected.push(Rejected {
                         id: row.id,
@@ -550,7 +551,10 @@ impl Update<'_> {
             }
         }
         let old_len = if self.full { 0 } else { old.len() };
-        let rules: Rules = if self.rules.saturating_sub(old_len).saturating_add(rules.len())
+        let rules: Rules = if self
+            .rules
+            .saturating_sub(old_len)
+            .saturating_add(rules.len())
             > self.loader.max_rules
         {
             // Over the bound: the owner keeps what it had (nothing, when
@@ -567,7 +571,11 @@ impl Update<'_> {
                     });
                 }
             }
-            if self.full { Box::default() } else { old.into() }
+            if self.full {
+                Box::default()
+            } else {
+                old.into()
+            }
         } else {
             rules.into()
         };
@@ -739,7 +747,10 @@ impl Update<'_> {
         let mut tenants = base.tenants;
         let mut by_shard: HashMap<usize, Vec<(Box<str>, TenantChange)>> = HashMap::new();
         for (name, change) in std::mem::take(&mut self.changed_tenants) {
-            by_shard.entry(shard_of(&name)).or_default().push((name, change));
+            by_shard
+                .entry(shard_of(&name))
+                .or_default()
+                .push((name, change));
         }
         let mut shards: Vec<Arc<[TenantEntry]>> = base.shards.to_vec();
         for (shard, mut changes) in by_shard {

@@ -340,10 +340,12 @@ impl LimitsTable {
     }
 
     async fn execute(&self, sql: &str, binds: &[Bind<'_>]) -> Result<u64, sqlx::Error> {
-        Ok(with_pool!(self, pool => bound!(sqlx::query(self.sql(sql)), binds)
+        Ok(
+            with_pool!(self, pool => bound!(sqlx::query(self.sql(sql)), binds)
             .execute(pool)
             .await?
-            .rows_affected()))
+            .rows_affected()),
+        )
     }
 
     async fn insert(&self, row: &LimitRow) -> Result<(), sqlx::Error> {

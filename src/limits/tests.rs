@@ -30,9 +30,7 @@ pub(crate) fn row(
 }
 
 fn names<'a>(set: &'a RuleSet, tenant: &str, resource: &str) -> Vec<&'a str> {
-    set.applicable(tenant, resource)
-        .map(|r| &*r.name)
-        .collect()
+    set.applicable(tenant, resource).map(|r| &*r.name).collect()
 }
 
 #[test]
@@ -155,7 +153,11 @@ fn a_bad_row_is_rejected_alone_and_duplicates_name_the_later_row() {
         row("a", "", "", "key", 1, "1/second"),
         row("a", "x", "", "key", 2, "1/second"),
     ]);
-    assert!(errors[0].reason.contains("name \"a\" is used by another row"));
+    assert!(
+        errors[0]
+            .reason
+            .contains("name \"a\" is used by another row")
+    );
 }
 
 fn plan_row(name: &str, plan: &str, scope: &str, burst: i64) -> StoredRow {
@@ -177,18 +179,29 @@ fn a_tenants_row_beats_its_plans_which_beats_the_defaults() {
     let (set, errors) = RuleSet::from_parts(
         &rows,
         &["pro", "free"],
-        &[("acme", "pro"), ("globex", "pro"), ("initech", "free"), ("hooli", "gone")],
+        &[
+            ("acme", "pro"),
+            ("globex", "pro"),
+            ("initech", "free"),
+            ("hooli", "gone"),
+        ],
     );
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(names(&set, "acme", ""), ["acme-key", "pro-ceiling"]);
     assert_eq!(names(&set, "globex", ""), ["pro-key", "pro-ceiling"]);
     // An empty plan and a plan that does not exist: the defaults.
-    assert_eq!(names(&set, "initech", ""), ["default-key", "default-ceiling"]);
+    assert_eq!(
+        names(&set, "initech", ""),
+        ["default-key", "default-ceiling"]
+    );
     assert_eq!(names(&set, "hooli", ""), ["default-key", "default-ceiling"]);
     assert_eq!(set.tenants(), 4);
     // A plan's rows for a plan that does not exist are rejected.
     let (set, errors) = RuleSet::from_parts(&rows, &[], &[("acme", "pro")]);
-    assert_eq!(names(&set, "globex", ""), ["default-key", "default-ceiling"]);
+    assert_eq!(
+        names(&set, "globex", ""),
+        ["default-key", "default-ceiling"]
+    );
     assert_eq!(errors.len(), 2);
     assert!(
         errors[0]
@@ -205,11 +218,20 @@ fn a_row_naming_a_tenant_and_a_plan_is_rejected() {
         ..row("x", "acme", "", "key", 1, "1/second")
     };
     let err = both.validate().unwrap_err().to_string();
-    assert!(err.contains("a row belongs to a tenant or to a plan, not both"), "{err}");
+    assert!(
+        err.contains("a row belongs to a tenant or to a plan, not both"),
+        "{err}"
+    );
     let huge = row("x", &"t".repeat(10_000), "", "key", 1, "1/second");
     let err = huge.validate().unwrap_err().to_string();
-    assert!(err.len() < 600, "the message names the row by its start: {err}");
-    assert!(err.contains("tenant is 10000 bytes; at most 128 are allowed"), "{err}");
+    assert!(
+        err.len() < 600,
+        "the message names the row by its start: {err}"
+    );
+    assert!(
+        err.contains("tenant is 10000 bytes; at most 128 are allowed"),
+        "{err}"
+    );
 }
 
 /// Applies one batch: `owners` changed, and these are their rows now.
@@ -283,7 +305,10 @@ fn a_batch_replaces_only_the_owners_it_names() {
     );
     assert!(rejected.is_empty());
     assert_eq!(names(&v2, "acme", ""), ["default-key"]);
-    assert_eq!(v2.applicable("globex", "").next().unwrap().limit.burst(), 80);
+    assert_eq!(
+        v2.applicable("globex", "").next().unwrap().limit.burst(),
+        80
+    );
     assert_eq!(names(&v2, "initech", ""), ["default-key"]);
     assert_eq!(names(&v2, "hooli", ""), ["hooli-key"]);
     assert_eq!((v2.len(), v2.tenants()), (4, 2));
@@ -297,7 +322,10 @@ fn a_batch_replaces_only_the_owners_it_names() {
     let (v3, rejected) = apply(
         &mut loader,
         &v2,
-        &[Owner::Tenant("globex".into()), Owner::Tenant("hooli".into())],
+        &[
+            Owner::Tenant("globex".into()),
+            Owner::Tenant("hooli".into()),
+        ],
         &[],
         &[
             with_id(3, row("globex-key", "globex", "", "key", 0, "1/second")),
@@ -307,7 +335,10 @@ fn a_batch_replaces_only_the_owners_it_names() {
     );
     assert_eq!(rejected.len(), 1);
     assert!(rejected[0].row.starts_with("row \"globex-key\""));
-    assert_eq!(v3.applicable("globex", "").next().unwrap().limit.burst(), 80);
+    assert_eq!(
+        v3.applicable("globex", "").next().unwrap().limit.burst(),
+        80
+    );
     assert_eq!(v3.applicable("hooli", "").next().unwrap().limit.burst(), 90);
     assert_eq!(loader.rejected(10).1, 1);
     // Rejected again by a later batch: logged once only.
@@ -316,7 +347,10 @@ fn a_batch_replaces_only_the_owners_it_names() {
         &v3,
         &[Owner::Tenant("globex".into())],
         &[],
-        &[with_id(3, row("globex-key", "globex", "", "key", 0, "1/second"))],
+        &[with_id(
+            3,
+            row("globex-key", "globex", "", "key", 0, "1/second"),
+        )],
         &[],
     );
     assert!(rejected.is_empty());
@@ -326,7 +360,10 @@ fn a_batch_replaces_only_the_owners_it_names() {
         &v4,
         &[Owner::Tenant("globex".into())],
         &[],
-        &[with_id(3, row("globex-key", "globex", "", "key", 3, "1/second"))],
+        &[with_id(
+            3,
+            row("globex-key", "globex", "", "key", 3, "1/second"),
+        )],
         &[],
     );
     assert_eq!(v5.applicable("globex", "").next().unwrap().limit.burst(), 3);
@@ -343,7 +380,14 @@ fn a_batch_replaces_only_the_owners_it_names() {
         &[("acme", "pro")],
     );
     assert_eq!(v6.applicable("acme", "").next().unwrap().limit.burst(), 301);
-    let (v7, _) = apply(&mut loader, &v6, &[Owner::Plan("pro".into())], &[], &[], &[]);
+    let (v7, _) = apply(
+        &mut loader,
+        &v6,
+        &[Owner::Plan("pro".into())],
+        &[],
+        &[],
+        &[],
+    );
     assert_eq!(names(&v7, "acme", ""), ["default-key"]);
     assert_eq!(loader.missing_plans(&v7), [("pro".to_owned(), 1)]);
     assert_eq!(v7.len(), 3);
@@ -369,7 +413,9 @@ fn rows_beyond_the_bound_are_rejected_and_the_rest_stay() {
     assert_eq!(v2.len(), 2);
     assert_eq!(names(&v2, "b", ""), ["d"]);
     assert!(
-        rejected[0].reason.contains("(--max-limit-rows 2); the row is not in force"),
+        rejected[0]
+            .reason
+            .contains("(--max-limit-rows 2); the row is not in force"),
         "{rejected:?}"
     );
 }

@@ -225,17 +225,18 @@ impl TestServer {
         panic!("limits were not reloaded to generation {generation}");
     }
 
-    /// Waits (bounded) until /v1/limits reports a reload error; returns it.
-    pub async fn wait_reload_error(&self) -> String {
+    /// Waits (bounded) until /v1/limits lists a rejected row; returns the
+    /// first one's message.
+    pub async fn wait_rejected_row(&self) -> String {
         for _ in 0..500 {
             let (_, body) = self.http_get("/v1/limits").await.unwrap();
             let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-            if let Some(e) = v["status"]["last_error"].as_str() {
+            if let Some(e) = v["status"]["rejected"][0].as_str() {
                 return e.to_owned();
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        panic!("no reload error was reported");
+        panic!("no rejected row was reported");
     }
 
     pub async fn stop(mut self) {

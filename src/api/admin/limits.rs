@@ -125,7 +125,9 @@ pub(super) async fn list(
     };
     let limit = q.limit.unwrap_or(100);
     if limit == 0 || limit > MAX_PAGE {
-        return bad(format!("limit is {limit}; ask for 1 to {MAX_PAGE} rows a page"));
+        return bad(format!(
+            "limit is {limit}; ask for 1 to {MAX_PAGE} rows a page"
+        ));
     }
     for (what, value) in [("tenant", &q.tenant), ("plan", &q.plan)] {
         if let Err(e) = check_label(what, value) {
@@ -239,13 +241,20 @@ pub(super) async fn create_plan(
 ) -> Response {
     let req: PlanRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return bad(format!("the body must be {{\"name\": ..., \"description\": ...}}: {e}")),
+        Err(e) => {
+            return bad(format!(
+                "the body must be {{\"name\": ..., \"description\": ...}}: {e}"
+            ));
+        }
     };
     if let Err(e) = check_plan_name(&req.name) {
         return bad(e);
     }
     if req.description.len() > MAX_DESCRIPTION_LEN {
-        return bad(format!("description is {} bytes; at most {MAX_DESCRIPTION_LEN} are allowed", req.description.len()));
+        return bad(format!(
+            "description is {} bytes; at most {MAX_DESCRIPTION_LEN} are allowed",
+            req.description.len()
+        ));
     }
     match state.table.create_plan(&req.name, &req.description).await {
         Ok(()) => {
@@ -288,7 +297,11 @@ pub(super) async fn delete_plan(
             applied(&state).await;
             Json(json!({ "deleted": name })).into_response()
         }
-        Ok(false) => (StatusCode::NOT_FOUND, format!("no plan is named {name:?}\n")).into_response(),
+        Ok(false) => (
+            StatusCode::NOT_FOUND,
+            format!("no plan is named {name:?}\n"),
+        )
+            .into_response(),
         Err(e) => table_error(e),
     }
 }
@@ -341,7 +354,9 @@ pub(super) async fn unassign(
 /// A tenant's name as plans take it: a label that is not empty.
 pub fn check_tenant_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
-        return Err("the tenant is empty; the default rows apply to every tenant without a plan".into());
+        return Err(
+            "the tenant is empty; the default rows apply to every tenant without a plan".into(),
+        );
     }
     check_label("tenant", name)
 }

@@ -201,7 +201,10 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/v1/limits", get(limits::list).post(limits::set))
         .route("/v1/limits/{name}", axum::routing::delete(limits::delete))
         .route("/v1/plans", get(limits::plans).post(limits::create_plan))
-        .route("/v1/plans/{name}", axum::routing::delete(limits::delete_plan))
+        .route(
+            "/v1/plans/{name}",
+            axum::routing::delete(limits::delete_plan),
+        )
         .route(
             "/v1/tenants/{tenant}/plan",
             axum::routing::put(limits::assign).delete(limits::unassign),
@@ -349,4 +352,3 @@ async fn top_limited(
 async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
     Json(json!({ "status": (state.envoy_status)() }))
 }
-
