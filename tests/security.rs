@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use common::redis::RedisServer;
 use common::{TestServer, ask, req};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tollgate::api::admin::AdminAccess;
 use tollgate::proto::v1::Degraded;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
@@ -124,28 +123,7 @@ async fn http(
     token: Option<&str>,
     body: &str,
 ) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(server.admin).await.unwrap();
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: a\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(request.as_bytes()).await.unwrap();
-    let mut r = String::new();
-    s.read_to_string(&mut r).await.unwrap();
-    let status = r
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (
-        status,
-        r.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default(),
-    )
+    server.http(method, path, token, body).await
 }
 
 #[tokio::test]

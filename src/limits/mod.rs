@@ -364,14 +364,14 @@ impl LimitRow {
         if self.name.trim().is_empty() {
             return Err("name is empty; every row needs a unique name".into());
         }
+        check_label("tenant", &self.tenant)?;
+        check_label("plan", &self.plan)?;
         if self.name.len() > MAX_NAME_LEN {
             return Err(format!(
                 "name is {} bytes; at most {MAX_NAME_LEN} are allowed",
                 self.name.len()
             ));
         }
-        check_label("tenant", &self.tenant)?;
-        check_label("plan", &self.plan)?;
         if !self.tenant.is_empty() && !self.plan.is_empty() {
             return Err(format!(
                 "the row names tenant {:?} and plan {:?}; a row belongs to a tenant or to a plan, \

@@ -211,6 +211,36 @@ impl TestServer {
         Ok((status, body))
     }
 
+    /// `METHOD path` on the admin port with a JSON `body` and, when given,
+    /// `Authorization: Bearer TOKEN`: the status and the body.
+    pub async fn http(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: &str,
+    ) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(self.admin).await.unwrap();
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: a\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).await.unwrap();
+        let status = r
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = r.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        (status, body.to_owned())
+    }
+
     /// Waits (bounded) until the server reports a limits generation of at
     /// least `generation`, i.e. it has picked up an edit.
     pub async fn wait_generation(&self, generation: u64) {
