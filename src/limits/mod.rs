@@ -119,7 +119,11 @@ impl Kind {
 impl std::str::FromStr for Kind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        parse_enum("kind", s, "rate, concurrency")
+        parse_enum(
+            "kind",
+            s,
+            &[("rate", Self::Rate), ("concurrency", Self::Concurrency)],
+        )
     }
 }
 
@@ -139,13 +143,21 @@ pub enum Mode {
 
 pub use crate::store::OnStoreUnavailable;
 
-fn parse_enum<T: for<'de> Deserialize<'de>>(
-    what: &str,
-    value: &str,
-    allowed: &str,
-) -> Result<T, String> {
-    serde_json::from_value(serde_json::Value::String(value.to_owned()))
-        .map_err(|_| format!("{what} is {value:?}; it must be one of {allowed}"))
+/// The value named `value` among `allowed` (as written in the table), or
+/// an error listing them.
+fn parse_enum<T: Copy>(what: &str, value: &str, allowed: &[(&str, T)]) -> Result<T, String> {
+    allowed
+        .iter()
+        .find(|(name, _)| *name == value)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = allowed.iter().map(|(n, _)| *n).collect();
+            format!(
+                "{what} is {:?}; it must be one of {}",
+                short(value),
+                names.join(", ")
+            )
+        })
 }
 
 /// One row of the limits table as stored: text and numbers, exactly as a
@@ -223,21 +235,33 @@ pub struct LimitRow {
 impl std::str::FromStr for Scope {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        parse_enum("scope", s, "key, tenant")
+        parse_enum("scope", s, &[("key", Self::Key), ("tenant", Self::Tenant)])
     }
 }
 
 impl std::str::FromStr for Mode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        parse_enum("mode", s, "enforce, shadow")
+        parse_enum(
+            "mode",
+            s,
+            &[("enforce", Self::Enforce), ("shadow", Self::Shadow)],
+        )
     }
 }
 
 impl std::str::FromStr for OnStoreUnavailable {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        parse_enum("on_store_unavailable", s, "allow, deny, local")
+        parse_enum(
+            "on_store_unavailable",
+            s,
+            &[
+                ("allow", Self::Allow),
+                ("deny", Self::Deny),
+                ("local", Self::Local),
+            ],
+        )
     }
 }
 
@@ -361,11 +385,81 @@ impl LimitRow {
 
     /// Everything of the rule but its name, checked.
     fn shape(&self) -> Result<Shape, String> {
+        TypedRow {
+            name: &self.name,
+            tenant: &self.tenant,
+            plan: &self.plan,
+            resource: &self.resource,
+            scope: self.scope,
+            burst: self.burst,
+            rate: self.rate,
+            mode: self.mode,
+            on_store_unavailable: self.on_store_unavailable,
+            debt: self.debt,
+            kind: self.kind,
+        }
+        .shape()
+    }
+}
+
+/// `OWNER-RESOURCE-SCOPE`, with `any` for no resource, `-concurrency` for
+/// a concurrency row and `-shadow` for a shadow row.
+fn default_name(owner: &str, resource: &str, scope: Scope, kind: Kind, mode: Mode) -> String {
+    let resource = if resource.is_empty() { "any" } else { resource };
+    let concurrency = if kind == Kind::Concurrency {
+        "-concurrency"
+    } else {
+        ""
+    };
+    let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
+    format!("{owner}-{resource}-{}{concurrency}{shadow}", scope.as_str())
+}
+
+impl TryFrom<&StoredRow> for LimitRow {
+    type Error = String;
+
+    /// Reads the stored text into types; says which column is wrong.
+    fn try_from(row: &StoredRow) -> Result<Self, String> {
+        let t = row.typed()?;
+        Ok(Self {
+            name: t.name.to_owned(),
+            tenant: t.tenant.to_owned(),
+            plan: t.plan.to_owned(),
+            resource: t.resource.to_owned(),
+            scope: t.scope,
+            burst: t.burst,
+            rate: t.rate,
+            mode: t.mode,
+            on_store_unavailable: t.on_store_unavailable,
+            debt: t.debt,
+            kind: t.kind,
+        })
+    }
+}
+
+/// A row's columns in types, its text borrowed: what validation reads.
+struct TypedRow<'a> {
+    name: &'a str,
+    tenant: &'a str,
+    plan: &'a str,
+    resource: &'a str,
+    scope: Scope,
+    burst: u64,
+    rate: Rate,
+    mode: Mode,
+    on_store_unavailable: OnStoreUnavailable,
+    debt: u64,
+    kind: Kind,
+}
+
+impl TypedRow<'_> {
+    /// Everything of the rule but its name, checked.
+    fn shape(&self) -> Result<Shape, String> {
         if self.name.trim().is_empty() {
             return Err("name is empty; every row needs a unique name".into());
         }
-        check_label("tenant", &self.tenant)?;
-        check_label("plan", &self.plan)?;
+        check_label("tenant", self.tenant)?;
+        check_label("plan", self.plan)?;
         if self.name.len() > MAX_NAME_LEN {
             return Err(format!(
                 "name is {} bytes; at most {MAX_NAME_LEN} are allowed",
@@ -376,10 +470,11 @@ impl LimitRow {
             return Err(format!(
                 "the row names tenant {:?} and plan {:?}; a row belongs to a tenant or to a plan, \
                  not both (assign the tenant to the plan with `tollgate plans assign`)",
-                self.tenant, self.plan
+                short(self.tenant),
+                short(self.plan)
             ));
         }
-        check_label("resource", &self.resource)?;
+        check_label("resource", self.resource)?;
         let limit = match self.kind {
             Kind::Rate => Limit::new(self.burst, self.rate)
                 .and_then(|l| l.with_debt(self.debt))
@@ -407,7 +502,7 @@ impl LimitRow {
             Kind::Concurrency => format!("{} concurrent", self.burst),
         };
         Ok(Shape {
-            resource: self.resource.as_str().into(),
+            resource: self.resource.into(),
             scope: self.scope,
             limit,
             rate: self.rate,
@@ -415,52 +510,6 @@ impl LimitRow {
             mode: self.mode,
             on_store_unavailable: self.on_store_unavailable,
             kind: self.kind,
-        })
-    }
-}
-
-/// `OWNER-RESOURCE-SCOPE`, with `any` for no resource, `-concurrency` for
-/// a concurrency row and `-shadow` for a shadow row.
-fn default_name(owner: &str, resource: &str, scope: Scope, kind: Kind, mode: Mode) -> String {
-    let resource = if resource.is_empty() { "any" } else { resource };
-    let concurrency = if kind == Kind::Concurrency {
-        "-concurrency"
-    } else {
-        ""
-    };
-    let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
-    format!("{owner}-{resource}-{}{concurrency}{shadow}", scope.as_str())
-}
-
-impl TryFrom<&StoredRow> for LimitRow {
-    type Error = String;
-
-    /// Reads the stored text into types; says which column is wrong.
-    fn try_from(row: &StoredRow) -> Result<Self, String> {
-        let unit = RateUnit::parse(&row.rate_unit).ok_or_else(|| {
-            format!(
-                "rate_unit is {:?}; it must be second, minute, hour, day, week, month or year",
-                row.rate_unit
-            )
-        })?;
-        Ok(Self {
-            name: row.name.clone(),
-            tenant: row.tenant.clone(),
-            plan: row.plan.clone(),
-            resource: row.resource.clone(),
-            scope: row.scope.parse()?,
-            burst: u64::try_from(row.burst)
-                .map_err(|_| format!("burst is {}; it must be at least 1", row.burst))?,
-            rate: Rate {
-                count: u64::try_from(row.rate)
-                    .map_err(|_| format!("rate is {}; it must be at least 1", row.rate))?,
-                unit,
-            },
-            mode: row.mode.parse()?,
-            on_store_unavailable: row.on_store_unavailable.parse()?,
-            debt: u64::try_from(row.debt)
-                .map_err(|_| format!("debt is {}; it must be 0 (no debt) or more", row.debt))?,
-            kind: row.kind.parse()?,
         })
     }
 }
@@ -475,7 +524,36 @@ impl StoredRow {
 
     /// Everything of the rule but its name, checked.
     pub fn shape(&self) -> Result<Shape, String> {
-        LimitRow::try_from(self).and_then(|row| row.shape())
+        self.typed().and_then(|row| row.shape())
+    }
+
+    /// The row's columns read into types, borrowing its text.
+    fn typed(&self) -> Result<TypedRow<'_>, String> {
+        let unit = RateUnit::parse(&self.rate_unit).ok_or_else(|| {
+            format!(
+                "rate_unit is {:?}; it must be second, minute, hour, day, week, month or year",
+                short(&self.rate_unit)
+            )
+        })?;
+        Ok(TypedRow {
+            name: &self.name,
+            tenant: &self.tenant,
+            plan: &self.plan,
+            resource: &self.resource,
+            scope: self.scope.parse()?,
+            burst: u64::try_from(self.burst)
+                .map_err(|_| format!("burst is {}; it must be at least 1", self.burst))?,
+            rate: Rate {
+                count: u64::try_from(self.rate)
+                    .map_err(|_| format!("rate is {}; it must be at least 1", self.rate))?,
+                unit,
+            },
+            mode: self.mode.parse()?,
+            on_store_unavailable: self.on_store_unavailable.parse()?,
+            debt: u64::try_from(self.debt)
+                .map_err(|_| format!("debt is {}; it must be 0 (no debt) or more", self.debt))?,
+            kind: self.kind.parse()?,
+        })
     }
 
     /// Whose rule the row is.

@@ -245,6 +245,8 @@ pub struct Rejected {
 /// What one batch did, for the status and the log.
 #[derive(Debug, Default)]
 pub struct Applied {
+    /// Whether the batch read the whole table.
+    pub full: bool,
     /// Rows rejected by this batch that were not rejected before (each bad
     /// edit is logged once).
     pub newly_rejected: Vec<RowError>,
@@ -350,10 +352,12 @@ impl Loader {
     ) -> Update<'a> {
         let mut changed_tenants = HashMap::new();
         let mut changed_plans = HashMap::new();
-        if full {
-            self.invalid.clear();
+        let previous_invalid = if full {
             self.plan_tenants.iter_mut().for_each(|n| *n = 0);
-        }
+            std::mem::take(&mut self.invalid)
+        } else {
+            HashMap::new()
+        };
         let mut defaults_changed = false;
         for owner in owners {
             match owner {
@@ -378,11 +382,12 @@ impl Loader {
             changed_plans,
             defaults: None,
             defaults_changed,
-            full_shards: if full {
+            full_rules: if full {
                 (0..SHARDS).map(|_| Vec::new()).collect()
             } else {
                 Vec::new()
             },
+            previous_invalid,
             full_assignments: if full {
                 (0..SHARDS).map(|_| Vec::new()).collect()
             } else {
@@ -390,6 +395,7 @@ impl Loader {
             },
             group: None,
             plan_rows: HashMap::new(),
+            default_rows: Vec::new(),
             rules,
             newly_rejected: Vec::new(),
         }
@@ -419,10 +425,17 @@ pub struct Update<'a> {
     changed_plans: HashMap<u32, PlanChange>,
     defaults: Option<Rules>,
     defaults_changed: bool,
-    full_shards: Vec<Vec<TenantEntry>>,
+    /// Loading everything: each shard's tenants' rules as read (in any
+    /// order; `true` for a rejected row's last valid version), grouped by
+    /// tenant at the end.
+    full_rules: Vec<Vec<(Box<str>, Arc<Rule>, bool)>>,
     full_assignments: Vec<Vec<(Box<str>, u32)>>,
+    /// What was rejected before a full load, so each bad row is still
+    /// logged once.
+    previous_invalid: HashMap<Owner, Vec<Rejected>>,
     group: Option<(Owner, Vec<StoredRow>)>,
     plan_rows: HashMap<Box<str>, Vec<StoredRow>>,
+    default_rows: Vec<StoredRow>,
     rules: usize,
     newly_rejected: Vec<RowError>,
 }
@@ -437,14 +450,26 @@ impl Update<'_> {
         self.changed_plans.entry(id).or_default().exists = true;
     }
 
-    /// A row of a changed owner (every row when full). A tenant's rows
-    /// must come one after another (ordered by tenant); plans' rows may
-    /// come in any order.
+    /// A row of a changed owner (every row when full). When loading
+    /// everything, rows may come in any order; otherwise a tenant's rows
+    /// must come one after another (ordered by tenant). Plans' and the
+    /// default rows may always come in any order.
     pub fn row(&mut self, row: StoredRow) {
         let owner = row.owner();
-        if let Owner::Plan(plan) = owner {
-            self.plan_rows.entry(plan).or_default().push(row);
-            return;
+        match owner {
+            Owner::Plan(plan) => {
+                self.plan_rows.entry(plan).or_default().push(row);
+                return;
+            }
+            Owner::Tenant(t) if t.is_empty() => {
+                self.default_rows.push(row);
+                return;
+            }
+            Owner::Tenant(t) if self.full => {
+                self.full_row(t, row);
+                return;
+            }
+            Owner::Tenant(_) => {}
         }
         match &mut self.group {
             Some((current, rows)) if *current == owner => rows.push(row),
@@ -472,6 +497,57 @@ impl Update<'_> {
         } else if let Some(change) = self.changed_tenants.get_mut(tenant) {
             change.plan = Some(id);
         }
+    }
+
+    /// One tenant row while loading everything.
+    fn full_row(&mut self, tenant: Box<str>, row: StoredRow) {
+        let shard = shard_of(&tenant);
+        let over = self.rules >= self.loader.max_rules;
+        let checked = if over {
+            Err(self.over_bound())
+        } else {
+            row.shape()
+        };
+        match checked {
+            Ok(shape) => {
+                let shape = self.loader.intern(shape);
+                let rule = Arc::new(Rule::new(row.id, &row.name, shape));
+                self.full_rules[shard].push((tenant, rule, false));
+                self.rules += 1;
+            }
+            Err(reason) => {
+                let kept = (!over && row.id != 0)
+                    .then(|| self.base.tenant(&tenant))
+                    .flatten()
+                    .and_then(|e| e.rules.iter().find(|r| r.id == row.id))
+                    .cloned();
+                let owner = Owner::Tenant(tenant.clone());
+                let bad = Rejected {
+                    id: row.id,
+                    error: row.error(reason),
+                };
+                if self
+                    .previous_invalid
+                    .get(&owner)
+                    .is_none_or(|b| !b.contains(&bad))
+                {
+                    self.newly_rejected.push(bad.error.clone());
+                }
+                self.loader.invalid.entry(owner).or_default().push(bad);
+                if let Some(rule) = kept {
+                    self.full_rules[shard].push((tenant, rule, true));
+                    self.rules += 1;
+                }
+            }
+        }
+    }
+
+    fn over_bound(&self) -> String {
+        format!(
+            "the limits table holds more rules than this instance keeps in memory \
+             (--max-limit-rows {}); the row is not in force",
+            self.loader.max_rules
+        )
     }
 
     /// Validates the group of rows read last into its owner's rules.
@@ -563,11 +639,7 @@ impl Update<'_> {
                 if !rejected.iter().any(|r| r.id == row.id) {
                     rejected.push(Rejected {
                         id: row.id,
-                        error: row.error(format!(
-                            "the limits table holds more rules than this instance keeps \
-                             in memory (--max-limit-rows {}); the row is not in force",
-                            self.loader.max_rules
-                        )),
+                        error: row.error(self.over_bound()),
                     });
                 }
             }
@@ -585,16 +657,7 @@ impl Update<'_> {
             Owner::Tenant(t) => {
                 // Plans and the defaults are counted in `finish`.
                 self.rules = self.rules - old_len + rules.len();
-                if self.full {
-                    if !rules.is_empty() {
-                        let shard = shard_of(&t);
-                        self.full_shards[shard].push(TenantEntry {
-                            name: t,
-                            plan: None,
-                            rules,
-                        });
-                    }
-                } else if let Some(change) = self.changed_tenants.get_mut(&t) {
+                if let Some(change) = self.changed_tenants.get_mut(&t) {
                     change.rules = Some(rules);
                 }
             }
@@ -609,7 +672,11 @@ impl Update<'_> {
     }
 
     fn record_rejected(&mut self, owner: &Owner, rejected: Vec<Rejected>) {
-        let before = self.loader.invalid.get(owner);
+        let before = if self.full {
+            self.previous_invalid.get(owner)
+        } else {
+            self.loader.invalid.get(owner)
+        };
         for bad in &rejected {
             if before.is_none_or(|b| !b.contains(bad)) {
                 self.newly_rejected.push(bad.error.clone());
@@ -625,6 +692,11 @@ impl Update<'_> {
     /// The next snapshot, and what the batch did.
     pub fn finish(mut self) -> (RuleSet, Applied) {
         self.flush();
+        let defaults = std::mem::take(&mut self.default_rows);
+        if !defaults.is_empty() {
+            self.group = Some((Owner::Tenant("".into()), defaults));
+            self.flush();
+        }
         for (plan, rows) in std::mem::take(&mut self.plan_rows) {
             self.group = Some((Owner::Plan(plan), rows));
             self.flush();
@@ -696,6 +768,7 @@ impl Update<'_> {
         (
             set,
             Applied {
+                full: self.full,
                 newly_rejected: self.newly_rejected,
             },
         )
@@ -703,22 +776,54 @@ impl Update<'_> {
 
     fn full_shards_built(&mut self) -> (Arc<[Arc<[TenantEntry]>]>, usize) {
         let mut tenants = 0;
-        let shards = std::mem::take(&mut self.full_shards)
+        let shards = std::mem::take(&mut self.full_rules)
             .into_iter()
             .zip(std::mem::take(&mut self.full_assignments))
-            .map(|(mut entries, mut assigned)| {
-                entries.sort_by(|a, b| a.name.cmp(&b.name));
-                // A tenant read in two groups (a database ordering names
-                // unlike bytes) is one tenant.
-                entries.dedup_by(|later, first| {
-                    let same = later.name == first.name;
-                    if same {
-                        let mut rules = std::mem::take(&mut first.rules).into_vec();
-                        rules.extend(later.rules.iter().cloned());
-                        first.rules = rules.into();
+            .map(|(mut rules, mut assigned)| {
+                // By tenant, each tenant's valid rules before kept ones.
+                rules.sort_by(|a, b| a.0.cmp(&b.0).then(a.2.cmp(&b.2)));
+                let mut entries: Vec<TenantEntry> = Vec::new();
+                let mut group: Vec<Arc<Rule>> = Vec::new();
+                let mut rules = rules.into_iter().peekable();
+                while let Some((name, rule, kept)) = rules.next() {
+                    // A kept version only fills a slot no valid row took.
+                    let slot = slot_index(rule.scope, rule.mode, rule.kind);
+                    let taken = group.iter().any(|r| {
+                        slot_index(r.scope, r.mode, r.kind) == slot && r.resource == rule.resource
+                    });
+                    if !taken {
+                        group.push(rule);
+                    } else {
+                        self.rules -= 1;
+                        if !kept {
+                            let error = RowError {
+                                row: format!(
+                                    "row {:?} (tenant {:?}, resource {:?}, scope {:?})",
+                                    super::short(&rule.name),
+                                    super::short(&name),
+                                    rule.resource,
+                                    rule.scope.as_str()
+                                ),
+                                reason: "another row already covers the same owner, resource, \
+                                         scope, mode and kind"
+                                    .into(),
+                            };
+                            self.newly_rejected.push(error.clone());
+                            self.loader
+                                .invalid
+                                .entry(Owner::Tenant(name.clone()))
+                                .or_default()
+                                .push(Rejected { id: rule.id, error });
+                        }
                     }
-                    same
-                });
+                    if rules.peek().is_none_or(|next| next.0 != name) {
+                        entries.push(TenantEntry {
+                            name,
+                            plan: None,
+                            rules: std::mem::take(&mut group).into(),
+                        });
+                    }
+                }
                 assigned.sort_unstable_by(|a, b| a.0.cmp(&b.0));
                 let mut extra = Vec::new();
                 for (name, plan) in assigned {

@@ -255,6 +255,7 @@ impl LiveLimits {
             tenants,
             generation,
             version = next_version,
+            whole_table = applied.full,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "limits applied"
         );
