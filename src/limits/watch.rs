@@ -94,6 +94,11 @@ pub struct MissingPlan {
 struct Catchup {
     loader: Loader,
     version: i64,
+    /// Snapshots replaced while decisions may still hold them. Freeing a
+    /// snapshot of a million tenants takes milliseconds; they are freed
+    /// here, once no decision holds them, and never by a decision that
+    /// happened to let go of the last reference.
+    retired: Vec<Arc<RuleSet>>,
 }
 
 /// The rules in force.
@@ -155,6 +160,7 @@ impl LiveLimits {
             catchup: tokio::sync::Mutex::new(Catchup {
                 loader: Loader::new(max_rules),
                 version: 0,
+                retired: Vec::new(),
             }),
             status: Mutex::new(ReloadStatus {
                 max_rules,
@@ -190,12 +196,26 @@ impl LiveLimits {
         self.status.lock().clone()
     }
 
+    /// Frees the replaced snapshots no decision holds any more.
+    pub async fn release_retired(&self) {
+        self.catchup
+            .lock()
+            .await
+            .retired
+            .retain(|old| Arc::strong_count(old) > 1);
+    }
+
     /// Reads what changed in the table since the rules in force and applies
     /// it. Returns whether the rules changed. On error the rules in force
     /// are untouched (and the next call reads from the same version).
     pub async fn catch_up(&self, table: &LimitsTable) -> Result<bool, LoadError> {
         let mut guard = self.catchup.lock().await;
-        let Catchup { loader, version } = &mut *guard;
+        let Catchup {
+            loader,
+            version,
+            retired,
+        } = &mut *guard;
+        retired.retain(|old| Arc::strong_count(old) > 1);
         let base = self.current.load_full();
         let started = Instant::now();
         let mut sink = Sink {
@@ -226,6 +246,9 @@ impl LiveLimits {
         let (set, applied) = update.finish();
         let (rules, tenants) = (set.len(), set.tenants());
         self.current.store(Arc::new(set));
+        // `base` still holds the snapshot replaced: freed by a later
+        // catch-up once no decision holds it.
+        retired.push(base.clone());
         *version = next_version;
         let current = self.current.load();
         let (rejected, rejected_rows) = loader.rejected(LISTED_REJECTED);
@@ -282,6 +305,8 @@ pub async fn watch(
     };
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tidy = tokio::time::interval(every);
+    tidy.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut prune = tokio::time::interval(PRUNE_EVERY);
     prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
@@ -303,6 +328,10 @@ pub async fn watch(
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tick.tick() => {}
+            _ = tidy.tick(), if table.is_postgres() => {
+                limits.release_retired().await;
+                continue;
+            }
             _ = prune.tick() => {
                 match table.prune_changes(CHANGE_LOG_RETENTION).await {
                     Ok(0) => {}
