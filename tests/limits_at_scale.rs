@@ -516,7 +516,9 @@ fn a_table_beyond_the_memory_bound_is_a_clear_start_up_error() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("the limits table holds 11 rows; this instance keeps at most 5 in memory"),
+        err.contains(
+            "the limits and tenants tables hold 11 rows; this instance keeps at most 5 in memory"
+        ),
         "{err}"
     );
     let _ = stdout(&out);

@@ -112,7 +112,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub reload_interval: Option<Duration>,
-    /// Most limits rows (rules) held in memory, about 150 bytes each; a
+    /// Most limits rows (rules) held in memory, about 170 bytes each; a
     /// larger table is a start-up error, and rows beyond it added later
     /// are rejected (listed at /v1/limits). Tenants on a plan need no rows.
     #[arg(long, env = "TOLLGATE_MAX_LIMIT_ROWS")]

@@ -438,9 +438,11 @@ impl LimitsTable {
         Ok(rows)
     }
 
-    /// How many rows the table holds.
+    /// How many rows the `limits` and `tenants` tables hold together: what
+    /// an instance holds in memory.
     pub async fn count(&self) -> Result<u64, TableError> {
-        let n: i64 = with_pool!(self, pool => sqlx::query("SELECT count(*) FROM limits")
+        let sql = "SELECT (SELECT count(*) FROM limits) + (SELECT count(*) FROM tenants)";
+        let n: i64 = with_pool!(self, pool => sqlx::query(sql)
             .fetch_one(pool)
             .await?
             .try_get(0)?);

@@ -46,7 +46,7 @@ pub enum LoadError {
     Table(#[from] TableError),
     /// The table holds more rows than this instance keeps in memory.
     #[error(
-        "the limits table holds {rows} rows; this instance keeps at most {max} in memory \
+        "the limits and tenants tables hold {rows} rows; this instance keeps at most {max} in memory \
          (raise --max-limit-rows, or move tenants onto plans: a tenant on a plan needs no rows)"
     )]
     TooLarge {
