@@ -150,10 +150,8 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                     eprintln!("warning: {err}");
                 }
             }
-            if rows.len() == limit {
-                if let Some(last) = rows.last() {
-                    eprintln!("(more rows: --after {:?})", last.name);
-                }
+            if let Some(last) = rows.last().filter(|_| rows.len() == limit) {
+                eprintln!("(more rows: --after {:?})", last.name);
             }
         }
         LimitsCommand::Import {

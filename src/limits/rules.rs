@@ -57,6 +57,10 @@ impl Owner {
 
 type Rules = Box<[Arc<Rule>]>;
 
+/// A tenant's rule as a full load reads it: `true` for a rejected row's
+/// last valid version.
+type ReadRule = (Box<str>, Arc<Rule>, bool);
+
 /// A tenant with rules of its own or a plan.
 #[derive(Debug, Clone)]
 struct TenantEntry {
@@ -428,7 +432,7 @@ pub struct Update<'a> {
     /// Loading everything: each shard's tenants' rules as read (in any
     /// order; `true` for a rejected row's last valid version), grouped by
     /// tenant at the end.
-    full_rules: Vec<Vec<(Box<str>, Arc<Rule>, bool)>>,
+    full_rules: Vec<Vec<ReadRule>>,
     full_assignments: Vec<Vec<(Box<str>, u32)>>,
     /// What was rejected before a full load, so each bad row is still
     /// logged once.
@@ -662,10 +666,13 @@ impl Update<'_> {
                 }
             }
             Owner::Plan(p) => {
-                if let Some(id) = self.loader.plan_ids.get(&p) {
-                    if let Some(change) = self.changed_plans.get_mut(id) {
-                        change.rules = Some(rules);
-                    }
+                if let Some(change) = self
+                    .loader
+                    .plan_ids
+                    .get(&p)
+                    .and_then(|id| self.changed_plans.get_mut(id))
+                {
+                    change.rules = Some(rules);
                 }
             }
         }

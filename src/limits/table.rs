@@ -740,10 +740,10 @@ impl LimitsTable {
         tenant: &str,
         plan: Option<&str>,
     ) -> Result<Option<String>, TableError> {
-        if let Some(plan) = plan {
-            if !self.plan_exists(plan).await? {
-                return Err(missing_plan(plan));
-            }
+        if let Some(plan) = plan
+            && !self.plan_exists(plan).await?
+        {
+            return Err(missing_plan(plan));
         }
         let tenant_bind = [Bind::Text(tenant)];
         with_pool!(self, pool => {
