@@ -81,19 +81,20 @@ struct FileRow {
     updated_at: String,
 }
 
-fn key() -> String {
+// The table's column defaults, shared with the admin API's rows.
+pub(crate) fn key() -> String {
     "key".into()
 }
 fn second() -> String {
     "second".into()
 }
-fn enforce() -> String {
+pub(crate) fn enforce() -> String {
     "enforce".into()
 }
-fn allow() -> String {
+pub(crate) fn allow() -> String {
     "allow".into()
 }
-fn rate() -> String {
+pub(crate) fn rate() -> String {
     "rate".into()
 }
 

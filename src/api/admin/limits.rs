@@ -27,7 +27,7 @@ pub(super) struct RowRequest {
     plan: String,
     #[serde(default)]
     resource: String,
-    #[serde(default = "default_scope")]
+    #[serde(default = "crate::limits::file::key")]
     scope: String,
     /// Capacity; for a concurrency rule, the most leases held at once.
     burst: i64,
@@ -35,28 +35,15 @@ pub(super) struct RowRequest {
     #[serde(default)]
     rate: String,
     /// `rate` (default) or `concurrency`.
-    #[serde(default = "default_kind")]
+    #[serde(default = "crate::limits::file::rate")]
     kind: String,
-    #[serde(default = "default_mode")]
+    #[serde(default = "crate::limits::file::enforce")]
     mode: String,
-    #[serde(default = "default_policy")]
+    #[serde(default = "crate::limits::file::allow")]
     on_store_unavailable: String,
     #[serde(default)]
     debt: i64,
     name: Option<String>,
-}
-
-fn default_scope() -> String {
-    "key".into()
-}
-fn default_kind() -> String {
-    "rate".into()
-}
-fn default_mode() -> String {
-    "enforce".into()
-}
-fn default_policy() -> String {
-    "allow".into()
 }
 
 fn bad(why: impl std::fmt::Display) -> Response {
