@@ -22,7 +22,7 @@ use crate::connections::{
 };
 use crate::engine::Engine;
 use crate::limits::table::{LimitsTable, TableError};
-use crate::limits::watch::{LiveLimits, LoadError, watch as watch_limits};
+use crate::limits::watch::{LiveLimits, LoadError, spawn_watch};
 use crate::proto;
 use crate::store::fallback::Fallback;
 use crate::store::stack::{self, Layer, Layers};
@@ -446,12 +446,12 @@ pub async fn run(
         config.reload_interval,
         stopped(),
     ));
-    let watcher = tokio::spawn(watch_limits(
+    let watcher = spawn_watch(
         limits.clone(),
         table.clone(),
         config.reload_interval,
         stopped(),
-    ));
+    )?;
     // Drops idle buckets (and counts reservations that expired unsettled).
     let sweeper = {
         let (memory, stop, every) = (memory.clone(), stopped(), config.sweep_interval);

@@ -416,6 +416,7 @@ impl Loader {
             }
         }
         let rules = if full { 0 } else { base.rules };
+        let assigned = self.plan_tenants.iter().sum();
         Update {
             loader: self,
             base,
@@ -439,6 +440,7 @@ impl Loader {
             plan_rows: HashMap::new(),
             default_rows: Vec::new(),
             rules,
+            assigned,
             newly_rejected: Vec::new(),
         }
     }
@@ -479,6 +481,8 @@ pub struct Update<'a> {
     plan_rows: HashMap<Box<str>, Vec<StoredRow>>,
     default_rows: Vec<StoredRow>,
     rules: usize,
+    /// Tenants on a plan: with the rules, held within the bound.
+    assigned: u64,
     newly_rejected: Vec<RowError>,
 }
 
@@ -534,8 +538,8 @@ impl Update<'_> {
         }
         let id = self.loader.plan_id(plan);
         if self.full {
+            // Counted (and held to the bound) once every rule is.
             self.full_assignments[shard_of(tenant)].push((tenant.into(), id));
-            self.loader.plan_tenants[id as usize] += 1;
         } else if let Some(change) = self.changed_tenants.get_mut(tenant) {
             change.plan = Some(id);
         }
@@ -582,6 +586,34 @@ impl Update<'_> {
                 }
             }
         }
+    }
+
+    /// Whether one more tenant on a plan would pass the bound.
+    fn over_bound_with_one_more(&self) -> bool {
+        (self.rules as u64).saturating_add(self.assigned) >= self.loader.max_rules as u64
+    }
+
+    /// A plan assignment over the bound: the tenant keeps what it had
+    /// (nothing, when loading everything), and the row is reported.
+    fn reject_assignment(&mut self, tenant: &str, plan: &str) {
+        let error = RowError {
+            row: format!(
+                "tenants row (tenant {:?}, plan {:?})",
+                super::short(tenant),
+                super::short(plan)
+            ),
+            reason: format!(
+                "the limits and tenants tables hold more rules and plan assignments than this \
+                 instance keeps in memory (--max-limit-rows {}); the assignment is not in force",
+                self.loader.max_rules
+            ),
+        };
+        self.newly_rejected.push(error.clone());
+        self.loader
+            .invalid
+            .entry(Owner::Tenant(tenant.into()))
+            .or_default()
+            .push(Rejected { id: 0, error });
     }
 
     fn over_bound(&self) -> String {
@@ -872,6 +904,13 @@ impl Update<'_> {
                 assigned.sort_unstable_by(|a, b| key_of(&a.0).cmp(&key_of(&b.0)));
                 let mut extra = Vec::new();
                 for (name, plan) in assigned {
+                    if self.over_bound_with_one_more() {
+                        let plan = self.loader.plan_names[plan as usize].clone();
+                        self.reject_assignment(&name, &plan);
+                        continue;
+                    }
+                    self.loader.plan_tenants[plan as usize] += 1;
+                    self.assigned += 1;
                     match entries.binary_search_by(|e| e.key().cmp(&key_of(&name))) {
                         Ok(i) => entries[i].plan = plan,
                         Err(_) => extra.push(TenantEntry::new(name, Some(plan), Box::default())),
@@ -904,7 +943,7 @@ impl Update<'_> {
             let old = &base.shards[shard];
             let mut next = Vec::with_capacity(old.len() + changes.len());
             let mut i = 0;
-            for (name, change) in changes {
+            for (name, mut change) in changes {
                 while i < old.len() && old[i].key() < key_of(&name) {
                     next.push(old[i].clone());
                     i += 1;
@@ -913,11 +952,21 @@ impl Update<'_> {
                     i += 1;
                     &old[i - 1]
                 });
-                if let Some(p) = previous.and_then(TenantEntry::plan) {
+                let was = previous.and_then(TenantEntry::plan);
+                if let (None, Some(p)) = (was, change.plan)
+                    && self.over_bound_with_one_more()
+                {
+                    let plan = self.loader.plan_names[p as usize].clone();
+                    self.reject_assignment(&name, &plan);
+                    change.plan = None;
+                }
+                if let Some(p) = was {
                     self.loader.plan_tenants[p as usize] -= 1;
+                    self.assigned -= 1;
                 }
                 if let Some(p) = change.plan {
                     self.loader.plan_tenants[p as usize] += 1;
+                    self.assigned += 1;
                 }
                 if let (None, Some(p)) = (&change.rules, previous) {
                     // No rows read: the tenant's rows are all gone.

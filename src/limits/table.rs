@@ -206,6 +206,29 @@ impl LimitsTable {
     /// `postgres://` / `postgresql://` URL. Missing tables are created (and
     /// seeded).
     pub async fn open(location: &str) -> Result<Self, TableError> {
+        let table = Self {
+            pool: Self::connect(location).await?,
+            location: location.into(),
+        };
+        table.migrate().await?;
+        Ok(table)
+    }
+
+    /// A handle on the same table with connections of its own, made on the
+    /// calling thread's runtime (the limits watcher reads through one on
+    /// its low-priority thread). An in-memory SQLite database exists only
+    /// in its own connections, so its handle is shared instead.
+    pub async fn reopen(&self) -> Result<Self, TableError> {
+        if self.location.contains(":memory:") || self.location.contains("mode=memory") {
+            return Ok(self.clone());
+        }
+        Ok(Self {
+            pool: Self::connect(&self.location).await?,
+            location: self.location.clone(),
+        })
+    }
+
+    async fn connect(location: &str) -> Result<Pool, TableError> {
         let bad = |e: &dyn std::fmt::Display| TableError::Location(redact(location), e.to_string());
         let pool = if location.starts_with("postgres://") || location.starts_with("postgresql://") {
             let options = PgConnectOptions::from_str(location).map_err(|e| bad(&e))?;
@@ -234,12 +257,7 @@ impl LimitsTable {
                     .await?,
             )
         };
-        let table = Self {
-            pool,
-            location: location.into(),
-        };
-        table.migrate().await?;
-        Ok(table)
+        Ok(pool)
     }
 
     /// Where the table lives, with any password hidden.

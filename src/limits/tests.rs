@@ -420,6 +420,67 @@ fn rows_beyond_the_bound_are_rejected_and_the_rest_stay() {
     );
 }
 
+#[test]
+fn plan_assignments_count_against_the_bound() {
+    // Room for three: the default row, the plan's row and one tenant on it.
+    let mut loader = rules::Loader::new(3);
+    let base = RuleSet::default();
+    let mut update = loader.begin(&base, true, Vec::new());
+    update.plan("pro");
+    update.row(with_id(1, row("d", "", "", "key", 30, "600/minute")));
+    update.row(with_id(2, plan_row("pro-key", "pro", "key", 300)));
+    update.assignment("a", "pro");
+    update.assignment("b", "pro");
+    let (v1, applied) = update.finish();
+    let rejected = applied.newly_rejected;
+    // One of the two is on the plan (shard order decides which), the other
+    // is refused and named.
+    let (on, off) = if names(&v1, "a", "") == ["pro-key"] {
+        ("a", "b")
+    } else {
+        ("b", "a")
+    };
+    assert_eq!(names(&v1, on, ""), ["pro-key"]);
+    assert_eq!(names(&v1, off, ""), ["d"]);
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert_eq!(
+        rejected[0].row,
+        format!(r#"tenants row (tenant "{off}", plan "pro")"#)
+    );
+    assert!(
+        rejected[0]
+            .reason
+            .contains("(--max-limit-rows 3); the assignment is not in force"),
+        "{rejected:?}"
+    );
+
+    // While running: a new tenant on the plan is refused, a tenant moving
+    // off the plan makes room for the next.
+    let (v2, rejected) = apply(
+        &mut loader,
+        &v1,
+        &[Owner::Tenant("c".into())],
+        &[],
+        &[],
+        &[("c", "pro")],
+    );
+    assert_eq!(names(&v2, "c", ""), ["d"]);
+    assert_eq!(rejected[0].row, r#"tenants row (tenant "c", plan "pro")"#);
+    let (v3, rejected) = apply(
+        &mut loader,
+        &v2,
+        &[Owner::Tenant(on.into()), Owner::Tenant("c".into())],
+        &[],
+        &[],
+        &[("c", "pro")],
+    );
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert_eq!(names(&v3, on, ""), ["d"]);
+    assert_eq!(names(&v3, "c", ""), ["pro-key"]);
+    // c's assignment is in force and no longer listed; the other's still is.
+    assert_eq!(loader.rejected(10).1, 1);
+}
+
 impl RuleSet {
     fn from_rules_for_test(rows: &[StoredRow]) -> Self {
         let (set, errors) = Self::from_rows(rows);

@@ -286,6 +286,57 @@ impl LiveLimits {
     }
 }
 
+/// The scheduling priority (nice value) of the watcher's thread: when the
+/// cores are busy, decisions go first, and a bulk edit's catch-up takes the
+/// CPU they leave.
+const WATCHER_NICE: i32 = 19;
+
+/// Runs [`watch`] on a thread of its own, at a low scheduling priority
+/// ([`WATCHER_NICE`]), with connections of its own to the table (made on
+/// that thread, so their worker threads share its priority). Reading and
+/// applying a 100 000-row edit costs the watcher over a second of CPU;
+/// there it never takes a core from a decision. The receiver completes
+/// when the watcher has stopped.
+pub fn spawn_watch(
+    limits: Arc<LiveLimits>,
+    table: LimitsTable,
+    every: Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    let (done, stopped) = tokio::sync::oneshot::channel();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("limits-watch".into())
+        .spawn(move || {
+            lower_priority();
+            runtime.block_on(async move {
+                let table = match table.reopen().await {
+                    Ok(own) => own,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "limits watcher shares the server's connections");
+                        table
+                    }
+                };
+                watch(limits, table, every, shutdown).await;
+            });
+            let _ = done.send(());
+        })?;
+    Ok(stopped)
+}
+
+/// Lowers the calling thread's scheduling priority to [`WATCHER_NICE`]
+/// (Linux keeps a nice value per thread; threads it starts inherit it).
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    if let Err(err) =
+        rustix::process::setpriority_process(Some(rustix::thread::gettid()), WATCHER_NICE)
+    {
+        tracing::debug!(error = %err, "cannot lower the limits watcher's priority");
+    }
+}
+
 /// Keeps `limits` current with `table` until `shutdown` completes: on
 /// SQLite by reading the version every `every`; on PostgreSQL on every
 /// change notification, and every [`PG_SAFETY_POLL`]. A lost database
