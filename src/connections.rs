@@ -1,9 +1,18 @@
 //! Bounded connections, for both ports.
 //!
-//! - [`Acceptor`] accepts with a cap on open connections (one past the cap is
-//!   accepted and closed at once, and counted), and backs off when `accept`
-//!   itself fails (out of file descriptors, say): it never spins, and logs
-//!   once per burst of errors.
+//! - [`Acceptor`] accepts with a cap on open connections, and a cap per
+//!   peer address (half of it). At a cap, the connection that has gone
+//!   longest without showing itself (no request yet) or, failing that, one
+//!   with no request in flight from the peer with the most connections, is
+//!   closed and its slot given to the newcomer; only when every connection
+//!   has a request in flight is the newcomer closed at once (and counted).
+//!   So silent or slow sockets can never keep a health probe out. It backs
+//!   off when `accept` itself fails (out of file descriptors, say): it never
+//!   spins, and logs once per burst of errors.
+//! - A connection that has not shown itself within
+//!   [`ConnectionLimits::handshake_timeout`] is closed: on the gRPC port by
+//!   sending the 24-byte HTTP/2 preface, on the admin port by completing its
+//!   first request's headers.
 //! - [`Connection`] closes itself when it has had no request in flight for
 //!   a whole idle-timeout period (so between one and two periods after its
 //!   last request). "Idle" counts requests, not bytes, so HTTP/2 keepalive
@@ -15,17 +24,23 @@
 //!   process-wide slots: past them a request is refused with
 //!   RESOURCE_EXHAUSTED at once, before anything is buffered for it. This
 //!   is what bounds the memory requests can take, whatever the number of
-//!   connections and streams (see the README's "Memory" section).
+//!   connections and streams (see the README's "Memory" section). The last
+//!   eighth of the slots is kept for connections holding at most
+//!   [`FEW_IN_FLIGHT`] requests, so connections that hold many open streams
+//!   can never take every slot from a caller on a fresh connection.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::task::AtomicWaker;
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -36,12 +51,35 @@ use crate::telemetry::metrics;
 /// The longest pause between failed `accept` calls.
 const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
+/// A connection holding at most this many requests in flight may take the
+/// last eighth of the process-wide slots.
+pub const FEW_IN_FLIGHT: u64 = 4;
+
+/// What a new connection must do within its handshake deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handshake {
+    /// Send this many bytes (the HTTP/2 client preface is 24).
+    Bytes(usize),
+    /// Complete its first request's headers (HTTP/1.1).
+    Request,
+}
+
+/// The HTTP/2 client preface's length.
+pub const HTTP2_PREFACE_BYTES: usize = 24;
+
 /// Bounds on one port's connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
-    /// Open connections at most; one more is closed as soon as it is
-    /// accepted.
+    /// Open connections at most; at the cap an idle one makes room, or the
+    /// newcomer is closed as soon as it is accepted.
     pub max_connections: usize,
+    /// Open connections from one peer address at most (IPv4-mapped IPv6
+    /// addresses count as their IPv4 address).
+    pub max_per_peer: usize,
+    /// What a new connection must do within `handshake_timeout`.
+    pub handshake: Handshake,
+    /// How long a new connection has for its handshake (zero: forever).
+    pub handshake_timeout: Duration,
     /// A connection with no request in flight for this long is closed
     /// (zero: never).
     pub idle_timeout: Duration,
@@ -59,6 +97,12 @@ pub struct Acceptor {
     /// Refusals at the cap since the last admitted connection (logged once
     /// per burst).
     refused_in_burst: u64,
+    /// The connections accepted (dead ones pruned now and then), to pick
+    /// one to close at a cap.
+    open: Vec<Weak<Shared>>,
+    /// Open connections per peer address.
+    peers: HashMap<IpAddr, Arc<AtomicUsize>>,
+    accepted: u64,
 }
 
 impl Acceptor {
@@ -72,7 +116,57 @@ impl Acceptor {
             slots: Arc::new(Semaphore::new(limits.max_connections)),
             limits,
             refused_in_burst: 0,
+            open: Vec::new(),
+            peers: HashMap::new(),
+            accepted: 0,
         }
+    }
+
+    /// A slot for a connection from `peer` (holding `from_peer`
+    /// connections): a free one, or one taken from a connection closed to
+    /// make room (of the same peer when the peer is at its own cap).
+    fn slot_for(&mut self, from_peer: &Arc<AtomicUsize>) -> Option<OwnedSemaphorePermit> {
+        if from_peer.load(Ordering::Acquire) >= self.limits.max_per_peer {
+            return self.evict(Some(from_peer));
+        }
+        match self.slots.clone().try_acquire_owned() {
+            Ok(slot) => Some(slot),
+            Err(_) => self.evict(None),
+        }
+    }
+
+    /// Closes the connection (of `only` that peer, if given) that can best
+    /// give up its slot, and takes the slot: one that has not yet started a
+    /// request first, the oldest such; else one with no request in flight,
+    /// from the peer with the most connections. `None` when every candidate
+    /// has a request in flight.
+    fn evict(&mut self, only: Option<&Arc<AtomicUsize>>) -> Option<OwnedSemaphorePermit> {
+        self.open.retain(|c| c.strong_count() > 0);
+        let victim = self
+            .open
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|c| only.is_none_or(|p| Arc::ptr_eq(p, &c.peer)))
+            .filter(|c| !c.evicted.load(Ordering::Acquire))
+            .filter(|c| Activity::in_flight(c.activity.load()) == 0)
+            .min_by_key(|c| {
+                let started = c.activity.load() != 0;
+                let crowd = c.peer.load(Ordering::Acquire);
+                (started, std::cmp::Reverse(crowd), c.serial)
+            })?;
+        let slot = victim.slot.lock().take()?;
+        victim.evicted.store(true, Ordering::Release);
+        victim.waker.wake();
+        metrics::connection_evicted(self.port);
+        Some(slot)
+    }
+
+    /// The count of open connections from `ip`'s peer.
+    fn peer(&mut self, ip: IpAddr) -> Arc<AtomicUsize> {
+        if self.peers.len() > 2 * self.limits.max_connections {
+            self.peers.retain(|_, n| Arc::strong_count(n) > 1);
+        }
+        self.peers.entry(ip.to_canonical()).or_default().clone()
     }
 
     /// The next connection within the cap. Accept errors are retried with
@@ -109,14 +203,17 @@ impl Acceptor {
                 errors_in_burst = 0;
                 backoff = Duration::from_millis(1);
             }
-            let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+            let from_peer = self.peer(peer.ip());
+            let Some(slot) = self.slot_for(&from_peer) else {
                 metrics::connection_refused(self.port);
                 if self.refused_in_burst == 0 {
                     tracing::warn!(
                         port = self.port,
                         max = self.limits.max_connections,
+                        max_per_peer = self.limits.max_per_peer,
                         %peer,
-                        "at the connection cap; closing new connections until one ends"
+                        "at the connection cap (or this peer's), every connection busy; \
+                         closing new connections until one ends"
                     );
                 }
                 self.refused_in_burst += 1;
@@ -140,7 +237,19 @@ impl Acceptor {
                     .with_retries(4);
                 let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&probe);
             }
-            return Connection::new(stream, peer, slot, self.port, self.limits.idle_timeout);
+            self.accepted += 1;
+            let connection = Connection::new(
+                stream,
+                peer,
+                Shared::new(self.accepted, from_peer, slot),
+                self.port,
+                &self.limits,
+            );
+            if self.open.len() >= 2 * self.limits.max_connections {
+                self.open.retain(|c| c.strong_count() > 0);
+            }
+            self.open.push(Arc::downgrade(&connection.handle.shared));
+            return connection;
         }
     }
 
@@ -180,9 +289,12 @@ impl Activity {
     const ONE_REQUEST: u64 = 1;
     const ONE_EVENT: u64 = 1 << 32;
 
-    fn begin(&self) {
-        self.0
+    /// Returns the requests in flight before this one.
+    fn begin(&self) -> u64 {
+        let before = self
+            .0
             .fetch_add(Self::ONE_EVENT + Self::ONE_REQUEST, Ordering::AcqRel);
+        Self::in_flight(before)
     }
 
     fn end(&self) {
@@ -200,28 +312,67 @@ impl Activity {
     }
 }
 
+/// What a connection shares with its requests and with the acceptor.
+#[derive(Debug)]
+struct Shared {
+    activity: Activity,
+    /// Accepted as the n-th: at a cap the oldest candidate goes first.
+    serial: u64,
+    /// Open connections from the same peer address (this one included).
+    peer: Arc<AtomicUsize>,
+    /// Set when the acceptor took this connection's slot for a newcomer:
+    /// the connection reads the end of its stream from then on.
+    evicted: AtomicBool,
+    /// Wakes the connection's pending read when it is evicted.
+    waker: AtomicWaker,
+    /// The connection's slot under the port's cap, until given away.
+    slot: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+impl Shared {
+    fn new(serial: u64, peer: Arc<AtomicUsize>, slot: OwnedSemaphorePermit) -> Arc<Self> {
+        peer.fetch_add(1, Ordering::AcqRel);
+        Arc::new(Self {
+            activity: Activity::default(),
+            serial,
+            peer,
+            evicted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+            slot: Mutex::new(Some(slot)),
+        })
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.peer.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// A handle on one connection, found in each request's extensions (and, on
 /// the admin port, as axum's `ConnectInfo`).
 #[derive(Debug, Clone)]
 pub struct ConnectionHandle {
     /// The peer's address.
     pub peer: SocketAddr,
-    activity: Arc<Activity>,
+    shared: Arc<Shared>,
 }
 
 impl ConnectionHandle {
-    /// Marks a request as started; it ends when the guard is dropped.
-    fn begin(self) -> RequestGuard {
-        self.activity.begin();
-        RequestGuard {
-            activity: Some(self.activity),
+    /// Marks a request as started; it ends when the guard is dropped. Also
+    /// returns how many requests the connection held before it.
+    fn begin(self) -> (RequestGuard, u64) {
+        let before = self.shared.activity.begin();
+        let guard = RequestGuard {
+            connection: Some(self.shared),
             cap: None,
-        }
+        };
+        (guard, before)
     }
 }
 
-/// One accepted connection: the socket, its slot under the cap, and the
-/// idle timer.
+/// One accepted connection: the socket, its slot under the cap (in
+/// [`Shared`]), the handshake deadline and the idle timer.
 pub struct Connection {
     stream: TcpStream,
     handle: ConnectionHandle,
@@ -230,33 +381,58 @@ pub struct Connection {
     idle: Option<Pin<Box<Sleep>>>,
     /// The activity word when the idle timer last fired.
     seen: u64,
-    /// Idle for its timeout: every read is the end of the stream.
+    /// Until the handshake is done: what it takes, and its deadline.
+    handshake: Option<(Handshake, Pin<Box<Sleep>>)>,
+    /// Bytes read so far, while the handshake counts them.
+    received: usize,
+    /// Idle for its timeout, evicted, or past its handshake deadline: every
+    /// read is the end of the stream.
     expired: bool,
-    _slot: OwnedSemaphorePermit,
 }
 
 impl Connection {
     fn new(
         stream: TcpStream,
         peer: SocketAddr,
-        slot: OwnedSemaphorePermit,
+        shared: Arc<Shared>,
         port: &'static str,
-        idle_timeout: Duration,
+        limits: &ConnectionLimits,
     ) -> Self {
         metrics::connection_opened(port);
+        let idle_timeout = limits.idle_timeout;
         Self {
             stream,
-            handle: ConnectionHandle {
-                peer,
-                activity: Arc::default(),
-            },
+            handle: ConnectionHandle { peer, shared },
             port,
             idle_timeout,
             idle: (!idle_timeout.is_zero()).then(|| Box::pin(tokio::time::sleep(idle_timeout))),
             seen: 0,
+            handshake: (!limits.handshake_timeout.is_zero()).then(|| {
+                (
+                    limits.handshake,
+                    Box::pin(tokio::time::sleep(limits.handshake_timeout)),
+                )
+            }),
+            received: 0,
             expired: false,
-            _slot: slot,
         }
+    }
+
+    /// True when the handshake deadline passed with the handshake not done
+    /// (registering the timer with `cx` otherwise).
+    fn handshake_expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some((kind, timer)) = self.handshake.as_mut() else {
+            return false;
+        };
+        let done = match *kind {
+            Handshake::Bytes(n) => self.received >= n,
+            Handshake::Request => self.handle.shared.activity.load() != 0,
+        };
+        if done {
+            self.handshake = None;
+            return false;
+        }
+        timer.as_mut().poll(cx).is_ready()
     }
 
     /// The handle requests on this connection see.
@@ -273,7 +449,7 @@ impl Connection {
             return false;
         };
         while timer.as_mut().poll(cx).is_ready() {
-            let now = self.handle.activity.load();
+            let now = self.handle.shared.activity.load();
             if now == self.seen && Activity::in_flight(now) == 0 {
                 return true;
             }
@@ -299,14 +475,34 @@ impl AsyncRead for Connection {
         if self.expired {
             return Poll::Ready(Ok(()));
         }
-        // The socket first: the idle timer only matters when it has nothing.
+        // The socket first: the timers only matter when it has nothing.
+        let before = buf.filled().len();
         let read = Pin::new(&mut self.stream).poll_read(cx, buf);
-        if read.is_pending() && self.idle_expired(cx) {
-            // End of stream, from now on: the server closes the connection
-            // as if the client had.
+        if read.is_ready() {
+            if matches!(self.handshake, Some((Handshake::Bytes(_), _))) {
+                self.received += buf.filled().len() - before;
+            }
+            return read;
+        }
+        // End of stream, from now on: the server closes the connection as
+        // if the client had.
+        let shared = &self.handle.shared;
+        shared.waker.register(cx.waker());
+        let close = if shared.evicted.load(Ordering::Acquire) {
+            true // counted by the acceptor
+        } else if self.handshake_expired(cx) {
+            metrics::connection_handshake_timeout(self.port);
+            true
+        } else if self.idle_expired(cx) {
             metrics::connection_idle_closed(self.port);
+            true
+        } else {
+            false
+        };
+        if close {
             self.expired = true;
             self.idle = None;
+            self.handshake = None;
             return Poll::Ready(Ok(()));
         }
         read
@@ -363,14 +559,14 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Acce
 /// dropped.
 #[derive(Debug)]
 pub struct RequestGuard {
-    activity: Option<Arc<Activity>>,
+    connection: Option<Arc<Shared>>,
     cap: Option<InFlightCap>,
 }
 
 impl Drop for RequestGuard {
     fn drop(&mut self) {
-        if let Some(activity) = &self.activity {
-            activity.end();
+        if let Some(connection) = &self.connection {
+            connection.activity.end();
         }
         if let Some(cap) = &self.cap {
             cap.count.fetch_sub(1, Ordering::AcqRel);
@@ -400,9 +596,21 @@ impl InFlightCap {
         self.count.load(Ordering::Acquire).min(self.max)
     }
 
-    /// Takes a slot, or `false` at the cap.
-    fn take(&self) -> bool {
-        if self.count.fetch_add(1, Ordering::AcqRel) < self.max {
+    /// Slots only connections holding at most [`FEW_IN_FLIGHT`] requests
+    /// may take.
+    fn reserved(&self) -> usize {
+        self.max / 8
+    }
+
+    /// Takes a slot for a request on a connection already holding `held`,
+    /// or `false` past what that connection may take.
+    fn take(&self, held: u64) -> bool {
+        let bound = if held <= FEW_IN_FLIGHT {
+            self.max
+        } else {
+            self.max - self.reserved()
+        };
+        if self.count.fetch_add(1, Ordering::AcqRel) < bound {
             return true;
         }
         self.count.fetch_sub(1, Ordering::AcqRel);
@@ -468,21 +676,36 @@ where
                 .get::<axum::extract::ConnectInfo<ConnectionHandle>>()
                 .map(|info| info.0.clone())
         });
-        let mut guard = match handle {
+        let (mut guard, held) = match handle {
             Some(handle) => handle.begin(),
-            None => RequestGuard {
-                activity: None,
-                cap: None,
-            },
+            None => (
+                RequestGuard {
+                    connection: None,
+                    cap: None,
+                },
+                0,
+            ),
         };
         if let Some(cap) = &self.cap {
-            if !cap.take() {
+            if !cap.take(held) {
                 metrics::grpc_overloaded();
-                let status = tonic::Status::resource_exhausted(format!(
-                    "this Tollgate instance has {} requests in flight, its cap \
-                     (--grpc-max-requests-in-flight); retry shortly",
-                    cap.max
-                ));
+                let message = if held <= FEW_IN_FLIGHT {
+                    format!(
+                        "this Tollgate instance has {} requests in flight, its cap \
+                         (--grpc-max-requests-in-flight); retry shortly",
+                        cap.max
+                    )
+                } else {
+                    format!(
+                        "this connection holds {held} requests in flight and the instance is \
+                         near its cap of {} (--grpc-max-requests-in-flight), whose last {} slots \
+                         are kept for connections holding at most {FEW_IN_FLIGHT}; retry \
+                         shortly, or send from more connections",
+                        cap.max,
+                        cap.reserved()
+                    )
+                };
+                let status = tonic::Status::resource_exhausted(message);
                 let response = status
                     .into_http::<ResBody>()
                     .map(|body| Tracked::new(body, guard));

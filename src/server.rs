@@ -18,7 +18,8 @@ use crate::api::envoy::{ConfigError, LiveEnvoyConfig};
 use crate::api::native::{RateLimiterServer, RateLimiterService, Unmatched};
 use crate::clock::Clock;
 use crate::connections::{
-    Acceptor, ConnectionHandle, ConnectionLimits, InFlightCap, InFlightLayer,
+    Acceptor, ConnectionHandle, ConnectionLimits, HTTP2_PREFACE_BYTES, Handshake, InFlightCap,
+    InFlightLayer,
 };
 use crate::engine::Engine;
 use crate::limits::table::{LimitsTable, TableError};
@@ -293,8 +294,13 @@ impl GrpcLimits {
 }
 
 /// Open connections on the admin port at most (each serves one request at a
-/// time).
+/// time); one peer address may hold half.
 pub const ADMIN_MAX_CONNECTIONS: usize = 64;
+
+/// How long a new connection has to show itself (the gRPC port: send the
+/// HTTP/2 preface; the admin port: complete its first request's headers)
+/// before it is closed.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl TlsFiles {
     fn config(&self) -> Result<tonic::transport::ServerTlsConfig, ServeError> {
@@ -517,6 +523,9 @@ pub async fn run(
         "admin",
         ConnectionLimits {
             max_connections: ADMIN_MAX_CONNECTIONS,
+            max_per_peer: ADMIN_MAX_CONNECTIONS / 2,
+            handshake: Handshake::Request,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
             idle_timeout: limits_of_ports.idle_timeout,
             tcp_keepalive: limits_of_ports.tcp_keepalive(),
         },
@@ -559,7 +568,8 @@ pub async fn run(
     let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
     let native = RateLimiterServer::new(
         RateLimiterService::new(engine, limits.clone(), config.unmatched)
-            .with_shutdown(streams_stop),
+            .with_shutdown(streams_stop)
+            .with_first_message_deadline(config.grpc_limits.request_timeout),
     )
     .max_decoding_message_size(config.grpc_limits.max_message_bytes);
 
@@ -593,6 +603,9 @@ pub async fn run(
         "grpc",
         ConnectionLimits {
             max_connections: limits.max_connections,
+            max_per_peer: limits.max_connections.div_ceil(2),
+            handshake: Handshake::Bytes(HTTP2_PREFACE_BYTES),
+            handshake_timeout: HANDSHAKE_TIMEOUT,
             idle_timeout: limits.idle_timeout,
             tcp_keepalive: limits.tcp_keepalive(),
         },

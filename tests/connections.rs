@@ -68,23 +68,45 @@ fn wait_closed(mut stream: TcpStream) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_connection_past_the_cap_is_closed_and_counted_and_the_slot_comes_back() {
+async fn with_every_connection_busy_one_past_the_cap_is_closed_and_counted_and_the_slot_comes_back()
+{
     let dir = tempfile::tempdir().unwrap();
-    let server = ServeProcess::start(dir.path(), &["--grpc-max-connections", "3"]);
+    let server = ServeProcess::start(
+        dir.path(),
+        &[
+            "--grpc-max-connections",
+            "4",
+            "--grpc-request-timeout",
+            "120s",
+        ],
+    );
     server.wait_ready();
-    let held: Vec<TcpStream> = (0..3)
-        .map(|_| TcpStream::connect(&server.grpc).unwrap())
-        .collect();
-    wait_metric(&server, "tollgate_connections_open{port=\"grpc\"}", 3);
+    // Four connections, two per peer address (each peer's own cap), each
+    // holding a stream in flight: none can make room.
+    let mut held = Vec::new();
+    for source in [2, 2, 3, 3] {
+        let flood = flood_connection(server.grpc.clone(), common::peers::loopback(source), 1, 0)
+            .await
+            .expect("a connection under the cap is served");
+        held.push(flood);
+    }
+    wait_metric(&server, "tollgate_grpc_requests_in_flight", 4);
 
-    wait_closed(TcpStream::connect(&server.grpc).unwrap());
+    wait_closed(common::peers::connect_from(
+        common::peers::loopback(4),
+        &server.grpc,
+    ));
     assert_eq!(
         metric(&server, "tollgate_connections_refused_total{port=\"grpc\"}"),
         1
     );
     assert_eq!(
+        metric(&server, "tollgate_connections_evicted_total{port=\"grpc\"}"),
+        0
+    );
+    assert_eq!(
         metric(&server, "tollgate_connections_open{port=\"grpc\"}"),
-        3
+        4
     );
 
     drop(held);
@@ -323,8 +345,15 @@ impl Drop for Flood {
 /// each a ShouldAllow request whose headers are sent and whose body never
 /// comes (half of them announce a full-size message first). `None` when
 /// the server closed the connection at once.
-async fn flood_connection(addr: String, streams: usize, announce: u32) -> Option<Flood> {
-    let tcp = tokio::net::TcpStream::connect(&addr).await.ok()?;
+async fn flood_connection(
+    addr: String,
+    source: std::net::IpAddr,
+    streams: usize,
+    announce: u32,
+) -> Option<Flood> {
+    let tcp = common::peers::connect_async_from(source, &addr)
+        .await
+        .ok()?;
     let (mut h2, connection) = h2::client::handshake(tcp).await.ok()?;
     let mut flood = Flood {
         streams: Vec::new(),
@@ -346,7 +375,7 @@ async fn flood_connection(addr: String, streams: usize, announce: u32) -> Option
         let Ok((response, mut body)) = sender.send_request(request, false) else {
             break;
         };
-        if i % 2 == 0 {
+        if i % 2 == 0 && announce > 0 {
             // A message header announcing `announce` bytes that never come.
             let mut prefix = vec![0u8];
             prefix.extend_from_slice(&announce.to_be_bytes());
@@ -393,10 +422,18 @@ async fn a_stream_flood_stays_under_the_stated_memory_bound_and_memory_comes_bac
 
     // Ten times the connection cap, each asking for sixteen times the
     // stream cap: without the caps this holds over a gigabyte.
+    // From four peer addresses, so the per-peer cap (half the port's) is
+    // not what bounds them.
     let floods: Vec<_> = (0..200)
-        .map(|_| {
+        .map(|i| {
             let announce = limits.max_message_bytes as u32;
-            tokio::spawn(flood_connection(server.grpc.clone(), 1024, announce))
+            let source = common::peers::loopback(2 + (i % 4) as u8);
+            tokio::spawn(flood_connection(
+                server.grpc.clone(),
+                source,
+                1024,
+                announce,
+            ))
         })
         .collect();
     let mut held = Vec::new();
@@ -412,7 +449,14 @@ async fn a_stream_flood_stays_under_the_stated_memory_bound_and_memory_comes_bac
         metric(&server, "tollgate_connections_open{port=\"grpc\"}"),
         20
     );
-    assert!(metric(&server, "tollgate_connections_refused_total{port=\"grpc\"}") >= 180);
+    // (A connection accepted and not yet past its first request can be
+    // closed to make room for a newer one: counted as evicted.)
+    let refused = metric(&server, "tollgate_connections_refused_total{port=\"grpc\"}");
+    let evicted = metric(&server, "tollgate_connections_evicted_total{port=\"grpc\"}");
+    assert!(
+        refused + evicted >= 180,
+        "{refused} refused, {evicted} evicted"
+    );
     assert!(metric(&server, "tollgate_grpc_overload_refusals_total") > 0);
     let mut peak = 0;
     for _ in 0..20 {

@@ -5,6 +5,7 @@
 //! to the response. It decides nothing itself.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use smallvec::SmallVec;
 use tonic::{Request, Response, Status};
@@ -120,7 +121,12 @@ pub struct RateLimiterService {
     limits: Arc<LiveLimits>,
     unmatched: Unmatched,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
+    first_message: Duration,
 }
+
+/// How long a `ShouldAllowStream` may stay open without its first message
+/// unless set otherwise ([`RateLimiterService::with_first_message_deadline`]).
+pub const FIRST_MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
 
 impl RateLimiterService {
     /// The service deciding through `engine` by the rules in `limits`.
@@ -130,7 +136,18 @@ impl RateLimiterService {
             limits,
             unmatched,
             stop: None,
+            first_message: FIRST_MESSAGE_DEADLINE,
         }
+    }
+
+    /// Ends with DEADLINE_EXCEEDED a decision stream whose first message has
+    /// not come within `deadline` of its opening (the server passes
+    /// `--grpc-request-timeout`): an open stream holds one of the requests
+    /// in flight, and one that never asks anything only takes a slot from
+    /// callers who would.
+    pub fn with_first_message_deadline(mut self, deadline: Duration) -> Self {
+        self.first_message = deadline;
+        self
     }
 
     /// Ends open decision streams once `stop` turns true (at shutdown), so
@@ -401,8 +418,12 @@ impl RateLimiter for RateLimiterService {
         let service = self.clone();
         let stopping = self.stopping();
         let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let first_message = self.first_message;
         tokio::spawn(async move {
             tokio::pin!(stopping);
+            let first_deadline = tokio::time::sleep(first_message);
+            tokio::pin!(first_deadline);
+            let mut waiting_for_first = true;
             // One at a time, in order: each answer is sent before the next
             // message is read. At shutdown the stream ends between messages.
             loop {
@@ -410,8 +431,18 @@ impl RateLimiter for RateLimiterService {
                 // the stream goes on, as the proto promises.
                 let next = tokio::select! {
                     _ = &mut stopping => return,
+                    () = &mut first_deadline, if waiting_for_first => {
+                        let _ = tx
+                            .send(Err(Status::deadline_exceeded(format!(
+                                "no message within {first_message:?} of the stream's opening; \
+                                 open a ShouldAllowStream when there is a request to send"
+                            ))))
+                            .await;
+                        return;
+                    }
                     next = crate::api::codec::lenient(inbound.message()) => next,
                 };
+                waiting_for_first = false;
                 let decided = match next {
                     Ok(Some(Ok(message))) => service.decide_one(&message, &metadata).await,
                     Ok(Some(Err(status))) => Err(status),

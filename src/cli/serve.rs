@@ -112,9 +112,10 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", value_parser = parse_duration)]
     #[serde(default, with = "text_duration")]
     pub reload_interval: Option<Duration>,
-    /// Most limits rows (rules) held in memory, about 170 bytes each; a
-    /// larger table is a start-up error, and rows beyond it added later
-    /// are rejected (listed at /v1/limits). Tenants on a plan need no rows.
+    /// Most limits rows (rules) and plan assignments held in memory (about
+    /// 170 and 80 bytes each); a larger table is a start-up error, and rows
+    /// or assignments beyond it added later are rejected (listed at
+    /// /v1/limits).
     #[arg(long, env = "TOLLGATE_MAX_LIMIT_ROWS")]
     pub max_limit_rows: Option<usize>,
     /// Most buckets held in memory. At the cap full buckets are dropped;

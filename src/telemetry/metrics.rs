@@ -626,6 +626,11 @@ pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
 pub const CONNECTIONS_REFUSED: &str = "tollgate_connections_refused_total";
 /// Connections closed after their idle timeout, by `port`.
 pub const CONNECTIONS_IDLE_CLOSED: &str = "tollgate_connections_idle_closed_total";
+/// Counter: connections closed to give their slot to a new one, by port.
+pub const CONNECTIONS_EVICTED: &str = "tollgate_connections_evicted_total";
+/// Counter: connections closed for not completing their handshake in time,
+/// by port.
+pub const CONNECTIONS_HANDSHAKE_TIMEOUTS: &str = "tollgate_connections_handshake_timeouts_total";
 /// Failed `accept` calls (each followed by a backoff), by `port`.
 pub const ACCEPT_ERRORS: &str = "tollgate_accept_errors_total";
 /// gRPC requests refused with RESOURCE_EXHAUSTED because the instance had
@@ -641,6 +646,16 @@ fn describe_connections() {
     describe_counter!(
         CONNECTIONS_IDLE_CLOSED,
         "Connections closed after their idle timeout with no request in flight, by port."
+    );
+    describe_counter!(
+        CONNECTIONS_EVICTED,
+        "Connections with no request in flight closed to make room for a new one at the port's \
+         connection cap (or its per-peer cap), by port."
+    );
+    describe_counter!(
+        CONNECTIONS_HANDSHAKE_TIMEOUTS,
+        "Connections closed because they sent no HTTP/2 preface (gRPC port) or no complete first \
+         request (admin port) within the handshake deadline, by port."
     );
     describe_counter!(
         ACCEPT_ERRORS,
@@ -687,6 +702,16 @@ pub fn connection_refused(port: &'static str) {
 /// Counts a connection closed for idleness on `port`.
 pub fn connection_idle_closed(port: &'static str) {
     counter!(CONNECTIONS_IDLE_CLOSED, "port" => port).increment(1);
+}
+
+/// Counts a connection on `port` closed to give its slot to a new one.
+pub fn connection_evicted(port: &'static str) {
+    counter!(CONNECTIONS_EVICTED, "port" => port).increment(1);
+}
+
+/// Counts a connection on `port` closed for a handshake not done in time.
+pub fn connection_handshake_timeout(port: &'static str) {
+    counter!(CONNECTIONS_HANDSHAKE_TIMEOUTS, "port" => port).increment(1);
 }
 
 /// Counts a failed accept on `port`.
