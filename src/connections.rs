@@ -475,6 +475,11 @@ impl AsyncRead for Connection {
         if self.expired {
             return Poll::Ready(Ok(()));
         }
+        if self.handle.shared.evicted.load(Ordering::Acquire) {
+            // Its slot went to a newcomer (counted by the acceptor).
+            self.expired = true;
+            return Poll::Ready(Ok(()));
+        }
         // The socket first: the timers only matter when it has nothing.
         let before = buf.filled().len();
         let read = Pin::new(&mut self.stream).poll_read(cx, buf);

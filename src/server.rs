@@ -269,6 +269,13 @@ impl GrpcLimits {
         if self.connection_concurrency == 0 {
             return zero("--grpc-connection-concurrency");
         }
+        if self.max_message_bytes < 64 {
+            return Err(
+                "--grpc-max-message-bytes must be at least 64 (a ShouldAllow request takes \
+                 tens of bytes; the default is 1048576)"
+                    .into(),
+            );
+        }
         if self.max_header_bytes < 1024 {
             return Err("--grpc-max-header-bytes must be at least 1024".into());
         }
@@ -634,18 +641,29 @@ pub async fn run(
     // in flight finish; what is still open after the grace period (an idle
     // connection that never sent a request, a request half sent) is closed
     // by dropping it, so the process always exits.
+    // One deadline for both ports: the grace counts from the moment the
+    // shutdown begins.
     let grace = config.shutdown_grace;
     let past_grace = {
         let stop = stopped();
-        async move {
+        let (passed, past_grace) = watch::channel(false);
+        tokio::spawn(async move {
             stop.await;
             tokio::time::sleep(grace).await;
+            let _ = passed.send(true);
+        });
+        move || {
+            let mut past_grace = past_grace.clone();
+            async move {
+                let _ = past_grace.wait_for(|passed| *passed).await;
+            }
         }
     };
-    tokio::pin!(served, past_grace);
+    let grpc_past_grace = past_grace();
+    tokio::pin!(served, grpc_past_grace);
     let served = tokio::select! {
         served = &mut served => served,
-        () = &mut past_grace => {
+        () = &mut grpc_past_grace => {
             tracing::warn!(?grace, "gRPC connections still open after the shutdown grace period; closing them");
             Ok(())
         }
@@ -656,15 +674,17 @@ pub async fn run(
         .set_not_serving::<RateLimiterServer<RateLimiterService>>()
         .await;
 
-    // The admin port's connections get the same grace, counted from the
-    // moment the gRPC server is done.
+    // The admin port's connections have what is left of the same grace.
     let admin_abort = admin_task.abort_handle();
-    if tokio::time::timeout(grace, admin_task).await.is_err() {
-        tracing::warn!(
-            ?grace,
-            "admin connections still open after the shutdown grace period; closing them"
-        );
-        admin_abort.abort();
+    tokio::select! {
+        _ = admin_task => {}
+        () = past_grace() => {
+            tracing::warn!(
+                ?grace,
+                "admin connections still open after the shutdown grace period; closing them"
+            );
+            admin_abort.abort();
+        }
     }
     let _ = watcher.await;
     let _ = envoy_watcher.await;

@@ -89,3 +89,28 @@ fn http(admin: &str, method: &str, token: Option<&str>) -> String {
     stream.read_to_string(&mut response).unwrap();
     response
 }
+
+#[test]
+fn an_ipv4_mapped_loopback_address_counts_as_loopback() {
+    use tollgate::api::admin::AdminAccess;
+    let open = AdminAccess::default();
+    assert_eq!(
+        open.validate("[::ffff:127.0.0.1]:8090".parse().unwrap()),
+        Ok(())
+    );
+    assert_eq!(open.validate("[::1]:8090".parse().unwrap()), Ok(()));
+    let err = open
+        .validate("[::ffff:10.0.0.1]:8090".parse().unwrap())
+        .unwrap_err();
+    assert!(err.contains("reachable from other hosts"), "{err}");
+}
+
+#[test]
+fn a_zero_message_size_is_refused_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = serve_fails(dir.path(), &["--grpc-max-message-bytes", "0"], &[]);
+    assert!(
+        err.contains("--grpc-max-message-bytes must be at least 64"),
+        "{err}"
+    );
+}

@@ -358,7 +358,9 @@ async fn bad_budget_requests_get_clear_errors_and_extremes_are_clamped() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!((s.remaining, s.debt, s.actual), (0, 500, 1 << 53));
+    // The store applied 2^53 (above every capacity); the answer echoes
+    // the actual given.
+    assert_eq!((s.remaining, s.debt, s.actual), (0, 500, u64::MAX));
     assert_eq!(
         s.forgiven,
         ((1u64 << 53) - 10 - 1490) + ((1u64 << 53) - 10 - 4989)
@@ -479,4 +481,42 @@ async fn budgets_while_redis_does_not_answer() {
     asked.dry_run = true;
     let r = ask(&mut client, asked).await;
     assert_eq!(r.remaining, 1000 - 30 - 1, "refunded once: 970 held");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_counters_count_what_was_applied_and_settle_echoes_the_actual() {
+    let server = TestServer::launch(Some(&rules()), |_| {}).await;
+    let mut client = server.client().await;
+    // Charged to a tenant of its own, so the reserve below is not in debt.
+    let charge = |cost| ChargeRequest {
+        key: "dave".into(),
+        cost,
+        tenant: "other".into(),
+        resource: String::new(),
+    };
+    let series = r#"tollgate_charged_tokens_total{api="native",phase="charge"}"#;
+    client.charge(charge(1000)).await.unwrap();
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(sample(&metrics, series), 1000);
+    // Two charges of 2^64 - 1: each applies at most 2^53 (above every
+    // capacity), and the counter counts that, never wrapping back.
+    for _ in 0..2 {
+        client.charge(charge(u64::MAX)).await.unwrap();
+    }
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(sample(&metrics, series), 1000 + 2 * (1 << 53));
+
+    // A settle echoes the actual usage it was given.
+    let r = client
+        .reserve(reserve("erin", 10, None))
+        .await
+        .unwrap()
+        .into_inner();
+    let s = client
+        .settle(settle(&r.reservation, u64::MAX))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.actual, u64::MAX);
+    assert_eq!(s.status(), SettleStatus::Settled);
 }

@@ -175,3 +175,51 @@ async fn the_example_table_in_deploy_loads_and_decides() {
     assert_eq!((r.limit_name.as_str(), r.limit), ("acme-per-key", 300));
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_hostile_rule_name_is_rejected_and_never_reaches_a_terminal_raw() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    // A name with a terminal escape (clear screen), a right-to-left
+    // override and a newline, written by plain SQL.
+    server
+        .table
+        .execute_sql(
+            "INSERT INTO limits (name, tenant, scope, burst, rate, rate_unit) \
+             VALUES ('evil' || char(27) || '[2J' || char(8238) || char(10) || 'x', \
+                     'acme', 'key', 5, 1, 'second')",
+        )
+        .await
+        .unwrap();
+    let error = server.wait_rejected_row().await;
+    assert!(
+        error.ends_with(
+            r#"name "evil\u{1b}[2J\u{202e}\nx" contains '\u{1b}'; use ASCII letters, digits, '.', '_' and '-'"#
+        ),
+        "{error}"
+    );
+    assert!(
+        !error.chars().any(|c| c.is_control() || c == '\u{202e}'),
+        "{error:?}"
+    );
+    // Not in force: acme's decisions go by the default row, and no answer
+    // carries the name.
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.limit_name.as_str(), r.limit), ("default-per-key", 30));
+    // `tollgate limits list` shows it escaped.
+    let filter = tollgate::limits::table::RowFilter {
+        limit: 10,
+        ..Default::default()
+    };
+    let rows = server.table.rows_page(&filter).await.unwrap();
+    let shown = tollgate::cli::render_rows(&rows);
+    assert!(shown.contains(r#""evil\u{1b}[2J\u{202e}\nx""#), "{shown}");
+    assert!(
+        !shown
+            .chars()
+            .any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'),
+        "{shown:?}"
+    );
+    assert_eq!(shown.lines().count(), 3, "{shown}");
+    server.stop().await;
+}

@@ -541,7 +541,9 @@ impl RateLimiter for RateLimiterService {
             .map_err(status::from_decide_error)?;
         let (status, actual) = match settled.status {
             SettleStatus::AlreadySettled { actual } => (ProtoSettleStatus::AlreadySettled, actual),
-            _ => (ProtoSettleStatus::Settled, req.actual.min(caps::MAX_COST)),
+            // The usage as reported (the store applies at most `MAX_COST`,
+            // above every capacity).
+            _ => (ProtoSettleStatus::Settled, req.actual),
         };
         let tightest = settled
             .tightest

@@ -269,30 +269,41 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
         "UPDATED_AT".into(),
     ]];
     let or = |s: &str, d: &str| {
-        if s.is_empty() {
-            d.to_owned()
-        } else {
-            s.to_owned()
-        }
+        if s.is_empty() { d.to_owned() } else { shown(s) }
     };
     for r in rows {
         lines.push([
-            r.name.clone(),
+            shown(&r.name),
             or(&r.tenant, if r.plan.is_empty() { "(default)" } else { "" }),
-            r.plan.clone(),
+            shown(&r.plan),
             or(&r.resource, "(any)"),
-            r.scope.clone(),
+            shown(&r.scope),
             r.burst.to_string(),
             if r.kind == "concurrency" {
                 "concurrency".to_owned()
             } else {
                 format!("{}/{}", r.rate, r.rate_unit)
             },
-            r.mode.clone(),
-            r.on_store_unavailable.clone(),
+            shown(&r.mode),
+            shown(&r.on_store_unavailable),
             r.debt.to_string(),
-            r.updated_at.clone(),
+            shown(&r.updated_at),
         ]);
     }
     super::aligned(&lines)
+}
+
+/// A value from the table as a terminal may show it: as it is when it keeps
+/// to the characters of a label, else quoted with its control, format
+/// (U+202E ...) and escape characters escaped and a long value shortened:
+/// rows written by plain SQL may hold anything.
+fn shown(value: &str) -> String {
+    let plain = value
+        .bytes()
+        .all(|b| (b.is_ascii_graphic() && b != b'"' && b != b'\\') || b == b' ');
+    if plain && value.len() <= crate::limits::MAX_LABEL_LEN {
+        value.to_owned()
+    } else {
+        format!("{:?}", crate::limits::short(value))
+    }
 }

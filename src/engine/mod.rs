@@ -542,7 +542,8 @@ impl Engine {
         let api = demand.api.label();
         let mut charged = 0u64;
         for (item, a) in demand.items.iter().zip(&answer.items) {
-            charged = charged.saturating_add(item.cost);
+            // What the store applied: a cost is clamped to `MAX_COST`.
+            charged = charged.saturating_add(item.cost.min(caps::MAX_COST));
             if a.debt > 0 {
                 self.top.record_debt(item.tenant, item.key, a.debt);
             }

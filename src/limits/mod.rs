@@ -460,12 +460,9 @@ impl TypedRow<'_> {
         }
         check_label("tenant", self.tenant)?;
         check_label("plan", self.plan)?;
-        if self.name.len() > MAX_NAME_LEN {
-            return Err(format!(
-                "name is {} bytes; at most {MAX_NAME_LEN} are allowed",
-                self.name.len()
-            ));
-        }
+        // A name goes out in every answer's `limit_name` and in terminals:
+        // the same characters and length as a tenant.
+        check_label("name", self.name)?;
         if !self.tenant.is_empty() && !self.plan.is_empty() {
             return Err(format!(
                 "the row names tenant {:?} and plan {:?}; a row belongs to a tenant or to a plan, \
@@ -614,8 +611,8 @@ pub struct RowError {
     pub reason: String,
 }
 
-/// Longest row name, in bytes.
-pub const MAX_NAME_LEN: usize = 256;
+/// Longest row name, in bytes (names follow the rules of tenants).
+pub const MAX_NAME_LEN: usize = MAX_LABEL_LEN;
 
 /// Everything a rule says but its name: shared by every rule of the same
 /// shape (a million tenants on a few tiers hold a few shapes).

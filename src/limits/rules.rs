@@ -937,6 +937,13 @@ impl Update<'_> {
                 .or_default()
                 .push((name, change));
         }
+        // Tenants leaving a plan (or moving) make room before any joins, so
+        // the order shards are rebuilt in never decides who fits the bound.
+        for change in by_shard.values().flatten() {
+            if base.tenant(&change.0).and_then(TenantEntry::plan).is_some() {
+                self.assigned -= 1;
+            }
+        }
         let mut shards: Vec<Arc<[TenantEntry]>> = base.shards.to_vec();
         for (shard, mut changes) in by_shard {
             changes.sort_unstable_by(|a, b| key_of(&a.0).cmp(&key_of(&b.0)));
@@ -953,16 +960,17 @@ impl Update<'_> {
                     &old[i - 1]
                 });
                 let was = previous.and_then(TenantEntry::plan);
-                if let (None, Some(p)) = (was, change.plan)
+                if let Some(p) = change.plan
                     && self.over_bound_with_one_more()
                 {
                     let plan = self.loader.plan_names[p as usize].clone();
                     self.reject_assignment(&name, &plan);
-                    change.plan = None;
+                    // It keeps the plan it had, if any: that room is its own.
+                    change.plan = was;
                 }
                 if let Some(p) = was {
+                    // (Counted out of `assigned` above.)
                     self.loader.plan_tenants[p as usize] -= 1;
-                    self.assigned -= 1;
                 }
                 if let Some(p) = change.plan {
                     self.loader.plan_tenants[p as usize] += 1;

@@ -255,17 +255,20 @@ pub fn decisions(api: &'static str, outcome: Outcome, rule: &str, n: u64, tokens
                 ("outcome", outcome.label().to_owned()),
                 ("rule", rule.to_owned()),
             ];
-            let handles = (counter!(DECISIONS, &labels), counter!(TOKENS, &labels));
+            let handles = (
+                counter!(DECISIONS, &labels),
+                TokenCounter::new(counter!(TOKENS, &labels)),
+            );
             decision_handles().entry(rule.to_owned()).or_default()[api_index][outcome as usize] =
                 Some(handles.clone());
             handles
         }
     };
     decisions.increment(n);
-    tokens_counter.increment(tokens);
+    tokens_counter.add(tokens);
 }
 
-type DecisionSlots = [[Option<(metrics::Counter, metrics::Counter)>; 7]; 2];
+type DecisionSlots = [[Option<(metrics::Counter, TokenCounter)>; 7]; 2];
 
 /// Counter handles by rule name, then API (native, envoy) and outcome.
 fn decision_handles() -> &'static dashmap::DashMap<String, DecisionSlots> {
@@ -491,10 +494,66 @@ fn describe_budgets() {
     );
 }
 
+/// A counter of tokens: a caller chooses the amounts (up to 2^64 − 1 each),
+/// so it saturates at 2^64 − 1 instead of wrapping (which Prometheus would
+/// read as a counter reset, and `rate()` as a spike).
+#[derive(Clone)]
+struct TokenCounter {
+    counter: metrics::Counter,
+    total: std::sync::Arc<AtomicU64>,
+}
+
+impl TokenCounter {
+    fn new(counter: metrics::Counter) -> Self {
+        Self {
+            counter,
+            total: std::sync::Arc::default(),
+        }
+    }
+
+    fn add(&self, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let before = self
+            .total
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                Some(t.saturating_add(tokens))
+            })
+            .unwrap_or_else(|t| t);
+        // `absolute` keeps the largest value set, so racing adds never
+        // move the series back.
+        self.counter.absolute(before.saturating_add(tokens));
+    }
+}
+
+/// Adds `tokens` to the series `name{api, phase}` (no `phase` label when
+/// empty), saturating.
+fn add_tokens(name: &'static str, api: &'static str, phase: &'static str, tokens: u64) {
+    static SERIES: OnceLock<
+        dashmap::DashMap<(&'static str, &'static str, &'static str), TokenCounter>,
+    > = OnceLock::new();
+    if tokens == 0 {
+        return;
+    }
+    let series = SERIES.get_or_init(dashmap::DashMap::new);
+    let counter = series
+        .entry((name, api, phase))
+        .or_insert_with(|| {
+            TokenCounter::new(if phase.is_empty() {
+                counter!(name, "api" => api)
+            } else {
+                counter!(name, "api" => api, "phase" => phase)
+            })
+        })
+        .clone();
+    counter.add(tokens);
+}
+
 /// Counts a reservation of `tokens`.
 pub fn reserved(api: &'static str, tokens: u64) {
     counter!(RESERVATIONS, "api" => api).increment(1);
-    counter!(RESERVED_TOKENS, "api" => api).increment(tokens);
+    add_tokens(RESERVED_TOKENS, api, "", tokens);
 }
 
 /// Counts a settle by its status.
@@ -504,24 +563,18 @@ pub fn settle_outcome(api: &'static str, status: &'static str) {
 
 /// Counts what a settle gave back or charged beyond its estimate.
 pub fn settled(api: &'static str, refunded: u64, charged: u64) {
-    if refunded > 0 {
-        counter!(REFUNDED_TOKENS, "api" => api).increment(refunded);
-    }
-    if charged > 0 {
-        counter!(CHARGED_TOKENS, "api" => api, "phase" => "settle").increment(charged);
-    }
+    add_tokens(REFUNDED_TOKENS, api, "", refunded);
+    add_tokens(CHARGED_TOKENS, api, "settle", charged);
 }
 
 /// Counts usage charged after the fact.
 pub fn charged(api: &'static str, tokens: u64) {
-    counter!(CHARGED_TOKENS, "api" => api, "phase" => "charge").increment(tokens);
+    add_tokens(CHARGED_TOKENS, api, "charge", tokens);
 }
 
 /// Counts tokens forgiven at a debt floor.
 pub fn forgiven(api: &'static str, tokens: u64) {
-    if tokens > 0 {
-        counter!(FORGIVEN_TOKENS, "api" => api).increment(tokens);
-    }
+    add_tokens(FORGIVEN_TOKENS, api, "", tokens);
 }
 
 /// Counts reservations found expired unsettled.
@@ -722,4 +775,20 @@ pub fn accept_error(port: &'static str) {
 /// Counts a gRPC request refused at the in-flight cap.
 pub fn grpc_overloaded() {
     counter!(GRPC_OVERLOADED).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_counter_saturates_instead_of_wrapping() {
+        let c = TokenCounter::new(metrics::Counter::noop());
+        c.add(1000);
+        c.add(u64::MAX);
+        assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
+        c.add(u64::MAX);
+        c.add(1);
+        assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
+    }
 }

@@ -127,7 +127,7 @@ impl AdminAccess {
                  changing endpoints off"
                 .into());
         }
-        if self.token.is_none() && !bound.ip().is_loopback() && !self.trust_network {
+        if self.token.is_none() && !bound.ip().to_canonical().is_loopback() && !self.trust_network {
             return Err(format!(
                 "the admin port is bound to {bound}, which is reachable from other hosts, \
                  and no admin token is set; set --admin-token (TOLLGATE_ADMIN_TOKEN), bind \
