@@ -109,6 +109,7 @@ async fn a_lost_database_keeps_the_last_good_limits_and_reconnects() {
         .await
         .unwrap();
     eventually(&a, "acme", ("acme", 7)).await;
+    eventually(&b, "acme", ("acme", 7)).await;
     table.close().await;
 
     pg.kill();
