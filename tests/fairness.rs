@@ -17,6 +17,16 @@ use common::process::ServeProcess;
 use tollgate::proto::v1::ShouldAllowRequest;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 
+fn request(key: &str) -> ShouldAllowRequest {
+    ShouldAllowRequest {
+        key: key.into(),
+        cost: 1,
+        tenant: "t".into(),
+        resource: String::new(),
+        dry_run: false,
+    }
+}
+
 fn metric(server: &ServeProcess, series: &str) -> u64 {
     let text = server.admin_get("/metrics").unwrap();
     sample(&text, series).unwrap_or(0)
@@ -148,17 +158,7 @@ async fn silent_grpc_connections_make_room_and_close_after_the_handshake_deadlin
     let mut c = RateLimiterClient::connect(format!("http://{}", server.grpc))
         .await
         .unwrap();
-    let answer = c
-        .should_allow(ShouldAllowRequest {
-            key: "k".into(),
-            cost: 1,
-            tenant: "t".into(),
-            resource: String::new(),
-            dry_run: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = c.should_allow(request("k")).await.unwrap().into_inner();
     assert!(answer.allowed);
     assert_eq!(
         metric(&server, "tollgate_connections_evicted_total{port=\"grpc\"}"),
@@ -178,17 +178,7 @@ async fn silent_grpc_connections_make_room_and_close_after_the_handshake_deadlin
         ),
         7
     );
-    let again = c
-        .should_allow(ShouldAllowRequest {
-            key: "k".into(),
-            cost: 1,
-            tenant: "t".into(),
-            resource: String::new(),
-            dry_run: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let again = c.should_allow(request("k")).await.unwrap().into_inner();
     assert!(again.allowed);
 }
 
@@ -277,13 +267,7 @@ async fn silent_decision_streams_never_lock_out_a_fresh_connection_and_end_at_th
         .unwrap();
     for i in 0..20 {
         let answer = c
-            .should_allow(ShouldAllowRequest {
-                key: format!("fresh-{i}"),
-                cost: 1,
-                tenant: "t".into(),
-                resource: String::new(),
-                dry_run: false,
-            })
+            .should_allow(request(&format!("fresh-{i}")))
             .await
             .expect("a fresh connection is served")
             .into_inner();
