@@ -16,10 +16,15 @@ KEYS      the requests' keys, in request order: each request's buckets,
           the hash tag, so the script runs on one Redis Cluster slot (a
           settle reads and writes the buckets its record names: they share
           the record's tag).
-ARGV[1]   "now" in microseconds since the Unix epoch, or "" to read Redis's
-          own clock (TIME). Production passes "": every instance then uses
-          the one clock of the Redis that holds the bucket, so instances with
-          skewed clocks still agree. Tests pass a value to control time.
+ARGV[1]   "[NOW][@DEADLINE]": NOW, "now" in microseconds since the Unix
+          epoch, or nothing to read Redis's own clock (TIME). Production
+          passes no NOW: every instance then uses the one clock of the Redis
+          that holds the bucket, so instances with skewed clocks still
+          agree. Tests pass a value to control time. DEADLINE, on Redis's
+          clock (µs), is when the caller stops waiting and is answered by
+          policy: a call that runs at or after it (it queued behind a frozen
+          or busy Redis) applies nothing and returns { -1, TIME }, so a
+          request answered "store unavailable" is never charged later.
 ARGV[2]   the requests, comma-separated, each its number of buckets and its
           operation:
             Ns        decide, and spend when allowed
@@ -88,7 +93,8 @@ body, MASK marking with 1 the buckets the reserve spent; once settled,
 "S ACTUAL ESTIMATE" (kept, with the record's TTL, so a second settle answers
 what the first did).
 
-Returns an array: { now, then per request ... }:
+Returns an array: { clock, then per request ... }, clock being Redis's
+TIME when it was read (a deadline, or no NOW), otherwise NOW:
   decide, charge, reserve, acquire: three per bucket: 2 * balance + allowed,
           retry_after, reset_after, with allowed as 1/0, balance the whole
           tokens left (negative: the tokens owed below zero) and times in
@@ -337,13 +343,19 @@ local function read_cost(s)
   return v, v
 end
 
-local now
-if ARGV[1] == '' then
+-- ARGV[1] is "[NOW][@DEADLINE]". Redis's clock is read when the call has
+-- no pinned now or has a deadline; a call that runs past its deadline
+-- returns before anything is read or written.
+local pinned, deadline = string.match(ARGV[1], '^(%d*)@?(%d*)$')
+local now, clock
+if pinned == '' or deadline ~= '' then
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[1])
+  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if deadline ~= '' and clock >= tonumber(deadline) then
+    return { -1, clock }
+  end
 end
+now = tonumber(pinned) or clock
 local margin_ms = tonumber(ARGV[3])
 
 -- How long a reservation's record outlives its time to live, so that a late
@@ -693,7 +705,7 @@ if keys ~= #KEYS or count == 0 then
 end
 
 local snapshot, written = read_all(), {}
-local out = { now }
+local out = { clock or now }
 local first, b, extra = 1, 1, 4 + buckets * 3
 for q = 0, count - 1 do
   local n, mode, arg = requests[q * 3 + 1], requests[q * 3 + 2], requests[q * 3 + 3]

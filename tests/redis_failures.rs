@@ -502,3 +502,114 @@ async fn a_cluster_node_killed_under_load_and_back() {
     assert!(decided.load(Ordering::Relaxed) > degraded.load(Ordering::Relaxed));
     server.stop().await;
 }
+
+/// A call that reaches Redis after its caller was answered by policy
+/// applies nothing: it carries its deadline on Redis's own clock. With a
+/// `deny` rule and the Redis holding the tenant frozen, three decisions of
+/// cost 10, a reserve of 10 and a charge of 10 are each answered by policy
+/// while their script calls wait in the socket; after the thaw Redis runs
+/// all five (its EVALSHA count shows it) and the bucket still holds all
+/// 100 tokens, with no reservation record written.
+async fn late_calls_apply_nothing(url: String, node: &RedisServer) {
+    let rules = [{
+        let mut r = row("closed", "closed", "", "key", 100, "1/hour");
+        r.on_store_unavailable = "deny".parse().unwrap();
+        r
+    }];
+    let server = TestServer::launch(Some(&rules), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(100);
+        // Every call is sent, none refused by an open breaker.
+        c.breaker_threshold = 1_000;
+    })
+    .await;
+    server.wait_ready().await;
+    let mut client = server.client().await;
+    // The script loaded and the node's clock learnt.
+    decide_on_redis(&mut client, "closed", "warm").await;
+    let sent_before = common::redis::evalsha_calls(node.port);
+
+    node.freeze();
+    for _ in 0..3 {
+        let mut request = tonic::Request::new(ShouldAllowRequest {
+            cost: 10,
+            ..common::req("closed", "victim")
+        });
+        request.set_timeout(DEADLINE);
+        let r = client.should_allow(request).await.unwrap().into_inner();
+        assert_eq!(
+            (r.allowed, r.degraded()),
+            (false, Degraded::FailedClosed),
+            "{r:?}"
+        );
+    }
+    let reserved = client
+        .reserve(tollgate::proto::v1::ReserveRequest {
+            key: "victim".into(),
+            estimate: 10,
+            tenant: "closed".into(),
+            resource: String::new(),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let decision = reserved.decision.unwrap();
+    assert_eq!(
+        (decision.allowed, decision.degraded()),
+        (false, Degraded::FailedClosed)
+    );
+    assert_eq!(reserved.reservation, "", "nothing to settle");
+    let charged = client
+        .charge(tollgate::proto::v1::ChargeRequest {
+            key: "victim".into(),
+            cost: 10,
+            tenant: "closed".into(),
+            resource: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (charged.forgiven, charged.degraded()),
+        (10, Degraded::FailedClosed),
+        "not recorded anywhere"
+    );
+
+    node.thaw();
+    let mut ran = 0;
+    for _ in 0..500 {
+        ran = common::redis::evalsha_calls(node.port) - sent_before;
+        if ran >= 5 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(ran, 5, "Redis ran the five late calls after the thaw");
+    assert_eq!(
+        common::redis::redis_cli(node.port, &["GET", "tollgate:{closed}:k::victim"]),
+        "",
+        "the bucket was never written"
+    );
+    assert_eq!(
+        common::redis::redis_cli(node.port, &["KEYS", "tollgate:{closed}:r:*"]),
+        "",
+        "no reservation record"
+    );
+    let r = dry_run_on_redis(&mut client, "closed", "victim").await;
+    assert_eq!((r.allowed, r.remaining), (true, 99), "all 100 tokens held");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_redis_runs_after_its_caller_was_answered_applies_nothing() {
+    let redis = RedisServer::start();
+    late_calls_apply_nothing(redis.url(), &redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_a_cluster_node_runs_after_its_caller_was_answered_applies_nothing() {
+    let cluster = common::redis::RedisCluster::start();
+    let owner = cluster.owner(cluster.slot_of("closed")).unwrap();
+    late_calls_apply_nothing(cluster.url(), &cluster.nodes[owner]).await;
+}

@@ -577,7 +577,7 @@ impl Shared {
         op: &'static str,
         deadline: Instant,
         key: &str,
-        cmd: &redis::Cmd,
+        cmd: Command<'_>,
     ) -> Result<Value, StoreError> {
         let started = Instant::now();
         let result = self.exec_by(deadline, key, cmd).await;
@@ -594,7 +594,9 @@ impl Shared {
         cmd: &redis::Cmd,
     ) -> Result<T, StoreError> {
         let deadline = Instant::now() + self.config.timeout;
-        let value = self.exec_until(op, deadline, key, cmd).await?;
+        let value = self
+            .exec_until(op, deadline, key, Command::Plain(cmd))
+            .await?;
         redis::from_redis_value(value)
             .map_err(|e| StoreError::Protocol(format!("Redis answered {op} unexpectedly: {e}")))
     }
@@ -603,7 +605,7 @@ impl Shared {
         &self,
         deadline: Instant,
         key: &str,
-        cmd: &redis::Cmd,
+        command: Command<'_>,
     ) -> Result<Value, StoreError> {
         let slot = slot_of(key);
         let mut node = self.routes.route(slot, deadline).await?;
@@ -611,7 +613,22 @@ impl Shared {
         let mut loaded = false;
         for _ in 0..MAX_REDIRECTS {
             let refused = node.refuses();
-            let answer = match node.call(cmd, asking, deadline).await {
+            let call = async {
+                match command {
+                    Command::Plain(cmd) => node.call(cmd, asking, deadline).await,
+                    Command::Script(write) => {
+                        node.learn_clock(deadline).await?;
+                        let on_node = node.deadline_on_node(deadline).ok_or_else(|| {
+                            StoreError::Unavailable(format!(
+                                "Redis node {}: connection dropped",
+                                node.addr
+                            ))
+                        })?;
+                        node.call(&write(on_node), asking, deadline).await
+                    }
+                }
+            };
+            let answer = match call.await {
                 Ok(answer) => answer,
                 Err(err) => {
                     // A node that just failed may have been replaced: look
@@ -624,6 +641,29 @@ impl Shared {
                 }
             };
             match answer {
+                Answer::Value(value) if matches!(command, Command::Script(_)) => {
+                    match script::clock_of(&value) {
+                        Some(script::Clock::OnTime(clock)) => node.observe_clock(clock),
+                        Some(script::Clock::Late(clock)) => {
+                            node.observe_clock(clock);
+                            metrics::store_error("redis", "late");
+                            // Redis ran it after the deadline as this
+                            // node's clock was known; when the caller
+                            // still waits (Redis's clock stepped forward),
+                            // ask again with the clock just learnt.
+                            if Instant::now() < deadline {
+                                continue;
+                            }
+                            return Err(StoreError::Unavailable(format!(
+                                "Redis node {} ran the call after its caller's deadline; \
+                                 nothing was applied",
+                                node.addr
+                            )));
+                        }
+                        None => {}
+                    }
+                    return Ok(value);
+                }
                 Answer::Value(value) => return Ok(value),
                 Answer::Redirect { moved, addr } => {
                     metrics::store_redirect(if moved { "moved" } else { "ask" });
@@ -679,18 +719,24 @@ impl Shared {
             .as_ref()
             .map(|c| c.now().to_string())
             .unwrap_or_default();
-        let evalsha = script::evalsha(
-            self.script.get_hash(),
-            requests,
-            &now,
-            self.config.expiry_margin.as_millis() as u64,
-        );
+        let margin_ms = self.config.expiry_margin.as_millis() as u64;
+        let write = |deadline_on_node: i64| {
+            script::evalsha(
+                self.script.get_hash(),
+                requests,
+                &now,
+                deadline_on_node,
+                margin_ms,
+            )
+        };
         let key = &requests[0].keys[0];
         // Counted as sent unless the node's breaker refuses it outright.
         if !self.routes.refuses(slot_of(key)) {
             metrics::store_decisions("redis", requests.len());
         }
-        let reply = self.exec_until("decide", deadline, key, &evalsha).await?;
+        let reply = self
+            .exec_until("decide", deadline, key, Command::Script(&write))
+            .await?;
         // Read in place: the reply is a flat array of integers.
         let ints: Option<SmallVec<[i64; 64]>> = match &reply {
             Value::Array(items) => items
@@ -709,6 +755,17 @@ impl Shared {
         };
         parse_reply(&ints, requests.iter().map(|r| (&r.kind, &r.charges[..])))
     }
+}
+
+/// What [`Shared::exec_by`] sends.
+#[derive(Clone, Copy)]
+enum Command<'a> {
+    /// A command as it is.
+    Plain(&'a redis::Cmd),
+    /// The decision script, written for the node that runs it: given the
+    /// call's deadline on that node's clock, so that a call Redis runs
+    /// after its caller was answered applies nothing.
+    Script(&'a (dyn Fn(i64) -> redis::Cmd + Sync)),
 }
 
 /// Most redirects (and `TRYAGAIN` pauses) one call follows.

@@ -9,7 +9,8 @@
 //! (the breaker's probe, once open) connects again.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -55,9 +56,24 @@ pub(super) struct Node {
     generation: AtomicU64,
     breaker: Breaker,
     errors: AtomicU64,
+    /// Redis's clock less this process's (µs, see [`local_micros`]), as a
+    /// lower bound from the last reply that carried Redis's `TIME`;
+    /// [`UNKNOWN`] before the first and after a connection is dropped.
+    clock_offset: AtomicI64,
     /// Decisions waiting for a shared script call to this node; `None`
     /// when coalescing is off.
     pub waiting: Option<Mutex<Waiting>>,
+}
+
+/// [`Node::clock_offset`] before Redis's clock is known.
+const UNKNOWN: i64 = i64::MIN;
+
+/// Microseconds from a fixed instant of this process to `at` (zero for
+/// instants before it): the local side of a node's clock offset.
+fn local_micros(at: Instant) -> i64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    let origin = *ORIGIN.get_or_init(Instant::now);
+    i64::try_from(at.saturating_duration_since(origin).as_micros()).unwrap_or(i64::MAX)
 }
 
 /// Most node addresses used as metric labels; further nodes share `other`.
@@ -72,6 +88,8 @@ impl Node {
         breaker: Breaker,
         coalesce: bool,
     ) -> Self {
+        // Fix the origin of local time before any deadline is converted.
+        local_micros(Instant::now());
         Self {
             addr,
             label,
@@ -81,6 +99,7 @@ impl Node {
             generation: AtomicU64::new(0),
             breaker,
             errors: AtomicU64::new(0),
+            clock_offset: AtomicI64::new(UNKNOWN),
             waiting: coalesce.then(Mutex::default),
         }
     }
@@ -164,7 +183,55 @@ impl Node {
         let mut conn = self.conn.lock();
         if matches!(&*conn, Conn::Ready(_, g) if *g == generation) {
             *conn = Conn::Idle;
+            // The next connection may reach another server (a restart, a
+            // failover behind the same address): learn its clock again.
+            self.clock_offset.store(UNKNOWN, Ordering::Relaxed);
         }
+    }
+
+    /// `deadline` on this node's clock (µs since the Unix epoch), early
+    /// rather than late: a script call carries it so that one Redis runs
+    /// after its caller was answered applies nothing. `None` until the
+    /// node's clock is known ([`Node::learn_clock`]).
+    pub fn deadline_on_node(&self, deadline: Instant) -> Option<i64> {
+        let offset = self.clock_offset.load(Ordering::Relaxed);
+        (offset != UNKNOWN).then(|| local_micros(deadline).saturating_add(offset))
+    }
+
+    /// Learns this node's clock from `redis_now`, its `TIME` (µs) in a
+    /// reply received just now. Redis read it at some moment between the
+    /// call's sending and now, so `redis_now` less the local time now is a
+    /// lower bound of the offset: deadlines written with it fall early on
+    /// Redis's clock, never late (unless Redis's clock steps back between
+    /// two replies; the next reply corrects it).
+    pub fn observe_clock(&self, redis_now: i64) {
+        let offset = redis_now.saturating_sub(local_micros(Instant::now()));
+        self.clock_offset.store(offset, Ordering::Relaxed);
+    }
+
+    /// Reads the node's clock with `TIME` when it is not known yet (the
+    /// first script call over a connection).
+    pub async fn learn_clock(self: &Arc<Self>, deadline: Instant) -> Result<(), StoreError> {
+        if self.clock_offset.load(Ordering::Relaxed) != UNKNOWN {
+            return Ok(());
+        }
+        let value = match self.call(&redis::cmd("TIME"), false, deadline).await? {
+            Answer::Value(value) => value,
+            _ => {
+                return Err(StoreError::Unavailable(format!(
+                    "Redis node {} did not answer TIME",
+                    self.addr
+                )));
+            }
+        };
+        let (secs, micros): (i64, i64) = redis::from_redis_value(value).map_err(|e| {
+            StoreError::Protocol(format!(
+                "Redis node {} answered TIME unexpectedly: {e}",
+                self.addr
+            ))
+        })?;
+        self.observe_clock(secs.saturating_mul(1_000_000).saturating_add(micros));
+        Ok(())
     }
 
     /// Sends `cmd` (after `ASKING` when `asking`), by `deadline`, through

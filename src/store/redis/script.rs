@@ -111,11 +111,18 @@ fn write_rule(charge: &Charge, out: &mut String) {
 }
 
 /// The `EVALSHA` of script `sha` deciding `requests` in order, at `now`
-/// (empty: Redis's clock), with each bucket's expiry `margin_ms` past the
+/// (empty: Redis's clock), unless Redis runs it at or after `deadline` on
+/// its own clock (µs), with each bucket's expiry `margin_ms` past the
 /// moment it is full again. Written straight into one command (redis-rs's
 /// `ScriptInvocation` would allocate a vector per key and argument first,
 /// then copy them: ~20 allocations per decision).
-pub(super) fn evalsha(sha: &str, requests: &[&Request], now: &str, margin_ms: u64) -> redis::Cmd {
+pub(super) fn evalsha(
+    sha: &str,
+    requests: &[&Request],
+    now: &str,
+    deadline: i64,
+    margin_ms: u64,
+) -> redis::Cmd {
     let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
     let mut shape = String::with_capacity(4 * requests.len());
     for request in requests {
@@ -129,10 +136,13 @@ pub(super) fn evalsha(sha: &str, requests: &[&Request], now: &str, margin_ms: u6
     for key in requests.iter().flat_map(|r| &r.keys) {
         evalsha.arg(key.as_str());
     }
-    evalsha.arg(now).arg(shape).arg(margin_ms);
     // One buffer for every field written here: redis-rs copies each
     // argument into the command.
     let mut field = String::with_capacity(48);
+    field.push_str(now);
+    field.push('@');
+    field.push_str(itoa::Buffer::new().format(deadline));
+    evalsha.arg(field.as_str()).arg(shape).arg(margin_ms);
     for c in requests.iter().flat_map(|r| &r.charges) {
         field.clear();
         write_rule(c, &mut field);
@@ -160,6 +170,28 @@ pub(super) fn evalsha(sha: &str, requests: &[&Request], now: &str, margin_ms: u6
         };
     }
     evalsha
+}
+
+/// Redis's clock as a script call's reply reports it (its first values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Clock {
+    /// The call ran; Redis's `TIME` then (µs).
+    OnTime(i64),
+    /// The call ran at or after its deadline and applied nothing.
+    Late(i64),
+}
+
+/// The clock at the head of a script call's reply, `None` when the reply
+/// is not one (the caller's parse names that).
+pub(super) fn clock_of(reply: &redis::Value) -> Option<Clock> {
+    let redis::Value::Array(items) = reply else {
+        return None;
+    };
+    match items.as_slice() {
+        [redis::Value::Int(-1), redis::Value::Int(clock)] => Some(Clock::Late(*clock)),
+        [redis::Value::Int(clock), ..] if *clock >= 0 => Some(Clock::OnTime(*clock)),
+        _ => None,
+    }
 }
 
 /// Reply values per bucket.
