@@ -32,7 +32,8 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
             Nc        charge usage after the fact, in full, into debt down
                       to each bucket's floor; never refused
             NvTTL     reserve: decide and spend like Ns and, when allowed,
-                      write the record (its key follows the N buckets) that
+                      write the record (its key follows the N buckets, then
+                      with a CAP in ARGV[3] the tenant's record set) that
                       expires TTL µs from now (plus a grace period); the
                       record's body is this request's extra argument
             0uACTUAL  settle the record (its key is the request's only key)
@@ -45,7 +46,13 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
             0x        release the lease whose record is the only key
             0eTTL     renew it: it expires TTL µs from now
           For example "2s,1d,1s" is three decisions over 4 keys.
-ARGV[3]   the expiry margin in milliseconds added to each bucket's TTL.
+ARGV[3]   "MARGIN[:CAP]": the expiry margin in milliseconds added to each
+          bucket's TTL; CAP, when given, the most reservation records one
+          tenant holds: each reserve's keys then end with the tenant's
+          record set (a sorted set of its records scored by when each is
+          gone, `PREFIX{TAG}:rq::`), and a reserve finding CAP records there
+          decides nothing and answers, per bucket, 0, -2 and the records
+          held.
 then three per bucket, for the i-th bucket of the call (record keys do
 not count) at ARGV[4 + 3(i-1)] ...:
           rule      the algorithm: "t" token bucket, "f" fixed window, "s"
@@ -356,7 +363,8 @@ if pinned == '' or deadline ~= '' then
   end
 end
 now = tonumber(pinned) or clock
-local margin_ms = tonumber(ARGV[3])
+local margin_ms, record_cap = string.match(ARGV[3], '^(%d+):?(%d*)$')
+margin_ms, record_cap = tonumber(margin_ms), tonumber(record_cap)
 
 -- How long a reservation's record outlives its time to live, so that a late
 -- settle is answered "expired" rather than "unknown" (src/store/reservation.rs,
@@ -698,6 +706,9 @@ for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvuaxe])(%d*)') do
   if mode ~= 's' and mode ~= 'd' and mode ~= 'c' then
     keys = keys + 1
   end
+  if mode == 'v' and record_cap then
+    keys = keys + 1
+  end
 end
 if keys ~= #KEYS or count == 0 then
   return redis.error_reply('token_bucket.lua: ARGV[2] ' .. ARGV[2] .. ' covers ' .. keys ..
@@ -721,12 +732,23 @@ for q = 0, count - 1 do
     end
     first = first + 1
   else
-    local grant, member
+    local grant, member, records, full
     if mode == 'a' then
       grant, member = now + arg, ARGV[extra]
+    elseif mode == 'v' and record_cap then
+      -- The tenant's records, scored by when each is gone.
+      records = KEYS[first + n + 1]
+      redis.call('ZREMRANGEBYSCORE', records, '-inf', now)
+      local held = redis.call('ZCARD', records)
+      if held >= record_cap then
+        full = true
+        for _ = 1, n do
+          push(out, false, 0, -2, held)
+        end
+      end
     end
-    local ok = decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot, written,
-      grant, member)
+    local ok = not full and decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot,
+      written, grant, member)
     first, b = first + n, b + n
     if mode == 'v' then
       if ok then
@@ -738,8 +760,18 @@ for q = 0, count - 1 do
         local value = string.format('P %d %d %s\n', now, now + arg, table.concat(mask)) .. ARGV[extra]
         store(record, value, arg + EXPIRED_GRACE)
         written[record] = value
+        if records then
+          redis.call('ZADD', records, now + arg + EXPIRED_GRACE, record)
+          local ms = math.floor((arg + EXPIRED_GRACE) / 1000) + margin_ms + 1
+          if redis.call('PTTL', records) < ms then
+            redis.call('PEXPIRE', records, ms)
+          end
+        end
       end
       first, extra = first + 1, extra + 1
+      if records then
+        first = first + 1
+      end
     elseif mode == 'a' then
       if ok then
         local sets = {}

@@ -88,6 +88,11 @@ pub struct ServeConfig {
     pub max_buckets: usize,
     /// The cap on their bytes, each counted as 160 bytes plus its key.
     pub max_bucket_bytes: usize,
+    /// The cap on in-memory reservation and lease records, apart from
+    /// buckets and shared fairly between tenants.
+    pub max_records: usize,
+    /// The most records one tenant holds, in memory and on Redis.
+    pub max_records_per_tenant: Option<usize>,
     /// What to do with requests no rule applies to.
     pub unmatched: Unmatched,
     /// Prefix of every Redis key.
@@ -147,6 +152,8 @@ impl Default for ServeConfig {
             sweep_interval: Duration::from_secs(10),
             max_buckets: 1_000_000,
             max_bucket_bytes: 256 << 20,
+            max_records: 1_000_000,
+            max_records_per_tenant: None,
             unmatched: Unmatched::Allow,
             redis_prefix: redis.prefix,
             redis_coalesce: redis.coalesce,
@@ -394,7 +401,9 @@ pub async fn run(
     // The in-process store: the store itself, or the fallback for rules
     // that decide locally while Redis is down.
     let memory = Arc::new(
-        MemoryStore::new(clock.clone(), config.max_buckets).with_max_bytes(config.max_bucket_bytes),
+        MemoryStore::new(clock.clone(), config.max_buckets)
+            .with_max_bytes(config.max_bucket_bytes)
+            .with_max_records(config.max_records, config.max_records_per_tenant),
     );
     let fallback = Fallback {
         local: memory.clone(),
@@ -415,6 +424,7 @@ pub async fn run(
                 spread_keys: config.redis_spread_keys,
                 breaker_threshold: config.breaker_threshold,
                 breaker_cooldown: config.breaker_cooldown,
+                max_records_per_tenant: config.max_records_per_tenant,
                 ..RedisConfig::new(url.clone())
             };
             let pinned = config.redis_uses_clock.then(|| clock.clone());

@@ -23,6 +23,7 @@ pub fn from_decide_error(err: DecideError) -> Status {
             Status::not_found(err.to_string())
         }
         DecideError::Store(StoreError::Unsupported(why)) => Status::invalid_argument(why),
+        DecideError::Store(StoreError::TooManyRecords(why)) => Status::resource_exhausted(why),
         DecideError::Store(store) => {
             tracing::warn!(error = %store, transient = store.is_transient(), "store call failed");
             Status::unavailable("the rate-limit store is unavailable; retry shortly")

@@ -127,6 +127,18 @@ pub struct ServeArgs {
     /// its key; at the cap, as at --max-buckets.
     #[arg(long, env = "TOLLGATE_MAX_BUCKET_BYTES")]
     pub max_bucket_bytes: Option<usize>,
+    /// Most reservation and lease records held in memory, counted apart
+    /// from buckets; one tenant may hold at most its fair share of them
+    /// (this cap over one more than the tenants holding records).
+    #[arg(long, env = "TOLLGATE_MAX_RECORDS")]
+    pub max_records: Option<usize>,
+    /// Most reservation and lease records one tenant may hold, in memory
+    /// and on Redis (open ones, and settled or expired ones for ten minutes
+    /// after their ttl); beyond it reserves and acquires answer
+    /// RESOURCE_EXHAUSTED. Unset: no cap of its own (memory still holds each
+    /// tenant to its fair share of --max-records).
+    #[arg(long, env = "TOLLGATE_MAX_RECORDS_PER_TENANT")]
+    pub max_records_per_tenant: Option<usize>,
     /// What to do with requests no rule applies to.
     #[arg(long, env = "TOLLGATE_UNMATCHED", value_enum)]
     pub unmatched: Option<Unmatched>,
@@ -393,6 +405,8 @@ impl ServeArgs {
             sweep_interval: d.sweep_interval,
             max_buckets: self.max_buckets.unwrap_or(d.max_buckets),
             max_bucket_bytes: self.max_bucket_bytes.unwrap_or(d.max_bucket_bytes),
+            max_records: self.max_records.unwrap_or(d.max_records),
+            max_records_per_tenant: self.max_records_per_tenant.or(d.max_records_per_tenant),
             unmatched: self.unmatched.unwrap_or(d.unmatched),
             redis_prefix: self.redis_prefix.clone().unwrap_or(d.redis_prefix),
             redis_coalesce: self.redis_coalesce.unwrap_or(d.redis_coalesce),
@@ -503,6 +517,8 @@ impl ServeArgs {
             max_limit_rows: Some(d.max_limit_rows),
             max_buckets: Some(d.max_buckets),
             max_bucket_bytes: Some(d.max_bucket_bytes),
+            max_records: Some(d.max_records),
+            max_records_per_tenant: d.max_records_per_tenant,
             unmatched: Some(d.unmatched),
             log_format: Some(p.log_format),
             deny_cache: Some(d.deny_cache),

@@ -37,8 +37,11 @@ use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
 
 mod leases;
+mod records;
 use crate::clock::Clock;
 use leases::HeldLease;
+use records::Records;
+pub use records::{MIN_SHARE as MIN_RECORDS_SHARE, RecordsFull};
 
 const STRIPES: usize = 4096;
 
@@ -61,6 +64,27 @@ pub struct AtCapacity {
     pub max_bytes: usize,
 }
 
+/// Why the in-memory store refused a decision, writing nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// No room for its new buckets: the rules' store-unavailable policies
+    /// answer.
+    #[error(transparent)]
+    Buckets(#[from] AtCapacity),
+    /// Its tenant may hold no more records: the caller is told so.
+    #[error(transparent)]
+    Records(#[from] RecordsFull),
+}
+
+impl From<Refused> for StoreError {
+    fn from(refused: Refused) -> Self {
+        match refused {
+            Refused::Buckets(full) => StoreError::AtCapacity(full.to_string()),
+            Refused::Records(full) => StoreError::TooManyRecords(full.to_string()),
+        }
+    }
+}
+
 /// Buckets per decision held inline before the per-decision scratch space
 /// spills to the heap (a request rarely touches more than a key and a
 /// tenant bucket, plus a resource rule or two).
@@ -75,23 +99,10 @@ fn bucket_bytes(bucket: &BucketKey) -> usize {
     BUCKET_OVERHEAD_BYTES + bucket.as_str().len()
 }
 
-/// The bytes a reservation record is counted as: its entry, and per bucket
-/// its name and charge.
-fn record_bytes(record: &impl HeldRecord) -> usize {
-    BUCKET_OVERHEAD_BYTES
-        + record
-            .names()
-            .iter()
-            .map(|b| 64 + b.as_str().len())
-            .sum::<usize>()
-}
-
 /// A record held beside the buckets (a reservation's, or a lease's):
-/// counted against the caps, its expiry counted once, dropped
+/// counted in `records`, its expiry counted once, dropped
 /// [`EXPIRED_GRACE`] after it expires.
 trait HeldRecord {
-    /// The buckets (or lease sets) it names.
-    fn names(&self) -> &[BucketKey];
     /// When its time to live ends.
     fn expires_at(&self) -> Micros;
     /// Settled or released: its expiry is never counted.
@@ -110,9 +121,6 @@ struct Held {
 }
 
 impl HeldRecord for Held {
-    fn names(&self) -> &[BucketKey] {
-        &self.buckets
-    }
     fn expires_at(&self) -> Micros {
         self.record.expires_at
     }
@@ -130,13 +138,14 @@ pub struct MemoryStore {
     /// is randomly seeded per process, and SipHash cost a tenth of a
     /// decision's time in the store.
     buckets: DashMap<BucketKey, State, RandomState>,
-    /// Reservation records by [`ReservationId::record_name`]; counted
-    /// against the same caps as buckets.
+    /// Reservation records by [`ReservationId::record_name`]; counted in
+    /// `records`, apart from buckets.
     reservations: DashMap<BucketKey, Held, RandomState>,
     /// Concurrency caps' lease sets, by bucket; each counted as a bucket.
     lease_sets: DashMap<BucketKey, LeaseSet, RandomState>,
-    /// Lease records by [`LeaseId::record_name`]; counted as records.
+    /// Lease records by [`LeaseId::record_name`]; counted in `records`.
     leases: DashMap<BucketKey, HeldLease, RandomState>,
+    records: Records,
     stripes: Box<[Mutex<()>]>,
     stripe_hasher: RandomState,
     clock: Arc<dyn Clock>,
@@ -161,6 +170,7 @@ impl MemoryStore {
             reservations: DashMap::with_hasher(RandomState::default()),
             lease_sets: DashMap::with_hasher(RandomState::default()),
             leases: DashMap::with_hasher(RandomState::default()),
+            records: Records::new(max_buckets, usize::MAX),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             stripe_hasher: RandomState::default(),
             clock,
@@ -180,6 +190,14 @@ impl MemoryStore {
     /// take more memory than the cap says.
     pub fn with_max_bytes(mut self, max_bytes: usize) -> Self {
         self.max_bytes = max_bytes.max(16 * BUCKET_OVERHEAD_BYTES);
+        self
+    }
+
+    /// Caps reservation and lease records: `max` in all (by default as
+    /// many as `max_buckets`), and `per_tenant` for any one tenant besides
+    /// its fair share (see `records`).
+    pub fn with_max_records(mut self, max: usize, per_tenant: Option<usize>) -> Self {
+        self.records = Records::new(max, per_tenant.unwrap_or(usize::MAX));
         self
     }
 
@@ -270,21 +288,22 @@ impl MemoryStore {
         map: &DashMap<BucketKey, R, RandomState>,
         now: Micros,
     ) -> u64 {
-        let (mut expired, mut removed, mut bytes) = (0, 0, 0);
-        map.retain(|_, held| {
+        let mut expired = 0;
+        let mut removed: Vec<BucketKey> = Vec::new();
+        map.retain(|name, held| {
             if held.expires_at() <= now && !held.finished() && !*held.expiry_counted() {
                 *held.expiry_counted() = true;
                 expired += 1;
             }
             let keep = held.expires_at().saturating_add(EXPIRED_GRACE) > now;
             if !keep {
-                removed += 1;
-                bytes += record_bytes(held);
+                removed.push(name.clone());
             }
             keep
         });
-        self.held.fetch_sub(removed, Ordering::Relaxed);
-        self.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        for name in &removed {
+            self.records.give_back(name.tenant(), 1);
+        }
         expired
     }
 
@@ -295,7 +314,7 @@ impl MemoryStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         op: Op,
-    ) -> Result<Plan, AtCapacity> {
+    ) -> Result<Plan, Refused> {
         self.apply_locked(buckets, charges, op, Attach::None)
     }
 
@@ -305,7 +324,7 @@ impl MemoryStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         reservation: &Reservation,
-    ) -> Result<Plan, AtCapacity> {
+    ) -> Result<Plan, Refused> {
         self.apply_locked(
             buckets,
             charges,
@@ -320,7 +339,7 @@ impl MemoryStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         lease: &Lease,
-    ) -> Result<Plan, AtCapacity> {
+    ) -> Result<Plan, Refused> {
         let op = Op::Acquire {
             ttl: lease.ttl.min(super::lease::MAX_TTL),
         };
@@ -350,7 +369,7 @@ impl MemoryStore {
         charges: &[Charge],
         op: Op,
         attach: Attach<'_>,
-    ) -> Result<Plan, AtCapacity> {
+    ) -> Result<Plan, Refused> {
         debug_assert_eq!(buckets.len(), charges.len());
         let now = self.clock.now();
         let guards = self.lock(buckets, None);
@@ -385,8 +404,24 @@ impl MemoryStore {
             }
             _ => (None, None),
         };
-        let attached_bytes =
-            record.as_ref().map_or(0, record_bytes) + lease.as_ref().map_or(0, record_bytes);
+        // A record takes room of its own tenant's, never a bucket's.
+        let tenant = match attach {
+            Attach::Reservation(r) if record.is_some() => Some(r.id.tenant()),
+            Attach::Lease(l) if lease.is_some() => Some(l.id.tenant()),
+            _ => None,
+        };
+        if let Some(tenant) = tenant {
+            self.records.take(tenant).map_err(|full| {
+                crate::telemetry::metrics::store_error("memory", "too_many_records");
+                Refused::Records(full)
+            })?;
+        }
+        let give_back = |refused: Refused| {
+            if let Some(tenant) = tenant {
+                self.records.give_back(tenant, 1);
+            }
+            refused
+        };
         // Far from the caps (the usual case) this is two loads and a sum.
         let over = |store: &Self, count: usize, bytes: usize| {
             store.held.load(Ordering::Relaxed).saturating_add(count) > store.max_buckets
@@ -402,18 +437,16 @@ impl MemoryStore {
                 .zip(&plan.writes)
                 .filter(|(_, w)| w.is_some())
         };
-        let records = usize::from(record.is_some()) + usize::from(lease.is_some());
-        let (writes, write_bytes) = written()
-            .fold((records, attached_bytes), |(n, bytes), (b, _)| {
-                (n + 1, bytes + bucket_bytes(b))
-            });
+        let (writes, write_bytes) = written().fold((0, 0), |(n, bytes), (b, _)| {
+            (n + 1, bytes + bucket_bytes(b))
+        });
         if writes > 0 && over(self, writes, write_bytes) {
             let new = |store: &Self| {
                 written()
                     .filter(|(b, _)| {
                         !store.buckets.contains_key(*b) && !store.lease_sets.contains_key(*b)
                     })
-                    .fold((records, attached_bytes), |(n, bytes), (b, _)| {
+                    .fold((0, 0), |(n, bytes), (b, _)| {
                         (n + 1, bytes + bucket_bytes(b))
                     })
             };
@@ -423,10 +456,10 @@ impl MemoryStore {
                 let (count, bytes) = new(self);
                 if over(self, count, bytes) {
                     self.refused.fetch_add(1, Ordering::Relaxed);
-                    return Err(AtCapacity {
+                    return Err(give_back(Refused::Buckets(AtCapacity {
                         max: self.max_buckets,
                         max_bytes: self.max_bytes,
-                    });
+                    })));
                 }
             }
         }
@@ -455,17 +488,17 @@ impl MemoryStore {
                 }
             }
         }
-        if let (Some(held), Attach::Reservation(r)) = (record, attach) {
-            self.held.fetch_add(1, Ordering::Relaxed);
-            self.held_bytes
-                .fetch_add(record_bytes(&held), Ordering::Relaxed);
-            self.reservations.insert(r.id.record_name(), held);
+        // A record already held under the same name (a retried id) keeps
+        // one place.
+        if let (Some(held), Attach::Reservation(r)) = (record, attach)
+            && self.reservations.insert(r.id.record_name(), held).is_some()
+        {
+            self.records.give_back(r.id.tenant(), 1);
         }
-        if let (Some(held), Attach::Lease(l)) = (lease, attach) {
-            self.held.fetch_add(1, Ordering::Relaxed);
-            self.held_bytes
-                .fetch_add(record_bytes(&held), Ordering::Relaxed);
-            self.leases.insert(l.id.record_name(), held);
+        if let (Some(held), Attach::Lease(l)) = (lease, attach)
+            && self.leases.insert(l.id.record_name(), held).is_some()
+        {
+            self.records.give_back(l.id.tenant(), 1);
         }
         drop(guards);
         Ok(plan)
@@ -580,13 +613,13 @@ impl MemoryStore {
     }
 }
 
-fn verdicts(result: Result<Plan, AtCapacity>) -> Result<Verdicts, StoreError> {
+fn verdicts(result: Result<Plan, Refused>) -> Result<Verdicts, StoreError> {
     result
         .map(|plan| Verdicts {
             allowed: plan.allowed,
             verdicts: plan.verdicts,
         })
-        .map_err(|full| StoreError::AtCapacity(full.to_string()))
+        .map_err(StoreError::from)
 }
 
 impl Store for MemoryStore {
@@ -780,10 +813,10 @@ mod tests {
                 Err(full) => {
                     assert_eq!(
                         full,
-                        AtCapacity {
+                        Refused::Buckets(AtCapacity {
                             max: 10_000,
                             max_bytes: usize::MAX
-                        }
+                        })
                     );
                     refused += 1;
                 }
@@ -919,10 +952,10 @@ mod tests {
         let refused = store.apply_now(&[long(500)], &slow, Op::SPEND).unwrap_err();
         assert_eq!(
             refused,
-            AtCapacity {
+            Refused::Buckets(AtCapacity {
                 max: 1_000_000,
                 max_bytes: 100_000
-            }
+            })
         );
         assert!(refused.to_string().contains("--max-bucket-bytes"));
         // A held key still decides: no new bytes.

@@ -117,6 +117,10 @@ pub enum StoreError {
     /// (the in-memory store's cap); a retry may succeed once some refill.
     #[error("{0}")]
     AtCapacity(String),
+    /// The request's tenant holds as many reservation or lease records as
+    /// it may; the caller must settle, release or wait (RESOURCE_EXHAUSTED).
+    #[error("{0}")]
+    TooManyRecords(String),
     /// The store answered something this version does not understand.
     #[error("store protocol error: {0}")]
     Protocol(String),

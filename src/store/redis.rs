@@ -65,6 +65,7 @@ use super::{
 };
 use crate::algorithm::{Charge, Micros, Op};
 use crate::clock::Clock;
+use crate::store::memory::RecordsFull;
 use crate::telemetry::metrics;
 
 /// The decision script.
@@ -102,6 +103,10 @@ pub struct RedisConfig {
     /// reservations and leases cannot span a per-key and a tenant-wide
     /// bucket.
     pub spread_keys: bool,
+    /// Most reservation records one tenant holds at once (with
+    /// `spread_keys`, per tenant and slot); `None`: bounded only by the
+    /// tokens the tenant may reserve.
+    pub max_records_per_tenant: Option<usize>,
 }
 
 impl RedisConfig {
@@ -119,6 +124,7 @@ impl RedisConfig {
             breaker_threshold: 5,
             breaker_cooldown: Duration::from_secs(1),
             spread_keys: false,
+            max_records_per_tenant: None,
         }
     }
 
@@ -264,6 +270,9 @@ impl RedisStore {
                 }
                 let body = record_body(&keys, charges, r);
                 keys.push(shared.record_key(&r.id));
+                if shared.config.max_records_per_tenant.is_some() {
+                    keys.push(shared.records_key(&r.id));
+                }
                 Kind::Reserve {
                     ttl: r.ttl.min(MAX_TTL),
                     body,
@@ -304,6 +313,19 @@ impl RedisStore {
                     shared.track(ttl, record);
                 }
                 Ok(v)
+            }
+            Reply::RecordsFull { held } => {
+                metrics::store_error("redis", "too_many_records");
+                let cap = shared.config.max_records_per_tenant.unwrap_or_default();
+                Err(StoreError::TooManyRecords(
+                    RecordsFull {
+                        tenant: buckets[0].tenant().to_owned(),
+                        held: held as usize,
+                        why: format!("the cap of {cap} per tenant"),
+                        flag: "--max-records-per-tenant",
+                    }
+                    .to_string(),
+                ))
             }
             Reply::Settled(_) | Reply::Lease(_) => Err(StoreError::Protocol(
                 "token_bucket.lua answered a decision as a settle or a lease".into(),
@@ -348,7 +370,7 @@ impl RedisStore {
                         done[i] = true;
                     }
                 }
-                Reply::Settled(_) | Reply::Lease(_) => {
+                Reply::Settled(_) | Reply::Lease(_) | Reply::RecordsFull { .. } => {
                     return Err(StoreError::Protocol(
                         "token_bucket.lua answered a decision as a settle or a lease".into(),
                     ));
@@ -493,6 +515,12 @@ impl Shared {
     /// buckets, under the same hash tag.
     fn record_key(&self, id: &ReservationId) -> String {
         self.tagged(&id.record_name(), id.key_spread())
+    }
+
+    /// The Redis key of the set of a tenant's reservation records, beside
+    /// the record (`PREFIX{TENANT}:rq::`).
+    fn records_key(&self, id: &ReservationId) -> String {
+        self.tagged(&BucketKey::new(id.tenant(), "rq", "", ""), id.key_spread())
     }
 
     /// The Redis key of a lease's record, under its tenant's hash tag.
@@ -727,6 +755,7 @@ impl Shared {
                 &now,
                 deadline_on_node,
                 margin_ms,
+                self.config.max_records_per_tenant,
             )
         };
         let key = &requests[0].keys[0];

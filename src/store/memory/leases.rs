@@ -31,9 +31,6 @@ pub(super) struct HeldLease {
 }
 
 impl HeldRecord for HeldLease {
-    fn names(&self) -> &[BucketKey] {
-        &self.sets
-    }
     fn expires_at(&self) -> Micros {
         self.expires_at
     }

@@ -62,6 +62,10 @@ impl Kind {
 #[derive(Debug, Clone)]
 pub(super) enum Reply {
     Verdicts(Verdicts),
+    /// A reserve refused because its tenant holds `held` records, the cap.
+    RecordsFull {
+        held: u64,
+    },
     Settled(Settled),
     Lease(LeaseAnswer),
 }
@@ -122,6 +126,7 @@ pub(super) fn evalsha(
     now: &str,
     deadline: i64,
     margin_ms: u64,
+    record_cap: Option<usize>,
 ) -> redis::Cmd {
     let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
     let mut shape = String::with_capacity(4 * requests.len());
@@ -142,7 +147,11 @@ pub(super) fn evalsha(
     field.push_str(now);
     field.push('@');
     field.push_str(itoa::Buffer::new().format(deadline));
-    evalsha.arg(field.as_str()).arg(shape).arg(margin_ms);
+    evalsha.arg(field.as_str()).arg(shape);
+    match record_cap {
+        Some(cap) => evalsha.arg(format!("{margin_ms}:{cap}")),
+        None => evalsha.arg(margin_ms),
+    };
     for c in requests.iter().flat_map(|r| &r.charges) {
         field.clear();
         write_rule(c, &mut field);
@@ -273,6 +282,12 @@ pub(super) fn parse_reply<'a>(
         }
         let this = rest.get(..PER_BUCKET * n).ok_or_else(short)?;
         rest = &rest[PER_BUCKET * n..];
+        if let (Kind::Reserve { .. }, [_, -2, held, ..]) = (kind, this) {
+            outcomes.push(Reply::RecordsFull {
+                held: (*held).max(0) as u64,
+            });
+            continue;
+        }
         let charge = matches!(kind, Kind::Charge);
         let verdicts: Vec<Verdict> = this
             .chunks_exact(PER_BUCKET)
