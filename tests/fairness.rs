@@ -12,7 +12,8 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::envoy::sample;
-use common::peers::{connect_async_from, connect_from, loopback};
+use common::hostile::silent_streams;
+use common::peers::{connect_from, loopback};
 use common::process::ServeProcess;
 use tollgate::proto::v1::ShouldAllowRequest;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
@@ -180,43 +181,6 @@ async fn silent_grpc_connections_make_room_and_close_after_the_handshake_deadlin
     );
     let again = c.should_allow(request("k")).await.unwrap().into_inner();
     assert!(again.allowed);
-}
-
-/// One HTTP/2 connection from `source` opening `streams` ShouldAllowStream
-/// calls with headers only: no message is ever sent.
-async fn silent_streams(
-    addr: &str,
-    source: u8,
-    streams: usize,
-) -> (
-    Vec<h2::client::ResponseFuture>,
-    Vec<h2::SendStream<bytes::Bytes>>,
-    tokio::task::JoinHandle<()>,
-) {
-    let tcp = connect_async_from(loopback(source), addr).await.unwrap();
-    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
-    let driver = tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let (mut responses, mut bodies) = (Vec::new(), Vec::new());
-    for _ in 0..streams {
-        let ready = tokio::time::timeout(Duration::from_secs(5), h2.clone().ready()).await;
-        let Ok(Ok(mut sender)) = ready else {
-            break;
-        };
-        let request = http::Request::post(format!(
-            "http://{addr}/tollgate.v1.RateLimiter/ShouldAllowStream"
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-        let (response, body) = sender.send_request(request, false).unwrap();
-        responses.push(response);
-        bodies.push(body);
-        h2 = sender;
-    }
-    (responses, bodies, driver)
 }
 
 /// The grpc-status a response ends with (headers or trailers).

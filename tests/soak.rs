@@ -1,10 +1,14 @@
 //! A chaos soak: mixed native, batch and Envoy load across three instances
 //! of the real binary on one real Redis, while Redis is frozen, killed and
-//! restarted, and one instance is restarted. It reports errors returned to
-//! callers, degraded answers, the slowest answer, and admissions against
-//! the limit of two fail-closed limits (one native, one Envoy), and fails
-//! when a running instance returned an error or a limit admitted more than
-//! it allows.
+//! restarted, one instance is restarted, and a hostile peer attacks another
+//! instance the whole time (silent decision streams filling the in-flight
+//! cap, sockets that never send the HTTP/2 preface, silent and half-sent
+//! admin connections). It reports errors returned to callers, degraded
+//! answers, the slowest answer, the honest callers' latency on the
+//! attacked instance and on one nobody attacks, and admissions against the
+//! limit of two fail-closed limits (one native, one Envoy), and fails when
+//! a running instance returned an error, a health probe of the attacked
+//! instance went unanswered, or a limit admitted more than it allows.
 //!
 //! `TOLLGATE_SOAK_SECS` sets the length (default 24 s, what `scripts/test`
 //! runs); `scripts/soak` runs a longer one. Everything runs on loopback, and
@@ -19,6 +23,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use common::envoy::descriptor;
+use common::hostile::{Attacks, hostile_peer};
 use common::process::{ServeProcess, tollgate};
 use common::redis::RedisServer;
 use tollgate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -55,13 +60,29 @@ struct Tally {
     slowest_micros: AtomicU64,
     exact_admitted: AtomicU64,
     envoy_exact_admitted: AtomicU64,
+    /// Each answer's latency (µs), by instance.
+    latencies: [parking_lot::Mutex<Vec<u32>>; 3],
 }
 
 impl Tally {
-    fn answered(&self, took: Duration) {
+    fn answered(&self, instance: usize, took: Duration) {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        self.slowest_micros
-            .fetch_max(took.as_micros() as u64, Ordering::Relaxed);
+        let micros = took.as_micros() as u64;
+        self.slowest_micros.fetch_max(micros, Ordering::Relaxed);
+        self.latencies[instance]
+            .lock()
+            .push(micros.min(u64::from(u32::MAX)) as u32);
+    }
+
+    /// The p50, p99 and slowest answer (ms) of `instance`'s callers.
+    fn percentiles(&self, instance: usize) -> (f64, f64, f64) {
+        let mut all = self.latencies[instance].lock().clone();
+        all.sort_unstable();
+        let at = |q: f64| {
+            let i = ((all.len() as f64 * q).ceil() as usize).clamp(1, all.len().max(1)) - 1;
+            all.get(i).map_or(0.0, |&us| f64::from(us) / 1000.0)
+        };
+        (at(0.50), at(0.99), at(1.0))
     }
 
     fn failed(&self, restarting: bool, what: &str, status: &tonic::Status) {
@@ -116,6 +137,7 @@ fn serve(dir: &std::path::Path, redis: &str, grpc: &str, admin: &str) -> ServePr
 /// One load worker: native single calls, batches and Envoy calls on one
 /// instance, in turn, until the deadline.
 async fn worker(worker: usize, instance: Arc<Instance>, tally: Arc<Tally>, deadline: Instant) {
+    let at = worker % 3;
     let endpoint = Channel::from_shared(format!("http://{}", instance.grpc))
         .unwrap()
         .connect_timeout(Duration::from_secs(1));
@@ -148,7 +170,7 @@ async fn worker(worker: usize, instance: Arc<Instance>, tally: Arc<Tally>, deadl
                 match native.should_allow(request).await {
                     Ok(r) => {
                         let r = r.into_inner();
-                        tally.answered(started.elapsed());
+                        tally.answered(at, started.elapsed());
                         if r.degraded() != Degraded::None {
                             tally.degraded.fetch_add(1, Ordering::Relaxed);
                         }
@@ -176,7 +198,7 @@ async fn worker(worker: usize, instance: Arc<Instance>, tally: Arc<Tally>, deadl
                     .await
                 {
                     Ok(r) => {
-                        tally.answered(started.elapsed());
+                        tally.answered(at, started.elapsed());
                         let r = r.into_inner();
                         if r.results.iter().any(|i| i.degraded() != Degraded::None) {
                             tally.degraded.fetch_add(1, Ordering::Relaxed);
@@ -199,7 +221,7 @@ async fn worker(worker: usize, instance: Arc<Instance>, tally: Arc<Tally>, deadl
                 };
                 match envoy.should_rate_limit(request).await {
                     Ok(r) => {
-                        tally.answered(started.elapsed());
+                        tally.answered(at, started.elapsed());
                         if exact && r.into_inner().overall_code() == EnvoyCode::Ok {
                             tally.envoy_exact_admitted.fetch_add(1, Ordering::Relaxed);
                         }
@@ -288,6 +310,33 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
     let workers: Vec<_> = (0..6)
         .map(|w| tokio::spawn(worker(w, instances[w % 3].clone(), tally.clone(), deadline)))
         .collect();
+    // The hostile peer attacks instance 1 from its own loopback addresses;
+    // instance 2's callers see the same faults and no attack.
+    let attacks = Arc::new(Attacks::default());
+    let hostile = {
+        let (grpc, admin) = ports[1].clone();
+        let attacks = attacks.clone();
+        tokio::spawn(async move {
+            hostile_peer(grpc, admin, deadline, Duration::from_secs(4), &attacks).await
+        })
+    };
+    // The kubelet's probe of the attacked instance, every 250 ms.
+    let probes = {
+        let admin = ports[1].1.clone();
+        tokio::spawn(async move {
+            let (mut sent, mut unanswered) = (0u64, 0u64);
+            while Instant::now() < deadline {
+                sent += 1;
+                let probe = tokio::time::timeout(Duration::from_secs(2), healthz(&admin)).await;
+                if !matches!(probe, Ok(Ok(true))) {
+                    unanswered += 1;
+                    eprintln!("soak: /healthz of the attacked instance: {probe:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            (sent, unanswered)
+        })
+    };
 
     // The faults, at fixed shares of the run.
     let at = |share: f64| started + Duration::from_secs_f64(secs as f64 * share);
@@ -327,6 +376,8 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
     for w in workers {
         w.await.unwrap();
     }
+    hostile.await.unwrap();
+    let (probes_sent, probes_unanswered) = probes.await.unwrap();
     let elapsed = started.elapsed().as_secs_f64();
     let exact_bound = EXACT_BURST + (EXACT_RATE as f64 * elapsed).ceil() as u64;
     let envoy_bound = ENVOY_BURST + (ENVOY_RATE as f64 * elapsed).ceil() as u64;
@@ -345,7 +396,27 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
         load(&t.exact_admitted),
         load(&t.envoy_exact_admitted),
     );
+    let (p50, p99, max) = t.percentiles(1);
+    let (q50, q99, qmax) = t.percentiles(2);
+    eprintln!(
+        "soak: hostile peer on instance 1: {} silent streams, {} silent gRPC sockets, \
+         {} silent admin sockets; /healthz answered {} of {probes_sent}; honest callers \
+         p50 / p99 / slowest: attacked instance {p50:.2} / {p99:.2} / {max:.1} ms, \
+         unattacked instance {q50:.2} / {q99:.2} / {qmax:.1} ms",
+        load(&attacks.streams),
+        load(&attacks.silent_grpc),
+        load(&attacks.silent_admin),
+        probes_sent - probes_unanswered,
+    );
     assert_eq!(load(&t.errors), 0, "errors from running instances");
+    assert_eq!(
+        probes_unanswered, 0,
+        "health probes of the attacked instance"
+    );
+    assert!(
+        load(&attacks.streams) >= 1024,
+        "the hostile peer held the whole in-flight cap at least once"
+    );
     assert!(
         load(&t.degraded) > 0,
         "the outages degraded no answer: did they happen?"
@@ -383,4 +454,15 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
         assert!(recovered, "{} never decided on Redis again", instance.grpc);
     }
     drop(servers);
+}
+
+/// True when `GET /healthz` on `admin` answers 200.
+async fn healthz(admin: &str) -> std::io::Result<bool> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(admin).await?;
+    let request = format!("GET /healthz HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    Ok(response.starts_with(b"HTTP/1.1 200"))
 }

@@ -5,6 +5,7 @@
 
 pub mod envoy;
 pub mod envoy_proxy;
+pub mod hostile;
 pub mod peers;
 pub mod postgres;
 pub mod process;

@@ -63,11 +63,13 @@ impl Records {
     }
 
     /// Records held in all.
+    #[cfg(test)]
     pub fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)
     }
 
     /// Records `tenant` holds.
+    #[cfg(test)]
     pub fn held_by(&self, tenant: &str) -> usize {
         self.by_tenant.get(tenant).map_or(0, |n| *n)
     }
