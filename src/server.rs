@@ -643,7 +643,10 @@ pub async fn run(
         .layer(crate::api::observe::ObserveLayer)
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(native)
+        .add_service(crate::api::frames::SkipOversized::new(
+            native,
+            config.grpc_limits.max_message_bytes,
+        ))
         .add_service(envoy)
         .add_service(admin_grpc)
         .serve_with_incoming_shutdown(acceptor.into_stream(), stopped());

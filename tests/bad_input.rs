@@ -193,6 +193,68 @@ async fn an_undecodable_message_on_a_stream_is_answered_and_the_stream_goes_on()
     server.stop().await;
 }
 
+/// A message over `--grpc-max-message-bytes` on `ShouldAllowStream` costs
+/// that message, not the stream: it is answered OUT_OF_RANGE and the
+/// messages after it are decided, in order. One of exactly the limit is
+/// read (and refused for its over-long key, which shows it was decoded);
+/// one byte more is skipped unread.
+#[tokio::test]
+async fn an_oversized_message_on_a_stream_is_answered_and_the_stream_goes_on() {
+    use prost::Message;
+    let rows = [row("acme", "acme", "", "key", 5, "1/hour")];
+    let server = TestServer::launch(Some(&rows), |c| c.grpc_limits.max_message_bytes = 4096).await;
+    let good = req("acme", "k").encode_to_vec();
+    let sized = |len: usize| {
+        (1..len)
+            .map(|k| req("acme", &"x".repeat(k)).encode_to_vec())
+            .find(|m| m.len() == len)
+            .unwrap()
+    };
+    let at_limit = sized(4096);
+    let over = sized(4097);
+    let huge = req("acme", &"y".repeat(1 << 20)).encode_to_vec();
+    let messages = vec![
+        good.clone(),
+        over,
+        good.clone(),
+        huge,
+        at_limit,
+        good.clone(),
+    ];
+    let answers = raw::stream_decisions(server.channel().await, messages).await;
+    let codes: Vec<u32> = answers.iter().map(|a| a.error_code).collect();
+    let (ok, out_of_range, invalid) = (0, Code::OutOfRange as u32, Code::InvalidArgument as u32);
+    assert_eq!(
+        codes,
+        [ok, out_of_range, ok, out_of_range, invalid, ok],
+        "{answers:#?}"
+    );
+    let remaining: Vec<u64> = answers
+        .iter()
+        .filter_map(|a| a.decision.as_ref().map(|d| d.remaining))
+        .collect();
+    assert_eq!(remaining, [4, 3, 2], "the good ones decided in order");
+    assert_eq!(
+        answers[1].error_message,
+        "message length too large: 4097 bytes, the limit is 4096 bytes \
+         (--grpc-max-message-bytes); this message was skipped and the stream goes on"
+    );
+    assert!(
+        answers[3].error_message.starts_with(&format!(
+            "message length too large: {} bytes",
+            req("acme", &"y".repeat(1 << 20)).encoded_len()
+        )),
+        "{}",
+        answers[3].error_message
+    );
+    assert!(
+        answers[4].error_message.starts_with("key"),
+        "{}",
+        answers[4].error_message
+    );
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn unmatched_deny_refuses_requests_no_rule_covers() {
     let server = TestServer::start_with(

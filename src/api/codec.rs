@@ -9,7 +9,9 @@
 //! not the stream: tonic ends a stream at the first decode error. So a
 //! stream reads through [`lenient`]: while (and only while) that future is
 //! polled on this thread, a message that does not parse is consumed whole
-//! and handed over as an error item, and the stream goes on.
+//! and handed over as an error item, and the stream goes on. A message over
+//! the size limit arrives here as the marker [`super::frames`] put in its
+//! place, and is answered the same way (OUT_OF_RANGE).
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -61,16 +63,23 @@ impl<U: prost::Message + Default> Decoder for StrictDecoder<U> {
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        let status = match self.0.decode(buf) {
-            Ok(message) => return Ok(message),
-            Err(status) => Status::invalid_argument(format!(
-                "the request is not a valid {} message ({}); encode it from proto/tollgate/v1/tollgate.proto",
-                std::any::type_name::<U>()
-                    .rsplit("::")
-                    .next()
-                    .unwrap_or("protobuf"),
-                status.message()
+        let oversized = super::frames::oversized_marker(buf.chunk());
+        let status = match oversized {
+            Some((len, limit)) => Status::out_of_range(format!(
+                "message length too large: {len} bytes, the limit is {limit} bytes \
+                 (--grpc-max-message-bytes); this message was skipped and the stream goes on"
             )),
+            None => match self.0.decode(buf) {
+                Ok(message) => return Ok(message),
+                Err(status) => Status::invalid_argument(format!(
+                    "the request is not a valid {} message ({}); encode it from proto/tollgate/v1/tollgate.proto",
+                    std::any::type_name::<U>()
+                        .rsplit("::")
+                        .next()
+                        .unwrap_or("protobuf"),
+                    status.message()
+                )),
+            },
         };
         if !LENIENT.get() {
             return Err(status);

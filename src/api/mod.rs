@@ -12,6 +12,7 @@
 pub mod admin;
 pub mod codec;
 pub mod envoy;
+pub mod frames;
 pub mod native;
 pub mod observe;
 pub mod status;
