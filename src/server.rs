@@ -657,22 +657,8 @@ pub async fn run(
     // One deadline for both ports: the grace counts from the moment the
     // shutdown begins.
     let grace = config.shutdown_grace;
-    let past_grace = {
-        let stop = stopped();
-        let (passed, past_grace) = watch::channel(false);
-        tokio::spawn(async move {
-            stop.await;
-            tokio::time::sleep(grace).await;
-            let _ = passed.send(true);
-        });
-        move || {
-            let mut past_grace = past_grace.clone();
-            async move {
-                let _ = past_grace.wait_for(|passed| *passed).await;
-            }
-        }
-    };
-    let grpc_past_grace = past_grace();
+    let deadline = GraceDeadline::after(stopped(), grace);
+    let grpc_past_grace = deadline.passed();
     tokio::pin!(served, grpc_past_grace);
     let served = tokio::select! {
         served = &mut served => served,
@@ -691,7 +677,7 @@ pub async fn run(
     let admin_abort = admin_task.abort_handle();
     tokio::select! {
         _ = admin_task => {}
-        () = past_grace() => {
+        () = deadline.passed() => {
             tracing::warn!(
                 ?grace,
                 "admin connections still open after the shutdown grace period; closing them"
@@ -773,4 +759,63 @@ fn ensure_file_descriptors(needed: usize) {
 /// one waits for the client's delayed ACK: 40 ms stalls at the tail.
 pub fn accepted(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// The one shutdown deadline every port shares: `grace` after the
+/// shutdown begins, however late each port starts waiting for it.
+struct GraceDeadline(watch::Receiver<bool>);
+
+impl GraceDeadline {
+    /// The deadline `grace` after `stop` completes.
+    fn after(stop: impl Future<Output = ()> + Send + 'static, grace: Duration) -> Self {
+        let (passed, deadline) = watch::channel(false);
+        tokio::spawn(async move {
+            stop.await;
+            tokio::time::sleep(grace).await;
+            let _ = passed.send(true);
+        });
+        Self(deadline)
+    }
+
+    /// Completes at the deadline, or at once once it has passed.
+    fn passed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut deadline = self.0.clone();
+        async move {
+            let _ = deadline.wait_for(|passed| *passed).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The admin port starts waiting only once gRPC's wait has ended; it
+    /// gets what is left of the same grace, not a grace of its own.
+    #[tokio::test(start_paused = true)]
+    async fn both_ports_share_one_shutdown_deadline() {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let deadline = GraceDeadline::after(
+            async move {
+                let _ = stop_rx.await;
+            },
+            Duration::from_secs(10),
+        );
+        let grpc = tokio::spawn(deadline.passed());
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!grpc.is_finished(), "no deadline before the shutdown");
+        let stopped_at = tokio::time::Instant::now();
+        stop_tx.send(()).unwrap();
+        grpc.await.unwrap();
+        assert_eq!(stopped_at.elapsed(), Duration::from_secs(10));
+        // The admin port begins to wait now: the deadline has passed.
+        let admin = tokio::spawn(deadline.passed());
+        tokio::task::yield_now().await;
+        admin.await.unwrap();
+        assert_eq!(
+            stopped_at.elapsed(),
+            Duration::from_secs(10),
+            "one grace for both ports, not two"
+        );
+    }
 }
