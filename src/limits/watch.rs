@@ -286,13 +286,12 @@ impl LiveLimits {
     }
 }
 
-/// The scheduling priority (nice value) of the watcher's thread: when the
-/// cores are busy, decisions go first, and a bulk edit's catch-up takes the
-/// CPU they leave.
+/// The scheduling priority (nice value) of the watcher's thread where the
+/// idle policy cannot be had (see [`lower_priority`]).
 const WATCHER_NICE: i32 = 19;
 
-/// Runs [`watch`] on a thread of its own, at a low scheduling priority
-/// ([`WATCHER_NICE`]), with connections of its own to the table (made on
+/// Runs [`watch`] on a thread of its own, at the lowest scheduling priority
+/// ([`lower_priority`]), with connections of its own to the table (made on
 /// that thread, so their worker threads share its priority). Reading and
 /// applying a 100 000-row edit costs the watcher over a second of CPU;
 /// there it never takes a core from a decision. The receiver completes
@@ -326,14 +325,29 @@ pub fn spawn_watch(
     Ok(stopped)
 }
 
-/// Lowers the calling thread's scheduling priority to [`WATCHER_NICE`]
-/// (Linux keeps a nice value per thread; threads it starts inherit it).
+/// Puts the calling thread (and the threads it starts) in Linux's idle
+/// scheduling class, `SCHED_IDLE`: it runs only on a core no other thread
+/// wants, and a decision thread waking up takes the core from it at once
+/// (a thread at nice 19 keeps a small share and may finish its slice
+/// first). So when the cores are busy, decisions go first and a bulk
+/// edit's catch-up takes the CPU they leave. Where the class cannot be had,
+/// nice [`WATCHER_NICE`].
 fn lower_priority() {
     #[cfg(target_os = "linux")]
-    if let Err(err) =
-        rustix::process::setpriority_process(Some(rustix::thread::gettid()), WATCHER_NICE)
     {
-        tracing::debug!(error = %err, "cannot lower the limits watcher's priority");
+        use thread_priority::{
+            NormalThreadSchedulePolicy, ThreadPriority, ThreadSchedulePolicy,
+            set_thread_priority_and_policy, thread_native_id,
+        };
+        let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+        if set_thread_priority_and_policy(thread_native_id(), ThreadPriority::Min, idle).is_ok() {
+            return;
+        }
+        if let Err(err) =
+            rustix::process::setpriority_process(Some(rustix::thread::gettid()), WATCHER_NICE)
+        {
+            tracing::debug!(error = %err, "cannot lower the limits watcher's priority");
+        }
     }
 }
 
