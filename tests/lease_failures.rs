@@ -216,15 +216,11 @@ async fn redis_frozen_a_late_acquire_takes_nothing_there() {
 
     // Thawed, Redis runs the three acquires it had received, each past its
     // deadline: none takes a slot.
-    let mut ran = 0;
-    for _ in 0..200 {
-        ran = common::redis::evalsha_calls(redis.port) - sent_before;
-        if ran >= 3 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(ran, 3, "the late acquires reached Redis");
+    assert_eq!(
+        common::redis::wait_evalsha_calls(redis.port, sent_before, 3),
+        3,
+        "the late acquires reached Redis"
+    );
     assert_eq!(
         held(&redis, "local"),
         "1",

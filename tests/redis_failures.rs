@@ -20,11 +20,13 @@ use tonic::transport::Channel;
 /// store timeout: a hung Redis must never hang the caller.
 const DEADLINE: Duration = Duration::from_secs(3);
 
+/// `row` with its store-unavailable policy set to `policy`.
+fn with(mut row: LimitRow, policy: &str) -> LimitRow {
+    row.on_store_unavailable = policy.parse().unwrap();
+    row
+}
+
 fn rules() -> Vec<LimitRow> {
-    let with = |mut r: LimitRow, policy: &str| {
-        r.on_store_unavailable = policy.parse().unwrap();
-        r
-    };
     vec![
         with(row("open", "open", "", "key", 5, "1/hour"), "allow"),
         with(row("closed", "closed", "", "key", 5, "1/hour"), "deny"),
@@ -298,10 +300,6 @@ async fn starts_before_redis_is_reachable_and_becomes_ready_when_it_is() {
 /// `local` one is refused whole, without spending a local bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_fraction_and_a_deny_rule_beside_a_local_one_during_an_outage() {
-    let with = |mut r: LimitRow, policy: &str| {
-        r.on_store_unavailable = policy.parse().unwrap();
-        r
-    };
     let rules = [
         with(row("local-10", "local", "", "key", 10, "1/hour"), "local"),
         with(row("mixed-key", "mixed", "", "key", 10, "1/hour"), "local"),
@@ -511,11 +509,10 @@ async fn a_cluster_node_killed_under_load_and_back() {
 /// all five (its EVALSHA count shows it) and the bucket still holds all
 /// 100 tokens, with no reservation record written.
 async fn late_calls_apply_nothing(url: String, node: &RedisServer) {
-    let rules = [{
-        let mut r = row("closed", "closed", "", "key", 100, "1/hour");
-        r.on_store_unavailable = "deny".parse().unwrap();
-        r
-    }];
+    let rules = [with(
+        row("closed", "closed", "", "key", 100, "1/hour"),
+        "deny",
+    )];
     let server = TestServer::launch(Some(&rules), move |c| {
         c.store = StoreSpec::Redis(url);
         c.store_timeout = Duration::from_millis(100);
@@ -577,15 +574,11 @@ async fn late_calls_apply_nothing(url: String, node: &RedisServer) {
     );
 
     node.thaw();
-    let mut ran = 0;
-    for _ in 0..500 {
-        ran = common::redis::evalsha_calls(node.port) - sent_before;
-        if ran >= 5 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(ran, 5, "Redis ran the five late calls after the thaw");
+    assert_eq!(
+        common::redis::wait_evalsha_calls(node.port, sent_before, 5),
+        5,
+        "Redis ran the five late calls after the thaw"
+    );
     assert_eq!(
         common::redis::redis_cli(node.port, &["GET", "tollgate:{closed}:k::victim"]),
         "",

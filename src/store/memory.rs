@@ -29,7 +29,7 @@ use smallvec::SmallVec;
 
 use super::reservation::{self, EXPIRED_GRACE, Record};
 use super::{
-    Attach, BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, Reservation,
+    Attach, BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, RecordsFull, Reservation,
     ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture,
     StoreStatus, Verdicts,
 };
@@ -41,7 +41,6 @@ mod records;
 use crate::clock::Clock;
 use leases::HeldLease;
 use records::Records;
-pub use records::{MIN_SHARE as MIN_RECORDS_SHARE, RecordsFull};
 
 const STRIPES: usize = 4096;
 

@@ -133,6 +133,25 @@ impl StoreError {
     }
 }
 
+/// Why a reservation or lease record could not be added: its tenant holds
+/// as many as it may (in memory, or on Redis with a per-tenant cap).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "tenant {tenant:?} holds {held} reservation and lease records (open, or settled and \
+     released ones for ten minutes after their ttl), the most it may hold now ({why}); \
+     settle or release what it holds, reserve with shorter ttls, or raise {flag}"
+)]
+pub struct RecordsFull {
+    /// The tenant refused.
+    pub tenant: String,
+    /// What it holds.
+    pub held: usize,
+    /// Which bound it met.
+    pub why: String,
+    /// The flag that raises it.
+    pub flag: &'static str,
+}
+
 /// What a store answers for one atomic decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdicts {

@@ -60,12 +60,11 @@ use topology::{Topology as Routes, slot_of};
 
 use super::reservation::MAX_TTL;
 use super::{
-    Attach, BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, Reservation,
+    Attach, BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, RecordsFull, Reservation,
     ReservationId, SettleFuture, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
 };
 use crate::algorithm::{Charge, Micros, Op};
 use crate::clock::Clock;
-use crate::store::memory::RecordsFull;
 use crate::telemetry::metrics;
 
 /// The decision script.

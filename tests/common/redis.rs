@@ -40,6 +40,21 @@ pub fn evalsha_calls(port: u16) -> u64 {
         .map_or(0, |v| v.parse().unwrap())
 }
 
+/// Waits (bounded, 5 s) until `port` has run `want` EVALSHA calls more
+/// than `before`, and returns how many more it ran: calls a frozen Redis
+/// held in its sockets run once it is thawed.
+pub fn wait_evalsha_calls(port: u16, before: u64, want: u64) -> u64 {
+    let mut ran = 0;
+    for _ in 0..500 {
+        ran = evalsha_calls(port) - before;
+        if ran >= want {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ran
+}
+
 pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,

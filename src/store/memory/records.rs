@@ -17,27 +17,11 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use foldhash::fast::RandomState;
 
+use crate::store::RecordsFull;
+
 /// A share no tenant is refused below, however many tenants hold records
 /// (the total cap still holds).
-pub const MIN_SHARE: usize = 16;
-
-/// Why a record could not be added.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "tenant {tenant:?} holds {held} reservation and lease records (open, or settled and \
-     released ones for ten minutes after their ttl), the most it may hold now ({why}); \
-     settle or release what it holds, reserve with shorter ttls, or raise {flag}"
-)]
-pub struct RecordsFull {
-    /// The tenant refused.
-    pub tenant: String,
-    /// What it holds.
-    pub held: usize,
-    /// Which bound it met.
-    pub why: String,
-    /// The flag that raises it.
-    pub flag: &'static str,
-}
+pub(super) const MIN_SHARE: usize = 16;
 
 /// See the module docs.
 pub(super) struct Records {
