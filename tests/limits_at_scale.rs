@@ -523,3 +523,107 @@ fn a_table_beyond_the_memory_bound_is_a_clear_start_up_error() {
     );
     let _ = stdout(&out);
 }
+
+/// Rows are read in chunks of length-prefixed values: values holding the
+/// characters a separator-based encoding would trip on (commas, digits,
+/// U+001E, U+001F, multi-byte text) are read exactly, are rejected alone
+/// when invalid, and never move into another row or tenant.
+async fn awkward_values_are_read_exactly(limits: &str, table: &LimitsTable) {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServeProcess::start(
+        dir.path(),
+        &["--limits", limits, "--reload-interval", "100ms"],
+    );
+    server.wait_ready();
+    let mut c = client(&server.grpc).await;
+    table
+        .upsert(&row("victim", "victim", "", "key", 5, "1/second"))
+        .await
+        .unwrap();
+    eventually(&mut c, "victim", ("victim", 5)).await;
+    // `3,victim` after a tenant's own length prefix would read as the next
+    // value to a parser that trusted separators.
+    table
+        .execute_sql(
+            "BEGIN; \
+             INSERT INTO limits (name, tenant, burst, rate) VALUES ('12,3,victim', 'x,3,victim', 9, 1); \
+             INSERT INTO limits (name, tenant, burst, rate) VALUES \
+                 ('sep' || char(31) || '4,victim' || char(30), 'sep', 8, 1); \
+             INSERT INTO limits (name, tenant, burst, rate) VALUES ('grüße,1,', 'grusse', 12, 1); \
+             INSERT INTO limits (name, tenant, burst, rate) VALUES ('good', 'good', 13, 1); \
+             COMMIT;"
+                .replace("char(", if table.is_postgres() { "chr(" } else { "char(" })
+                .as_str(),
+        )
+        .await
+        .unwrap();
+    eventually(&mut c, "good", ("good", 13)).await;
+    assert_eq!(limit_of(&mut c, "victim").await, ("victim".into(), 5));
+    let v = admin_json(&server, "/v1/limits?limit=1");
+    let rejected: Vec<&str> = v["status"]["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap())
+        .collect();
+    // Each awkward row is rejected alone, named by its exact values.
+    assert_eq!(
+        rejected,
+        [
+            "row \"12,3,victim\" (tenant \"x,3,victim\", resource \"\", scope \"key\"): tenant \
+             \"x,3,victim\" contains ','; use ASCII letters, digits, '.', '_' and '-'",
+            "row \"sep\\u{1f}4,victim\\u{1e}\" (tenant \"sep\", resource \"\", scope \"key\"): name \
+             \"sep\\u{1f}4,victim\\u{1e}\" contains '\\u{1f}'; use ASCII letters, digits, '.', '_' and '-'",
+            "row \"grüße,1,\" (tenant \"grusse\", resource \"\", scope \"key\"): name \"grüße,1,\" \
+             contains 'ü'; use ASCII letters, digits, '.', '_' and '-'",
+        ]
+    );
+    assert_eq!(v["status"]["rejected_rows"], 3);
+    // The default row, victim's and good's.
+    assert_eq!(v["status"]["rules"], 3, "{v}");
+    if !table.is_postgres() {
+        // SQLite lets a number column hold text: the row is rejected,
+        // naming the value.
+        table
+            .execute_sql("UPDATE limits SET burst = '7,many' WHERE name = 'good'")
+            .await
+            .unwrap();
+        let version = table.version().await.unwrap();
+        for _ in 0..500 {
+            if admin_json(&server, "/v1/limits?limit=1")["status"]["version"] == version {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let v = admin_json(&server, "/v1/limits?limit=1");
+        assert_eq!(v["status"]["version"], version);
+        let rejected = v["status"]["rejected"][3].as_str().unwrap();
+        assert!(
+            rejected.starts_with("row \"good\" (tenant \"good\""),
+            "{rejected}"
+        );
+        assert!(
+            rejected.contains("the burst column holds \\\"7,many\\\", not a whole number"),
+            "{rejected}"
+        );
+        // Its last valid version stays.
+        assert_eq!(limit_of(&mut c, "good").await, ("good".into(), 13));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn awkward_values_are_read_exactly_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.db");
+    let limits = path.to_str().unwrap();
+    let table = LimitsTable::open(limits).await.unwrap();
+    awkward_values_are_read_exactly(limits, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn awkward_values_are_read_exactly_on_postgres() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let table = LimitsTable::open(&url).await.unwrap();
+    awkward_values_are_read_exactly(&url, &table).await;
+}

@@ -80,6 +80,10 @@ pub enum TableError {
     /// A write names something that does not exist.
     #[error("{0}")]
     NotFound(String),
+    /// The database returned rows this build cannot read (from
+    /// [`LimitsTable::read_changes`]).
+    #[error("limits table: unreadable rows at {0:?}")]
+    Chunk(String),
 }
 
 /// A handle on the limits table.
@@ -400,23 +404,33 @@ impl LimitsTable {
         Ok(())
     }
 
-    /// The columns the loader reads: id, name, tenant, plan, and the rest
-    /// joined by U+001F (which no valid value holds) into one text value.
-    /// Five values a row instead of thirteen: the database driver copies
-    /// and allocates each value, and at a million rows that is most of a
-    /// load's time.
-    fn packed(&self) -> &'static str {
-        match self.pool {
-            Pool::Sqlite(_) => {
-                "id, name, tenant, plan, resource || char(31) || scope || char(31) || burst || char(31) || \
-                 rate || char(31) || rate_unit || char(31) || mode || char(31) || on_store_unavailable || \
-                 char(31) || debt || char(31) || kind"
-            }
-            Pool::Postgres(_) => {
-                "id, name, tenant, plan, concat_ws(chr(31), resource, scope, burst, rate, rate_unit, mode, \
-                 on_store_unavailable, debt, kind)"
-            }
-        }
+    /// `SELECT`s the rows of `from` (a `FROM` clause and its `WHERE`s,
+    /// over table `limits` or a query of its columns) as chunks: one text
+    /// value per [`CHUNK_ROWS`] ids, each row a run of its thirteen values
+    /// ([`LOADED`]), each value written as its length in bytes, a comma and
+    /// the value. Lengths rather than separators, so no value can be
+    /// mistaken for the next (a name may hold any character). The database
+    /// driver copies and allocates every value it returns and hands each
+    /// row from its thread to the reader's: at a million rows that was most
+    /// of a load's time, and a thousand rows a value makes it a rounding
+    /// error.
+    fn chunked(&self, from: &str) -> String {
+        let (len, agg) = match self.pool {
+            Pool::Sqlite(_) => ("octet_length({c})", "group_concat"),
+            Pool::Postgres(_) => ("octet_length({c}::text)", "string_agg"),
+        };
+        let row = LOADED
+            .iter()
+            .map(|c| {
+                let text = match self.pool {
+                    Pool::Sqlite(_) => (*c).to_owned(),
+                    Pool::Postgres(_) => format!("{c}::text"),
+                };
+                format!("{} || ',' || {text}", len.replace("{c}", c))
+            })
+            .collect::<Vec<_>>()
+            .join(" || ");
+        format!("SELECT {agg}({row}, '') FROM {from} GROUP BY id / {CHUNK_ROWS}")
     }
 
     fn updated_at(&self) -> &'static str {
@@ -515,7 +529,6 @@ impl LimitsTable {
                 full = logged as u64 > (held / FULL_READ_FRACTION).max(1000) as u64;
             }
             let since_bind = [Bind::Int(since)];
-            let row_sql = format!("SELECT {} FROM limits", self.packed());
             if full {
                 sink.begin(true, Vec::new());
                 let mut plans = sqlx::query("SELECT name FROM plans").fetch(&mut *tx);
@@ -524,11 +537,12 @@ impl LimitsTable {
                 }
                 drop(plans);
                 // Table order: the loader groups a tenant's rows itself.
-                let mut rows = sqlx::query(sqlx::AssertSqlSafe(row_sql)).fetch(&mut *tx);
-                while let Some(r) = rows.try_next().await? {
-                    sink.row(packed_row(&r)?);
+                let sql = self.chunked("limits");
+                let mut chunks = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch(&mut *tx);
+                while let Some(r) = chunks.try_next().await? {
+                    chunk_rows(r.try_get(0)?, sink)?;
                 }
-                drop(rows);
+                drop(chunks);
                 let mut assigned = sqlx::query("SELECT tenant, plan FROM tenants").fetch(&mut *tx);
                 while let Some(r) = assigned.try_next().await? {
                     sink.assignment(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?);
@@ -558,16 +572,17 @@ impl LimitsTable {
                 {
                     sink.plan(r.try_get::<&str, _>(0)?);
                 }
-                let sql = format!(
-                    "{row_sql} WHERE plan = '' AND tenant IN ({changed_tenants}) \
-                     UNION ALL {row_sql} WHERE plan <> '' AND plan IN ({changed_plans})"
-                );
+                let sql = self.chunked(&format!(
+                    "(SELECT * FROM limits WHERE plan = '' AND tenant IN ({changed_tenants}) \
+                     UNION ALL SELECT * FROM limits WHERE plan <> '' AND plan IN ({changed_plans})) \
+                     AS changed"
+                ));
                 let binds = [Bind::Int(since), Bind::Int(since)];
-                let mut rows = bound!(sqlx::query(self.sql(&sql)), &binds).fetch(&mut *tx);
-                while let Some(r) = rows.try_next().await? {
-                    sink.row(packed_row(&r)?);
+                let mut chunks = bound!(sqlx::query(self.sql(&sql)), &binds).fetch(&mut *tx);
+                while let Some(r) = chunks.try_next().await? {
+                    chunk_rows(r.try_get(0)?, sink)?;
                 }
-                drop(rows);
+                drop(chunks);
                 let sql =
                     format!("SELECT tenant, plan FROM tenants WHERE tenant IN ({changed_tenants})");
                 for r in bound!(sqlx::query(self.sql(&sql)), &since_bind)
@@ -955,58 +970,85 @@ where
     })
 }
 
-/// A row as [`LimitsTable::packed`] reads it. A value the table holds but
-/// no valid row can (a U+001F, text in a number column) becomes a value
-/// that validation rejects with a message naming it.
-fn packed_row<R: Row>(r: &R) -> Result<StoredRow, sqlx::Error>
-where
-    usize: sqlx::ColumnIndex<R>,
-    for<'d> String: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
-    for<'d> &'d str: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
-    for<'d> i64: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
-{
-    let rest: &str = r.try_get(4)?;
-    let mut fields = rest.split('\u{1f}');
-    let mut text = || fields.next().unwrap_or_default().to_owned();
-    let mut row = StoredRow {
-        id: r.try_get(0)?,
-        name: r.try_get(1)?,
-        tenant: r.try_get(2)?,
-        plan: r.try_get(3)?,
-        resource: text(),
-        scope: text(),
-        burst: 0,
-        rate: 0,
-        rate_unit: String::new(),
-        mode: String::new(),
-        on_store_unavailable: String::new(),
-        debt: 0,
-        kind: String::new(),
-        updated_at: String::new(),
-    };
-    let burst = text();
-    let rate = text();
-    row.rate_unit = text();
-    row.mode = text();
-    row.on_store_unavailable = text();
-    let debt = text();
-    row.kind = text();
-    let number = |what: &str, value: &str, row: &mut StoredRow| -> i64 {
-        value.parse().unwrap_or_else(|_| {
-            row.scope = format!(
-                "(the {what} column holds {:?}, not a whole number)",
-                super::short(value)
-            );
-            0
-        })
-    };
-    row.burst = number("burst", &burst, &mut row);
-    row.rate = number("rate", &rate, &mut row);
-    row.debt = number("debt", &debt, &mut row);
-    if rest.matches('\u{1f}').count() != 8 {
-        row.scope = "(a value holds the control character U+001F)".into();
+/// The columns [`LimitsTable::chunked`] reads, in [`chunk_rows`]' order.
+const LOADED: [&str; 13] = [
+    "id",
+    "name",
+    "tenant",
+    "plan",
+    "resource",
+    "scope",
+    "burst",
+    "rate",
+    "rate_unit",
+    "mode",
+    "on_store_unavailable",
+    "debt",
+    "kind",
+];
+
+/// Rows per chunk: ids `[k * CHUNK_ROWS, (k + 1) * CHUNK_ROWS)` are read
+/// as one value.
+const CHUNK_ROWS: i64 = 1024;
+
+/// Feeds the rows of one chunk written by [`LimitsTable::chunked`] to
+/// `sink`. A number column holding text (SQLite lets it) becomes a row
+/// that validation rejects, naming the value. A chunk that does not
+/// parse is an error: the read fails and the rules in force stay.
+fn chunk_rows(chunk: Option<&str>, sink: &mut (dyn ChangeSink + Send)) -> Result<(), TableError> {
+    let mut rest = chunk.unwrap_or_default();
+    while !rest.is_empty() {
+        let mut next = || field(&mut rest);
+        let id = next()?;
+        let mut row = StoredRow {
+            id: id
+                .parse()
+                .map_err(|_| TableError::Chunk(super::short(id)))?,
+            name: next()?.to_owned(),
+            tenant: next()?.to_owned(),
+            plan: next()?.to_owned(),
+            resource: next()?.to_owned(),
+            scope: next()?.to_owned(),
+            burst: 0,
+            rate: 0,
+            rate_unit: String::new(),
+            mode: String::new(),
+            on_store_unavailable: String::new(),
+            debt: 0,
+            kind: String::new(),
+            updated_at: String::new(),
+        };
+        let mut bad = None;
+        let mut number = |what: &'static str, value: &str| -> i64 {
+            value.parse().unwrap_or_else(|_| {
+                bad.get_or_insert((what, super::short(value).to_owned()));
+                0
+            })
+        };
+        row.burst = number("burst", next()?);
+        row.rate = number("rate", next()?);
+        row.rate_unit = next()?.to_owned();
+        row.mode = next()?.to_owned();
+        row.on_store_unavailable = next()?.to_owned();
+        row.debt = number("debt", next()?);
+        row.kind = next()?.to_owned();
+        if let Some((what, value)) = bad {
+            row.scope = format!("(the {what} column holds {value:?}, not a whole number)");
+        }
+        sink.row(row);
     }
-    Ok(row)
+    Ok(())
+}
+
+/// The next length-prefixed value of `rest`, which moves past it.
+fn field<'a>(rest: &mut &'a str) -> Result<&'a str, TableError> {
+    let text: &'a str = rest;
+    let bad = || TableError::Chunk(super::short(text));
+    let (len, tail) = text.split_once(',').ok_or_else(bad)?;
+    let len: usize = len.parse().map_err(|_| bad())?;
+    let value = tail.get(..len).ok_or_else(bad)?;
+    *rest = &tail[len..];
+    Ok(value)
 }
 
 type Clash = (String, String, String, String);
