@@ -34,6 +34,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::limits::table::LimitsTable;
+
 pub use client::{ChargeArgs, CheckArgs, TopArgs, charge, check, health, top};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use plans::{PlansCommand, plans};
@@ -86,9 +88,101 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct LimitsLocation {
     /// The limits table: a SQLite file path or `sqlite:` URL, or a
-    /// `postgres://` URL (created and seeded when missing).
+    /// `postgres://` URL. A SQLite file must exist (`tollgate serve`
+    /// creates it) unless --create is given.
     #[arg(long, env = "TOLLGATE_LIMITS", default_value = crate::limits::table::DEFAULT_LOCATION)]
     pub limits: String,
+    /// Create the SQLite file (with its default row) when it does not
+    /// exist.
+    #[arg(long)]
+    pub create: bool,
+}
+
+impl LimitsLocation {
+    /// Opens the table (see [`LimitsTable::open_existing`]).
+    pub async fn open(&self) -> anyhow::Result<LimitsTable> {
+        Ok(LimitsTable::open_existing(&self.limits, self.create).await?)
+    }
+}
+
+/// Which running server an edit waits for.
+#[derive(Debug, Args)]
+pub struct WaitFor {
+    /// After the edit, wait (at most 10 s) until the server at this gRPC
+    /// address has applied it, if it answers and reads the same table;
+    /// `none` to not wait.
+    #[arg(
+        long = "wait-for",
+        env = "TOLLGATE_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+}
+
+/// How long an edit waits for a server to apply it.
+const WAIT_FOR_APPLIED: Duration = Duration::from_secs(10);
+
+impl WaitFor {
+    /// Reports where the edit was written and waits until the server has
+    /// applied it (or says why it does not wait), on standard error.
+    pub async fn applied(&self, table: &LimitsTable) -> anyhow::Result<()> {
+        use crate::proto::v1::LimitsStatusRequest;
+        use crate::proto::v1::admin_client::AdminClient;
+
+        let version = table.version().await?;
+        let written = format!("written to {} (table version {version})", table.location());
+        let server = &self.server;
+        if server == "none" {
+            eprintln!("{written}");
+            return Ok(());
+        }
+        let endpoint = tonic::transport::Endpoint::from_shared(server.clone())
+            .map_err(|e| anyhow::anyhow!("--wait-for {server:?}: {e}"))?
+            .connect_timeout(Duration::from_millis(500))
+            .timeout(Duration::from_secs(2));
+        let Ok(channel) = endpoint.connect().await else {
+            eprintln!(
+                "{written}; no server answers at {server} (a server reading this table applies \
+                 the edit within its --reload-interval, 1 s by default)"
+            );
+            return Ok(());
+        };
+        let mut client = AdminClient::new(channel);
+        let deadline = tokio::time::Instant::now() + WAIT_FOR_APPLIED;
+        loop {
+            let status = match client.limits_status(LimitsStatusRequest {}).await {
+                Ok(r) => r.into_inner(),
+                Err(s) => {
+                    eprintln!(
+                        "{written}; the server at {server} does not say what it applied ({:?}: {})",
+                        s.code(),
+                        s.message()
+                    );
+                    return Ok(());
+                }
+            };
+            if status.table != table.fingerprint() {
+                eprintln!(
+                    "{written}; the server at {server} reads another table (its --limits), so it \
+                     will not see this edit"
+                );
+                return Ok(());
+            }
+            if status.version >= version {
+                eprintln!("{written}; applied by the server at {server}");
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                anyhow::bail!(
+                    "{written}; the server at {server} still holds version {} after {} s: its \
+                     log and its admin port's /v1/limits say why",
+                    status.version,
+                    WAIT_FOR_APPLIED.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// Parses the command line. `serve --help` shows each option's default,

@@ -582,7 +582,11 @@ pub async fn run(
         config.envoy_options,
     ))
     .max_decoding_message_size(config.grpc_limits.max_message_bytes);
-    let admin_grpc = AdminServer::new(AdminService::new(top.clone()));
+    let admin_grpc = AdminServer::new(AdminService::new(
+        top.clone(),
+        limits.clone(),
+        table.fingerprint(),
+    ));
     let native = RateLimiterServer::new(
         RateLimiterService::new(engine, limits.clone(), config.unmatched)
             .with_shutdown(streams_stop)

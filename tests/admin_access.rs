@@ -3,7 +3,7 @@
 //! error, and so is a non-loopback admin address without a token unless the
 //! network is declared trusted. With a token, changes need it.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 

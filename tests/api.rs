@@ -1,6 +1,6 @@
 //! The decision API through a real server and the generated client.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! Bad input gets the right status and a message that says what to fix,
 //! and never changes state.
 
-mod common;
+use crate::common;
 
 use common::{TestServer, ask, raw, req, row};
 use tollgate::api::native::Unmatched;

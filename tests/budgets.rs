@@ -3,7 +3,7 @@
 //! and the in-debt views; and a reservation settled on another instance
 //! sharing a real Redis.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! The command line as a user runs it: `serve`, `check`, `limits`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -16,15 +16,11 @@ fn first_five_minutes() {
     let out = tollgate(
         path,
         &[
-            "limits", "set", "--tenant", "batch", "--burst", "30", "--rate", "30/hour",
+            "limits", "set", "--create", "--tenant", "batch", "--burst", "30", "--rate", "30/hour",
         ],
     );
     assert!(out.status.success(), "{out:?}");
     let server = ServeProcess::start(path, &["--reload-interval", "100ms"]);
-    assert!(
-        path.join("tollgate-limits.db").exists(),
-        "the limits table is created on first run"
-    );
     let url = format!("http://{}", server.grpc);
 
     // Check a key, then watch the burst run out.
@@ -281,7 +277,7 @@ fn a_closed_stdout_ends_a_command_quietly() {
     drop(reader);
     let out = std::process::Command::new(common::process::BIN)
         .current_dir(dir.path())
-        .args(["limits", "list"])
+        .args(["limits", "list", "--create"])
         .stdout(writer)
         .stderr(std::process::Stdio::piped())
         .output()
@@ -305,4 +301,108 @@ fn tollgate_health_reports_serving() {
     drop(server);
     let out = tollgate(dir.path(), &["health", "--server", "http://127.0.0.1:1"]);
     assert!(!out.status.success());
+}
+
+fn stderr(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn edits_name_their_table_and_return_once_the_server_applied_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    let table = std::fs::canonicalize(path)
+        .unwrap()
+        .join("tollgate-limits.db");
+    let set = |dir: &std::path::Path, extra: &[&str]| {
+        let args = [
+            &[
+                "limits",
+                "set",
+                "--tenant",
+                "acme",
+                "--burst",
+                "300",
+                "--rate",
+                "6000/minute",
+            ][..],
+            extra,
+        ]
+        .concat();
+        tollgate(dir, &args)
+    };
+    // No table here yet: an error naming the file, and no file made.
+    let out = set(path, &["--wait-for", "none"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(&format!(
+            "no limits table at {}: `tollgate serve` creates it there, or pass --create",
+            table.display()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!table.exists());
+
+    // A server that reads the table every 3 s: without waiting for it, a
+    // check right after the edit would see the old rule.
+    let server = ServeProcess::start(path, &["--reload-interval", "3s"]);
+    let url = format!("http://{}", server.grpc);
+    let out = set(path, &["--wait-for", &url]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(stdout(&out), "set acme-any-key (burst 300, 6000/minute)\n");
+    let told = stderr(&out);
+    assert!(
+        told.starts_with(&format!("written to {} (table version ", table.display())),
+        "{told}"
+    );
+    assert!(
+        told.ends_with(&format!("); applied by the server at {url}\n")),
+        "{told}"
+    );
+    let check = tollgate(
+        path,
+        &["check", "--server", &url, "--tenant", "acme", "--key", "k"],
+    );
+    assert!(
+        stdout(&check).contains("rule acme-any-key (6000/minute)"),
+        "{}",
+        stdout(&check)
+    );
+
+    // Another directory's table, made on purpose: the server reads
+    // another table, and the command says so rather than wait.
+    let other = tempfile::tempdir().unwrap();
+    let out = set(other.path(), &["--create", "--wait-for", &url]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stderr(&out).contains(&format!(
+            "the server at {url} reads another table (its --limits), so it will not see this edit"
+        )),
+        "{}",
+        stderr(&out)
+    );
+    drop(server);
+    // No server: the edit is written and the command says nobody answered.
+    let out = tollgate(
+        path,
+        &[
+            "limits",
+            "set",
+            "--tenant",
+            "initech",
+            "--burst",
+            "1",
+            "--rate",
+            "1/second",
+            "--wait-for",
+            &url,
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stderr(&out).contains(&format!("; no server answers at {url} ")),
+        "{}",
+        stderr(&out)
+    );
 }

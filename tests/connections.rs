@@ -3,7 +3,7 @@
 //! requests in flight, and a stream flood held under the memory bound that
 //! `GrpcLimits::worst_case_bytes` states for the flags in use.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::net::TcpStream;

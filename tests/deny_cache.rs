@@ -1,7 +1,7 @@
 //! The local cache of rejected buckets: an exhausted key stops costing Redis
 //! anything until its retry-after, and only then is Redis asked again.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! and Envoy-format config load in the real binary, and Envoy validates the
 //! compose Envoy config.)
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;

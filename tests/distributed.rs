@@ -3,7 +3,7 @@
 //! requests across all three, and together they admit exactly what a single
 //! bucket admits.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +34,7 @@ fn fleet_with(store: &str, rules: &[&[&str]], extra: &[&str]) -> Fleet {
     for _ in 0..3 {
         let dir = tempfile::tempdir().unwrap();
         for rule in rules {
-            let mut args = vec!["limits", "set"];
+            let mut args = vec!["limits", "set", "--create"];
             args.extend_from_slice(rule);
             let out = tollgate(dir.path(), &args);
             assert!(out.status.success(), "{out:?}");

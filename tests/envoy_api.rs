@@ -2,7 +2,7 @@
 //! generated from the proto, against a real server loading
 //! envoyproxy/ratelimit YAML.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

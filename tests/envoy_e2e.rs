@@ -3,7 +3,7 @@
 //! `deploy/envoy/envoy.yaml` and `deploy/envoy/ratelimit/` with the ports
 //! replaced by free loopback ones.
 
-mod common;
+use crate::common;
 
 use common::TestServer;
 use common::envoy_proxy::{Envoy, HttpResponse};

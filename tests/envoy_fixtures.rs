@@ -8,7 +8,7 @@
 //! `unlimited` and `shadow_mode` never answering OVER_LIMIT. The server's
 //! clock stands at T0, so the time to each window's end is exact.
 
-mod common;
+use crate::common;
 
 use common::T0;
 use common::envoy::{ask, client, descriptor, request_in, start};

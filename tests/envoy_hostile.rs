@@ -3,7 +3,7 @@
 //! nothing it sends can admit more than the limit, grow the metric series,
 //! or make one Redis script call larger than the cap.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

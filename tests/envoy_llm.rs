@@ -4,7 +4,7 @@
 //! instances behind it sharing one real Redis. The request phase asks
 //! without spending; the stream-done phase charges the reported usage.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

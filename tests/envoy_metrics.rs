@@ -2,7 +2,7 @@
 //! become label values, and refusals count as errors with no tokens. One
 //! test in its own binary, so no other test's decisions share its counters.
 
-mod common;
+use crate::common;
 
 use common::envoy::{
     ask, client, config_dir, descriptor, refused, request_in, sample, start, with_limit,

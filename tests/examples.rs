@@ -2,7 +2,7 @@
 //! Tollgate: the application answers until the key's burst is spent, then
 //! the middleware answers 429 with Tollgate's headers.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -82,7 +82,7 @@ fn check(command: Command) {
     let out = tollgate(
         dir.path(),
         &[
-            "limits", "set", "--tenant", "shop", "--burst", "2", "--rate", "1/hour",
+            "limits", "set", "--create", "--tenant", "shop", "--burst", "2", "--rate", "1/hour",
         ],
     );
     assert!(out.status.success());
@@ -117,8 +117,8 @@ fn check_budget(command: Command) {
     let out = tollgate(
         dir.path(),
         &[
-            "limits", "set", "--tenant", "llm", "--burst", "1000", "--rate", "1000/day", "--debt",
-            "500",
+            "limits", "set", "--create", "--tenant", "llm", "--burst", "1000", "--rate",
+            "1000/day", "--debt", "500",
         ],
     );
     assert!(out.status.success(), "{out:?}");
@@ -253,6 +253,7 @@ fn check_slot(command: impl Fn() -> Command) {
         &[
             "limits",
             "set",
+            "--create",
             "--tenant",
             "reports",
             "--scope",

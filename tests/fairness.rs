@@ -5,7 +5,7 @@
 //! never lock a caller on a fresh connection out, and their streams end
 //! after the first-message deadline.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

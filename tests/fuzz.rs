@@ -10,9 +10,9 @@
 //!
 //! `TOLLGATE_FUZZ_CASES` sets the cases per target (default 500, what
 //! `scripts/test` runs); a longer run:
-//! `TOLLGATE_FUZZ_CASES=100000 cargo nextest run --release --test fuzz`.
+//! `TOLLGATE_FUZZ_CASES=100000 cargo nextest run --release --test integration fuzz::`.
 
-mod common;
+use crate::common;
 
 use std::alloc::System;
 use std::sync::OnceLock;

@@ -5,7 +5,7 @@
 //! reaches Redis after its caller was answered takes nothing there, so no
 //! lease is ever counted twice once Redis returns.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! manual clock, so every figure is exact) and against three `tollgate
 //! serve` processes sharing one Redis or a 3-node Redis Cluster.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -357,7 +357,7 @@ fn fleet(store: &str, rows: &[&[&str]]) -> (Vec<ServeProcess>, Vec<tempfile::Tem
     for _ in 0..3 {
         let dir = tempfile::tempdir().unwrap();
         for args in rows {
-            let mut all = vec!["limits", "set"];
+            let mut all = vec!["limits", "set", "--create"];
             all.extend_from_slice(args);
             let out = tollgate(dir.path(), &all);
             assert!(out.status.success(), "{out:?}");

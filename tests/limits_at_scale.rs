@@ -3,7 +3,7 @@
 //! row is rejected alone, and edits made while PostgreSQL was away are
 //! caught up. Real `tollgate serve` processes, real SQLite and PostgreSQL.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! Limits are data: edits to the table take effect on a running server.
 
-mod common;
+use crate::common;
 
 use common::{TestServer, ask, micros, req, row};
 use tollgate::proto::v1::ShouldAllowRequest;

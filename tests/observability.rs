@@ -1,7 +1,7 @@
 //! What an on-call engineer sees: the most limited tenants (JSON, gRPC,
 //! metric family, `tollgate top`) and the gRPC latency histogram.
 
-mod common;
+use crate::common;
 
 use common::process::{ServeProcess, stdout, tollgate};
 use common::{TestServer, ask, req, row};
@@ -99,7 +99,7 @@ fn tollgate_top_prints_a_table() {
     let out = tollgate(
         dir.path(),
         &[
-            "limits", "set", "--tenant", "scraper", "--burst", "1", "--rate", "1/hour",
+            "limits", "set", "--create", "--tenant", "scraper", "--burst", "1", "--rate", "1/hour",
         ],
     );
     assert!(out.status.success());

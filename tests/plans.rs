@@ -2,7 +2,7 @@
 //! `limits set --plan`, `limits import` / `export`, paged `limits list`,
 //! and the admin API's plan endpoints, with their bad input.
 
-mod common;
+use crate::common;
 
 use common::TestServer;
 use common::process::{ServeProcess, stdout, tollgate};
@@ -157,7 +157,7 @@ fn import_export_and_paged_lists_of_a_big_table() {
         csv.push_str(&format!("row-{i:05},t{i},,key,{},60,minute\n", 10 + i % 3));
     }
     std::fs::write(d.join("rows.csv"), &csv).unwrap();
-    let out = run(d, &["limits", "import", "rows.csv"]);
+    let out = run(d, &["limits", "import", "--create", "rows.csv"]);
     assert_eq!(out, "imported 5000 rows from rows.csv in one transaction\n");
     // Pages in name order, filters.
     let page = run(
@@ -222,7 +222,17 @@ fn import_export_and_paged_lists_of_a_big_table() {
     run(d, &["limits", "export", "--output", "all.jsonl"]);
     let exported = std::fs::read_to_string(d.join("all.jsonl")).unwrap();
     assert_eq!(exported.lines().count(), 5001);
-    let out = run(d, &["limits", "import", "--limits", "copy.db", "all.jsonl"]);
+    let out = run(
+        d,
+        &[
+            "limits",
+            "import",
+            "--create",
+            "--limits",
+            "copy.db",
+            "all.jsonl",
+        ],
+    );
     assert_eq!(
         out,
         "imported 5001 rows from all.jsonl in one transaction\n"

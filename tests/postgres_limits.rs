@@ -2,7 +2,7 @@
 //! every instance at once through LISTEN/NOTIFY, and a lost database keeps
 //! the last good limits in force until it is back.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! return data through the HTTP query API, and `promtool check metrics`
 //! finds nothing to say about what Tollgate exposes.
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

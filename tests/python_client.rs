@@ -2,7 +2,7 @@
 //! `proto/` at test time) against the real binary. Needs `python3` with
 //! `grpcio` and `grpcio-tools`, which `scripts/test` installs.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -4,7 +4,7 @@
 //! counted apart from buckets; on Redis, `--max-records-per-tenant` caps
 //! each tenant's records in the script.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

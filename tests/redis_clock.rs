@@ -4,7 +4,7 @@
 //! and a Redis whose own clock steps back and forth (a real redis-server
 //! with its wall clock shifted) never creates tokens.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

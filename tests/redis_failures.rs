@@ -4,7 +4,7 @@
 //! answer arrives before the client's deadline, and the service recovers by
 //! itself.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Redis with a password, and over TLS: decisions work, and the password
 //! never appears in what Tollgate prints.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

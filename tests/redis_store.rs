@@ -1,7 +1,7 @@
 //! The Redis store beyond the shared contract: the Lua script against the
 //! Rust arithmetic, one command per decision, NOSCRIPT, expiry, key format.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

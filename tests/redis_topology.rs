@@ -4,7 +4,7 @@
 //! Sentinels on loopback, real gRPC calls; every call must be answered
 //! (an error fails the test) and every admission is counted.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

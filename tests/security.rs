@@ -1,7 +1,7 @@
 //! TLS and mutual TLS on the gRPC port, the admin token, the request size
 //! limit, the request timeout, and the per-connection concurrency limit.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::Arc;

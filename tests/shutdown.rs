@@ -2,7 +2,7 @@
 //! TCP connection that never spoke HTTP/2, a request half sent, an idle
 //! admin connection) are closed once `--shutdown-grace` has passed.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::net::TcpStream;

@@ -10,7 +10,7 @@
 //!   Rust arithmetic agree, so the layer above them does too);
 //! - refusals come early by at most what the slices hold.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -14,7 +14,7 @@
 //! runs); `scripts/soak` runs a longer one. Everything runs on loopback, and
 //! every loop ends by itself at the deadline.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -273,7 +273,11 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
     ] {
         let out = tollgate(
             dir.path(),
-            &[&["limits", "set", "--limits", "limits.db"][..], &args[..]].concat(),
+            &[
+                &["limits", "set", "--create", "--limits", "limits.db"][..],
+                &args[..],
+            ]
+            .concat(),
         );
         assert!(out.status.success(), "{out:?}");
     }

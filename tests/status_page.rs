@@ -3,7 +3,7 @@
 //! decisions by outcome, the most limited tenants, the tenants in debt,
 //! the tenants holding the most concurrency slots and the limits in force.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -3,7 +3,7 @@
 //! both with each decision in its own script call and with concurrent
 //! decisions coalesced into shared calls.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

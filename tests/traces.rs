@@ -2,7 +2,7 @@
 //! collects what `tollgate serve` exports when OTEL_EXPORTER_OTLP_ENDPOINT
 //! points at it.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,9 +4,9 @@ use clap::{Args, Subcommand};
 
 use std::io::Write;
 
-use super::LimitsLocation;
+use super::{LimitsLocation, WaitFor};
 use crate::limits::file::{Format, read_rows, write_header, write_row};
-use crate::limits::table::{LimitsTable, RowFilter};
+use crate::limits::table::RowFilter;
 use crate::limits::{LimitRow, StoredRow};
 
 /// `tollgate limits …`.
@@ -45,6 +45,9 @@ pub enum LimitsCommand {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// The server to wait for.
+        #[command(flatten)]
+        wait: WaitFor,
         /// The row's name.
         #[arg(long)]
         name: String,
@@ -55,6 +58,9 @@ pub enum LimitsCommand {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// The server to wait for.
+        #[command(flatten)]
+        wait: WaitFor,
         /// The file ('-' for standard input).
         file: String,
         /// The file's format (default: csv for a .csv file, else jsonl).
@@ -81,6 +87,9 @@ pub struct SetArgs {
     /// The limits table.
     #[command(flatten)]
     pub location: LimitsLocation,
+    /// The server to wait for.
+    #[command(flatten)]
+    pub wait: WaitFor,
     /// Tenant ('' or omitted: the default rows, or the plan's).
     #[arg(long, default_value = "", conflicts_with = "plan")]
     pub tenant: String,
@@ -131,7 +140,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             limit,
             json,
         } => {
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             let filter = RowFilter {
                 tenant,
                 plan,
@@ -156,6 +165,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
         }
         LimitsCommand::Import {
             location,
+            wait,
             file,
             format,
         } => {
@@ -168,7 +178,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                 read_rows(std::io::BufReader::new(f), format)
             }
             .map_err(|e| anyhow::anyhow!("{file}: {e}; nothing was imported"))?;
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             let total = rows.len();
             let mut shown = 0;
             table
@@ -185,6 +195,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                 })?;
             eprintln!();
             outln!("imported {total} rows from {file} in one transaction");
+            wait.applied(&table).await?;
         }
         LimitsCommand::Export {
             location,
@@ -192,7 +203,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             format,
         } => {
             let format = format.unwrap_or(Format::of_path(output.as_deref().unwrap_or("")));
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             let mut out: Box<dyn std::io::Write> = match &output {
                 Some(path) => Box::new(std::io::BufWriter::new(
                     std::fs::File::create(path)
@@ -238,16 +249,22 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?
             .for_plan(args.plan, named);
             let rule = row.validate()?;
-            let table = LimitsTable::open(&args.location.limits).await?;
+            let table = args.location.open().await?;
             table.upsert(&row).await?;
             outln!("set {rule}");
+            args.wait.applied(&table).await?;
         }
-        LimitsCommand::Delete { location, name } => {
-            let table = LimitsTable::open(&location.limits).await?;
+        LimitsCommand::Delete {
+            location,
+            wait,
+            name,
+        } => {
+            let table = location.open().await?;
             if !table.delete(&name).await? {
                 anyhow::bail!("no row is named {name:?}; `tollgate limits list` shows the names");
             }
             outln!("deleted {name}");
+            wait.applied(&table).await?;
         }
     }
     Ok(())

@@ -3,9 +3,8 @@
 
 use clap::Subcommand;
 
-use super::LimitsLocation;
+use super::{LimitsLocation, WaitFor};
 use crate::limits::check_label;
-use crate::limits::table::LimitsTable;
 
 /// `tollgate plans …`.
 #[derive(Debug, Subcommand)]
@@ -24,6 +23,9 @@ pub enum PlansCommand {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// The server to wait for.
+        #[command(flatten)]
+        wait: WaitFor,
         /// The plan's name.
         name: String,
         /// What the plan is for.
@@ -35,6 +37,9 @@ pub enum PlansCommand {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// The server to wait for.
+        #[command(flatten)]
+        wait: WaitFor,
         /// The plan's name.
         name: String,
         /// Delete even with tenants on it (they get the default rows).
@@ -46,6 +51,9 @@ pub enum PlansCommand {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// The server to wait for.
+        #[command(flatten)]
+        wait: WaitFor,
         /// The tenant.
         #[arg(long)]
         tenant: String,
@@ -58,6 +66,9 @@ pub enum PlansCommand {
         /// The limits table.
         #[command(flatten)]
         location: LimitsLocation,
+        /// The server to wait for.
+        #[command(flatten)]
+        wait: WaitFor,
         /// The tenant.
         #[arg(long)]
         tenant: String,
@@ -75,7 +86,7 @@ fn nonempty_label(what: &str, value: &str) -> anyhow::Result<()> {
 pub async fn plans(command: PlansCommand) -> anyhow::Result<()> {
     match command {
         PlansCommand::List { location, json } => {
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             let plans = table.plans().await?;
             if json {
                 outln!("{}", serde_json::to_string_pretty(&plans)?);
@@ -99,36 +110,41 @@ pub async fn plans(command: PlansCommand) -> anyhow::Result<()> {
         }
         PlansCommand::Create {
             location,
+            wait,
             name,
             description,
         } => {
             nonempty_label("plan", &name)?;
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             table.create_plan(&name, &description).await?;
             outln!(
                 "plan {name} exists; add its rules with `tollgate limits set --plan {name} ...`"
             );
+            wait.applied(&table).await?;
         }
         PlansCommand::Delete {
             location,
+            wait,
             name,
             force,
         } => {
             nonempty_label("plan", &name)?;
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             if !table.delete_plan(&name, force).await? {
                 anyhow::bail!("no plan is named {name:?}; `tollgate plans list` shows the plans");
             }
             outln!("deleted plan {name} and its rules");
+            wait.applied(&table).await?;
         }
         PlansCommand::Assign {
             location,
+            wait,
             tenant,
             plan,
         } => {
             nonempty_label("tenant", &tenant)?;
             nonempty_label("plan", &plan)?;
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             match table.assign(&tenant, Some(&plan)).await? {
                 Some(before) if before != plan => {
                     outln!("tenant {tenant}: plan {before} -> {plan}")
@@ -136,14 +152,20 @@ pub async fn plans(command: PlansCommand) -> anyhow::Result<()> {
                 Some(_) => outln!("tenant {tenant} is on plan {plan}"),
                 None => outln!("tenant {tenant}: no plan -> {plan}"),
             }
+            wait.applied(&table).await?;
         }
-        PlansCommand::Unassign { location, tenant } => {
+        PlansCommand::Unassign {
+            location,
+            wait,
+            tenant,
+        } => {
             nonempty_label("tenant", &tenant)?;
-            let table = LimitsTable::open(&location.limits).await?;
+            let table = location.open().await?;
             match table.assign(&tenant, None).await? {
                 Some(before) => outln!("tenant {tenant}: plan {before} -> no plan (default rows)"),
                 None => outln!("tenant {tenant} was on no plan"),
             }
+            wait.applied(&table).await?;
         }
     }
     Ok(())

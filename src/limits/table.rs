@@ -210,12 +210,37 @@ impl LimitsTable {
     /// `postgres://` / `postgresql://` URL. Missing tables are created (and
     /// seeded).
     pub async fn open(location: &str) -> Result<Self, TableError> {
-        let table = Self {
-            pool: Self::connect(location).await?,
-            location: location.into(),
+        let pool = Self::connect(location).await?;
+        // A file path is named absolute from here on (in messages, and to
+        // a `tollgate limits` run from another directory).
+        let location = match sqlite_file(location) {
+            Some(path) => std::fs::canonicalize(path)
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_else(|_| location.into()),
+            None => location.into(),
         };
+        let table = Self { pool, location };
         table.migrate().await?;
         Ok(table)
+    }
+
+    /// [`LimitsTable::open`] for a command that edits or reads a table
+    /// outside `serve`: a SQLite file that does not exist is an error
+    /// naming where it was looked for, unless `create` (so that a command
+    /// run from another directory never makes a second table silently).
+    pub async fn open_existing(location: &str, create: bool) -> Result<Self, TableError> {
+        if let Some(path) = sqlite_file(location).filter(|_| !create) {
+            let path = std::path::Path::new(path);
+            if !path.exists() {
+                let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+                return Err(TableError::NotFound(format!(
+                    "no limits table at {}: `tollgate serve` creates it there, or pass --create; \
+                     to edit a server's table, pass its --limits (or set TOLLGATE_LIMITS)",
+                    absolute.display()
+                )));
+            }
+        }
+        Self::open(location).await
     }
 
     /// A handle on the same table with connections of its own, made on the
@@ -267,6 +292,18 @@ impl LimitsTable {
     /// Where the table lives, with any password hidden.
     pub fn location(&self) -> String {
         redact(&self.location)
+    }
+
+    /// A fingerprint of [`LimitsTable::location`] (64-bit FNV-1a, hex):
+    /// equal for two handles on the same table, and not the location.
+    pub fn fingerprint(&self) -> String {
+        let hash = self
+            .location()
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+        format!("{hash:016x}")
     }
 
     /// True for PostgreSQL.
@@ -968,6 +1005,24 @@ where
         kind: r.try_get(12)?,
         updated_at: r.try_get(13)?,
     })
+}
+
+/// The file of a SQLite location (a path, or a `sqlite:` URL naming a
+/// file); `None` for PostgreSQL and in-memory databases.
+fn sqlite_file(location: &str) -> Option<&str> {
+    if location.contains(":memory:") || location.contains("mode=memory") {
+        return None;
+    }
+    let path = match location.strip_prefix("sqlite:") {
+        Some(url) => url
+            .trim_start_matches("//")
+            .split('?')
+            .next()
+            .unwrap_or_default(),
+        None if location.contains("://") => return None,
+        None => location,
+    };
+    (!path.is_empty()).then_some(path)
 }
 
 /// The columns [`LimitsTable::chunked`] reads, in [`chunk_rows`]' order.

@@ -1,4 +1,5 @@
-//! `tollgate.v1.Admin`: the most limited tenants and keys over gRPC.
+//! `tollgate.v1.Admin`: the most limited tenants and keys, and the limits
+//! table in force, over gRPC.
 
 use std::sync::Arc;
 
@@ -6,8 +7,10 @@ use tonic::{Request, Response, Status};
 
 use crate::algorithm::Micros;
 use crate::api::duration;
+use crate::limits::watch::LiveLimits;
 use crate::proto::v1::{
-    LimitedKey, LimitedTenant, TenantHolding, TenantInDebt, TopLimitedRequest, TopLimitedResponse,
+    LimitedKey, LimitedTenant, LimitsStatusRequest, LimitsStatusResponse, TenantHolding,
+    TenantInDebt, TopLimitedRequest, TopLimitedResponse,
 };
 use crate::telemetry::top::TopLimited;
 
@@ -16,17 +19,33 @@ pub use crate::proto::v1::admin_server::AdminServer;
 /// Implements `tollgate.v1.Admin`.
 pub struct AdminService {
     top: Arc<TopLimited>,
+    limits: Arc<LiveLimits>,
+    table: String,
 }
 
 impl AdminService {
-    /// The service reading `top`.
-    pub fn new(top: Arc<TopLimited>) -> Self {
-        Self { top }
+    /// The service reading `top`, and `limits` read from `table` (its
+    /// [`crate::limits::table::LimitsTable::fingerprint`]).
+    pub fn new(top: Arc<TopLimited>, limits: Arc<LiveLimits>, table: String) -> Self {
+        Self { top, limits, table }
     }
 }
 
 #[tonic::async_trait]
 impl crate::proto::v1::admin_server::Admin for AdminService {
+    async fn limits_status(
+        &self,
+        _request: Request<LimitsStatusRequest>,
+    ) -> Result<Response<LimitsStatusResponse>, Status> {
+        let status = self.limits.status();
+        Ok(Response::new(LimitsStatusResponse {
+            table: self.table.clone(),
+            version: status.version,
+            rules: status.rules as u64,
+            rejected_rows: status.rejected_rows as u64,
+        }))
+    }
+
     async fn top_limited(
         &self,
         request: Request<TopLimitedRequest>,
