@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tollgate::algorithm::{Algorithm, Charge, Limit, Op, Rate, decide, plan};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Store};
+use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Request, Store};
 
 const T0: u64 = 1_700_000_000_000_000;
 
@@ -174,7 +174,7 @@ fn redis_store(c: &mut Criterion) {
             i += 1;
             let key = [BucketKey::new("bench", "k", "", &(i % 10_000).to_string())];
             runtime
-                .block_on(store.apply(&key, &charge, Op::SPEND))
+                .block_on(store.apply(Request::new(&key, &charge, Op::SPEND)))
                 .unwrap()
         })
     });
@@ -188,7 +188,10 @@ fn redis_store(c: &mut Criterion) {
                     let store = store.clone();
                     tasks.push(tokio::spawn(async move {
                         let key = [BucketKey::new("bench", "k", "", &j.to_string())];
-                        store.apply(&key, &charge, Op::SPEND).await.unwrap()
+                        store
+                            .apply(Request::new(&key, &charge, Op::SPEND))
+                            .await
+                            .unwrap()
                     }));
                 }
                 for t in tasks {

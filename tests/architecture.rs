@@ -30,7 +30,7 @@ fn api_wings_reach_the_store_only_through_the_engine() {
         "apply_now",
         "MemoryStore",
         "RedisStore",
-        "store::stack::Request",
+        "store::Request",
         "Fallback",
         "DenyCache",
     ];

@@ -14,8 +14,8 @@ use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Rate, State, pla
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::reservation::{Record, settle_plan};
 use tollgate::store::{
-    BucketKey, RedisConfig, RedisStore, Reservation, ReservationId, SettleStatus, Settled, Store,
-    StoreError,
+    Attachment, BucketKey, RedisConfig, RedisStore, Request, Reservation, ReservationId,
+    SettleStatus, Settled, Store, StoreError,
 };
 
 fn store(url: String, clock: &Arc<ManualClock>, margin: Duration) -> RedisStore {
@@ -151,7 +151,10 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                 let expected = plan(&before, &charges, now, op);
                 in_debt += expected.verdicts.iter().filter(|v| v.debt > 0).count();
                 forgiven += expected.verdicts.iter().filter(|v| v.forgiven > 0).count();
-                let got = store.apply(&buckets, &charges, op).await.unwrap();
+                let got = store
+                    .apply(Request::new(&buckets, &charges, op))
+                    .await
+                    .unwrap();
                 assert_eq!(
                     (got.allowed, &got.verdicts),
                     (expected.allowed, &expected.verdicts),
@@ -187,7 +190,10 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                 };
                 let expected = plan(&before, &charges, now, Op::SPEND);
                 let got = store
-                    .reserve(&buckets, &charges, &reservation)
+                    .apply(
+                        Request::new(&buckets, &charges, Op::SPEND)
+                            .attach(&Attachment::Reservation(reservation.clone())),
+                    )
                     .await
                     .unwrap();
                 assert_eq!(
@@ -415,10 +421,16 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
         BucketKey::new("acme", "t", "", ""),
     ];
     let c2 = [c[0], c[0]];
-    store.apply(&b, &c2, Op::SPEND).await.unwrap(); // loads the script
+    store.apply(Request::new(&b, &c2, Op::SPEND)).await.unwrap(); // loads the script
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
     for _ in 0..100 {
-        assert!(store.apply(&b, &c2, Op::SPEND).await.unwrap().allowed);
+        assert!(
+            store
+                .apply(Request::new(&b, &c2, Op::SPEND))
+                .await
+                .unwrap()
+                .allowed
+        );
     }
     let stats = redis_cli(server.port, &["INFO", "commandstats"]);
     assert!(stats.contains("cmdstat_evalsha:calls=100,"), "{stats}");
@@ -430,7 +442,7 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
     // After SCRIPT FLUSH (as after a restart or failover) the next decision
     // reloads the script by itself.
     redis_cli(server.port, &["SCRIPT", "FLUSH"]);
-    let o = store.apply(&b, &c2, Op::SPEND).await.unwrap();
+    let o = store.apply(Request::new(&b, &c2, Op::SPEND)).await.unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 1000 - 102);
 }
@@ -453,15 +465,19 @@ async fn keys_follow_the_documented_format_and_expire_when_full() {
         enforce: true,
     }];
     store
-        .apply(
+        .apply(Request::new(
             &[BucketKey::new("acme", "k", "exports", "alice:1")],
             &c,
             Op::SPEND,
-        )
+        ))
         .await
         .unwrap();
     store
-        .apply(&[BucketKey::new("", "t", "", "")], &c, Op::SPEND)
+        .apply(Request::new(
+            &[BucketKey::new("", "t", "", "")],
+            &c,
+            Op::SPEND,
+        ))
         .await
         .unwrap();
     let mut keys: Vec<String> = redis_cli(server.port, &["KEYS", "*"])
@@ -501,7 +517,10 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
         BucketKey::new("acme", "k", "", "a"),
         BucketKey::new("globex", "k", "", "a"),
     ];
-    let err = on_cluster.apply(&b, &c, Op::SPEND).await.unwrap_err();
+    let err = on_cluster
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap_err();
     assert!(matches!(err, StoreError::Unsupported(_)), "{err:?}");
     assert_eq!(
         err.to_string(),
@@ -514,7 +533,7 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
     ];
     assert!(
         on_cluster
-            .apply(&same, &c, Op::SPEND)
+            .apply(Request::new(&same, &c, Op::SPEND))
             .await
             .unwrap()
             .allowed
@@ -522,7 +541,13 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
 
     let server = RedisServer::start();
     let single = store(server.url(), &clock, Duration::from_secs(1));
-    assert!(single.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+    assert!(
+        single
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
 
     // Through gRPC, a batch across tenants on the cluster is the caller's
     // to split: INVALID_ARGUMENT with the same message, nothing charged,
@@ -647,7 +672,11 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
     // Load the script, then race 500 decisions at a fresh bucket of 100
     // (each also charging a bucket of its own, so each call carries a mix).
     store
-        .apply(&[BucketKey::new("warm", "k", "", "up")], &[hot], Op::SPEND)
+        .apply(Request::new(
+            &[BucketKey::new("warm", "k", "", "up")],
+            &[hot],
+            Op::SPEND,
+        ))
         .await
         .unwrap();
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
@@ -659,7 +688,10 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
                 BucketKey::new("race", "k", "", "hot"),
                 BucketKey::new("race", "k", "", &format!("own-{i}")),
             ];
-            store.apply(&b, &[hot, hot], Op::SPEND).await.unwrap()
+            store
+                .apply(Request::new(&b, &[hot, hot], Op::SPEND))
+                .await
+                .unwrap()
         }));
     }
     let mut admitted = 0;
@@ -737,11 +769,11 @@ async fn large_batches_go_out_one_per_call() {
         enforce: true,
     };
     store
-        .apply(
+        .apply(Request::new(
             &[BucketKey::new("warm", "k", "", "up")],
             &[charge],
             Op::SPEND,
-        )
+        ))
         .await
         .unwrap();
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
@@ -753,7 +785,7 @@ async fn large_batches_go_out_one_per_call() {
                 .map(|i| BucketKey::new("big", "k", "", &format!("b{b}-{i}")))
                 .collect();
             store
-                .apply(&keys, &vec![charge; 1000], Op::SPEND)
+                .apply(Request::new(&keys, &vec![charge; 1000], Op::SPEND))
                 .await
                 .unwrap()
         }));
@@ -857,7 +889,7 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
             let store = store.clone();
             tasks.push(tokio::spawn(async move {
                 let b = [BucketKey::new("cancel", "k", "", &format!("k{i}"))];
-                store.apply(&b, &c, Op::SPEND).await
+                store.apply(Request::new(&b, &c, Op::SPEND)).await
             }));
         }
         for (i, t) in tasks.iter().enumerate() {
@@ -877,7 +909,7 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     // No slot was lost: decisions still go straight through, one by one.
     for i in 0..20 {
         let b = [BucketKey::new("cancel", "k", "", "after")];
-        let o = store.apply(&b, &c, Op::SPEND).await.unwrap();
+        let o = store.apply(Request::new(&b, &c, Op::SPEND)).await.unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
     }
@@ -901,7 +933,13 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
         enforce: true,
     }];
     let b = [BucketKey::new("frozen", "k", "", "warm")];
-    assert!(store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+    assert!(
+        store
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
 
     server.freeze();
     let mut tasks = Vec::new();
@@ -913,7 +951,7 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
         tasks.push(tokio::spawn(async move {
             let b = [BucketKey::new("frozen", "k", "", &format!("k{i}"))];
             let asked = tokio::time::Instant::now();
-            let result = store.apply(&b, &c, Op::SPEND).await;
+            let result = store.apply(Request::new(&b, &c, Op::SPEND)).await;
             (result, asked.elapsed())
         }));
     }
@@ -941,7 +979,7 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
         let o = loop {
             // The breaker the timeouts opened refuses until its cooldown
             // passes (a refused call spends nothing).
-            match store.apply(&b, &c, Op::SPEND).await {
+            match store.apply(Request::new(&b, &c, Op::SPEND)).await {
                 Ok(o) => break o,
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
@@ -1001,7 +1039,10 @@ async fn reservation_records_expire_by_themselves() {
     let bucket = [BucketKey::new("acme", "k", "", "alice")];
     assert!(
         store
-            .reserve(&bucket, &[charge], &reservation)
+            .apply(
+                Request::new(&bucket, &[charge], Op::SPEND)
+                    .attach(&Attachment::Reservation(reservation.clone()))
+            )
             .await
             .unwrap()
             .allowed
@@ -1064,8 +1105,20 @@ async fn leases_agree_between_lua_and_rust() {
                         id: LeaseId::new(&tenant),
                         ttl: 1_000 + rng.below(3_000_000),
                     };
-                    let want = memory.acquire(&buckets, &charges, &lease).await.unwrap();
-                    let got = redis.acquire(&buckets, &charges, &lease).await.unwrap();
+                    let want = memory
+                        .apply(
+                            Request::new(&buckets, &charges, Op::SPEND)
+                                .attach(&Attachment::Lease(lease.clone())),
+                        )
+                        .await
+                        .unwrap();
+                    let got = redis
+                        .apply(
+                            Request::new(&buckets, &charges, Op::SPEND)
+                                .attach(&Attachment::Lease(lease.clone())),
+                        )
+                        .await
+                        .unwrap();
                     assert_eq!(got, want, "seed {seed:#x} step {step}: acquire");
                     if want.allowed {
                         granted += 1;
@@ -1105,8 +1158,14 @@ async fn leases_agree_between_lua_and_rust() {
                         .iter()
                         .map(|_| Charge::new(Limit::concurrency(3).unwrap(), 1))
                         .collect();
-                    let want = memory.apply(&sets, &charges, Op::DRY).await.unwrap();
-                    let got = redis.apply(&sets, &charges, Op::DRY).await.unwrap();
+                    let want = memory
+                        .apply(Request::new(&sets, &charges, Op::DRY))
+                        .await
+                        .unwrap();
+                    let got = redis
+                        .apply(Request::new(&sets, &charges, Op::DRY))
+                        .await
+                        .unwrap();
                     assert_eq!(got, want, "seed {seed:#x} step {step}: occupancy");
                 }
                 // The clock: mostly forward, sometimes back.

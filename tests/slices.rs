@@ -21,7 +21,9 @@ use common::redis::{RedisCluster, RedisServer, redis_cli};
 use tollgate::algorithm::{BucketState, Charge, Limit, Micros, Op, Rate, Verdict, decide};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::limits::OnStoreUnavailable;
-use tollgate::store::stack::{Layer, Layers, Request, build};
+use tollgate::store::layer::Layer;
+use tollgate::store::stack::{Layers, build};
+use tollgate::store::{Attachment, Request};
 use tollgate::store::{
     BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
     Reservation, ReservationId, SettleStatus, Store, StoreError,
@@ -124,8 +126,7 @@ async fn decide_on(
             charges,
             policies: &POLICIES,
             op: Op::SPEND,
-            reserve: None,
-            lease: None,
+            attachment: None,
         })
         .await?;
     Ok((applied.outcome.allowed, applied.outcome.verdicts))
@@ -399,8 +400,7 @@ async fn store_balance(instance: &Arc<dyn Layer>, tenant: &str, ceiling_limit: L
             charges: &[Charge::new(ceiling_limit, 1)],
             policies: &POLICIES[..1],
             op: Op::DRY,
-            reserve: None,
-            lease: None,
+            attachment: None,
         })
         .await
         .unwrap();
@@ -512,18 +512,21 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
         .collect();
     let charges = vec![Charge::new(key_limit, 4); 8];
     let err = store
-        .apply(&buckets, &charges, Op::SPEND)
+        .apply(Request::new(&buckets, &charges, Op::SPEND))
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::Unsupported(_)), "{err:?}");
     assert!(err.to_string().contains("one key's buckets"), "{err}");
     // One key spends 4 of its 10; the dry run sees 6 left there, 10 elsewhere.
     let one = store
-        .apply(&buckets[3..4], &charges[3..4], Op::SPEND)
+        .apply(Request::new(&buckets[3..4], &charges[3..4], Op::SPEND))
         .await
         .unwrap();
     assert!(one.allowed);
-    let dry = store.apply(&buckets, &charges, Op::DRY).await.unwrap();
+    let dry = store
+        .apply(Request::new(&buckets, &charges, Op::DRY))
+        .await
+        .unwrap();
     assert!(dry.allowed);
     let left: Vec<u64> = dry.verdicts.iter().map(|v| v.remaining).collect();
     assert_eq!(
@@ -541,7 +544,10 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
         ttl: 60_000_000,
     };
     let reserved = store
-        .reserve(&dave, &[Charge::new(key_limit, 6)], &reservation)
+        .apply(
+            Request::new(&dave, &[Charge::new(key_limit, 6)], Op::SPEND)
+                .attach(&Attachment::Reservation(reservation.clone())),
+        )
         .await
         .unwrap();
     assert!(reserved.allowed);
@@ -554,7 +560,13 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
         id: LeaseId::for_key("spread", "dave"),
         ttl: 60_000_000,
     };
-    assert!(store.acquire(&slots, &cap, &lease).await.unwrap().allowed);
+    assert!(
+        store
+            .apply(Request::new(&slots, &cap, Op::SPEND).attach(&Attachment::Lease(lease.clone())))
+            .await
+            .unwrap()
+            .allowed
+    );
     let answer = store.lease(&lease.id, LeaseOp::Release).await.unwrap();
     assert_eq!(answer.status, LeaseStatus::Done);
     // One that mixes the key's bucket and the tenant's cannot be atomic.
@@ -564,15 +576,24 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
         ..reservation.clone()
     };
     let err = store
-        .reserve(&mixed, &[Charge::new(key_limit, 1); 2], &other)
+        .apply(
+            Request::new(&mixed, &[Charge::new(key_limit, 1); 2], Op::SPEND)
+                .attach(&Attachment::Reservation(other.clone())),
+        )
         .await
         .unwrap_err();
     assert!(err.to_string().contains("cannot mix them"), "{err}");
 
     // Charges across keys apply on each slot.
-    let charged = store.apply(&buckets, &charges, Op::Charge).await.unwrap();
+    let charged = store
+        .apply(Request::new(&buckets, &charges, Op::Charge))
+        .await
+        .unwrap();
     assert!(charged.allowed);
-    let after = store.apply(&buckets, &charges, Op::DRY).await.unwrap();
+    let after = store
+        .apply(Request::new(&buckets, &charges, Op::DRY))
+        .await
+        .unwrap();
     assert!(!after.allowed);
     assert_eq!(after.verdicts[0].remaining, 2, "6 left, less the 4 asked");
 }

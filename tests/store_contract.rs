@@ -13,8 +13,8 @@ use common::redis::{RedisCluster, RedisServer};
 use tollgate::algorithm::{Charge, Limit, Op, Rate};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{
-    BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
-    Reservation, ReservationId, SettleStatus, Store,
+    Attachment, BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig,
+    RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
 };
 
 struct Harness {
@@ -89,19 +89,37 @@ async fn burst_then_exact_retry_after(h: &Harness) {
     let b = [key("acme", "alice")];
     let c = [charge(5, "1/second", 1)];
     for left in (0..5).rev() {
-        let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+        let o = h
+            .store
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, left);
         assert_eq!(o.verdicts[0].reset_after, (5 - left) * 1_000_000);
     }
-    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].retry_after, 1_000_000);
     assert_eq!(o.verdicts[0].reset_after, 5_000_000);
     h.clock.advance(Duration::from_micros(999_999));
-    assert!(!h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+    assert!(
+        !h.store
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
     h.clock.advance(Duration::from_micros(1));
-    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
 }
@@ -109,13 +127,27 @@ async fn burst_then_exact_retry_after(h: &Harness) {
 async fn all_or_nothing_across_buckets(h: &Harness) {
     let b = [key("acme", "account"), key("acme", "ip")];
     let c = [charge(10, "1/hour", 1), charge(1, "1/hour", 1)];
-    assert!(h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
-    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    assert!(
+        h.store
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert!(o.verdicts[0].allowed, "the account alone would pass");
     assert_eq!(o.verdicts[0].remaining, 9, "and is not charged");
     assert_eq!(o.verdicts[1].retry_after, 3_600_000_000);
-    let o = h.store.apply(&b[..1], &c[..1], Op::DRY).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b[..1], &c[..1], Op::DRY))
+        .await
+        .unwrap();
     assert_eq!(
         o.verdicts[0].remaining, 8,
         "dry run after: 9 held, 8 if spent"
@@ -126,7 +158,7 @@ async fn dry_run_spends_nothing(h: &Harness) {
     let b = [key("t", "k")];
     let c = [charge(3, "1/hour", 2)];
     for _ in 0..3 {
-        let o = h.store.apply(&b, &c, Op::DRY).await.unwrap();
+        let o = h.store.apply(Request::new(&b, &c, Op::DRY)).await.unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, 1);
     }
@@ -144,8 +176,18 @@ async fn shadow_charges_never_reject(h: &Harness) {
             ..charge(1, "1/hour", 1)
         },
     ];
-    assert!(h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
-    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    assert!(
+        h.store
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
     assert!(o.allowed, "the shadow bucket is empty but never rejects");
     assert!(!o.verdicts[1].allowed);
     assert_eq!(o.verdicts[0].remaining, 8);
@@ -154,13 +196,13 @@ async fn shadow_charges_never_reject(h: &Harness) {
 async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
     let b = [key("t", "k")];
     h.store
-        .apply(&b, &[charge(100, "1/second", 40)], Op::SPEND)
+        .apply(Request::new(&b, &[charge(100, "1/second", 40)], Op::SPEND))
         .await
         .unwrap();
     // Same rate, burst 10: 40 owed clamps to 10, so empty for 10 s.
     let o = h
         .store
-        .apply(&b, &[charge(10, "1/second", 1)], Op::DRY)
+        .apply(Request::new(&b, &[charge(10, "1/second", 1)], Op::DRY))
         .await
         .unwrap();
     assert!(!o.allowed);
@@ -169,7 +211,7 @@ async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
     // Faster refill, big burst: 40 tokens owed at 10/s is 4 s.
     let o = h
         .store
-        .apply(&b, &[charge(100, "10/second", 1)], Op::DRY)
+        .apply(Request::new(&b, &[charge(100, "10/second", 1)], Op::DRY))
         .await
         .unwrap();
     assert_eq!(o.verdicts[0].remaining, 59);
@@ -178,10 +220,20 @@ async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
 async fn backwards_clock_creates_nothing(h: &Harness) {
     let b = [key("t", "k")];
     let c = [charge(2, "1/second", 1)];
-    h.store.apply(&b, &c, Op::SPEND).await.unwrap();
-    h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    h.store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
+    h.store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
     h.clock.set(T0 - 10_000_000);
-    let o = h.store.apply(&b, &c, Op::SPEND).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
     assert_eq!(
@@ -189,7 +241,13 @@ async fn backwards_clock_creates_nothing(h: &Harness) {
         "still owed as of T0, plus the 10 s back"
     );
     h.clock.set(T0 + 1_000_000);
-    assert!(h.store.apply(&b, &c, Op::SPEND).await.unwrap().allowed);
+    assert!(
+        h.store
+            .apply(Request::new(&b, &c, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
 }
 
 async fn five_hundred_racers_admit_exactly_one_hundred(h: &Harness) {
@@ -199,7 +257,11 @@ async fn five_hundred_racers_admit_exactly_one_hundred(h: &Harness) {
         let store = h.store.clone();
         tasks.push(tokio::spawn(async move {
             let b = [key("race", "hot")];
-            store.apply(&b, &c, Op::SPEND).await.unwrap().allowed
+            store
+                .apply(Request::new(&b, &c, Op::SPEND))
+                .await
+                .unwrap()
+                .allowed
         }));
     }
     let mut admitted = 0;
@@ -214,14 +276,14 @@ async fn tenants_and_keys_are_separate_buckets(h: &Harness) {
     for (tenant, k) in [("a", "x"), ("a", "y"), ("b", "x"), ("", "x")] {
         let o = h
             .store
-            .apply(&[key(tenant, k)], &c, Op::SPEND)
+            .apply(Request::new(&[key(tenant, k)], &c, Op::SPEND))
             .await
             .unwrap();
         assert!(o.allowed, "{tenant}/{k}");
     }
     assert!(
         !h.store
-            .apply(&[key("a", "x")], &c, Op::SPEND)
+            .apply(Request::new(&[key("a", "x")], &c, Op::SPEND))
             .await
             .unwrap()
             .allowed
@@ -244,7 +306,7 @@ async fn fixed_and_sliding_windows(h: &Harness) {
     for left in [2, 1, 0] {
         assert_eq!(
             h.store
-                .apply(&bf, &fixed, Op::SPEND)
+                .apply(Request::new(&bf, &fixed, Op::SPEND))
                 .await
                 .unwrap()
                 .verdicts[0]
@@ -253,7 +315,7 @@ async fn fixed_and_sliding_windows(h: &Harness) {
         );
         assert_eq!(
             h.store
-                .apply(&bs, &sliding, Op::SPEND)
+                .apply(Request::new(&bs, &sliding, Op::SPEND))
                 .await
                 .unwrap()
                 .verdicts[0]
@@ -261,14 +323,28 @@ async fn fixed_and_sliding_windows(h: &Harness) {
             left
         );
     }
-    let o = h.store.apply(&bf, &fixed, Op::SPEND).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&bf, &fixed, Op::SPEND))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].retry_after, 10_000_000, "the next minute");
     // 15 s into the next minute the fixed window is fresh, while the sliding
     // window still counts 75% of the 3 (rounded up: 3).
     h.clock.set(minute + 75_000_000);
-    assert!(h.store.apply(&bf, &fixed, Op::SPEND).await.unwrap().allowed);
-    let o = h.store.apply(&bs, &sliding, Op::SPEND).await.unwrap();
+    assert!(
+        h.store
+            .apply(Request::new(&bf, &fixed, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
+    let o = h
+        .store
+        .apply(Request::new(&bs, &sliding, Op::SPEND))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     // ceil(3 × (60 − e) / 60) ≤ 2 from e = 20 s.
     assert_eq!(o.verdicts[0].retry_after, 5_000_000);
@@ -297,7 +373,11 @@ async fn charges_go_into_debt_down_to_the_floor(h: &Harness) {
             ..rule
         }]
     };
-    let o = h.store.apply(&b, &c(12), Op::Charge).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c(12), Op::Charge))
+        .await
+        .unwrap();
     assert!(o.allowed);
     assert_eq!(
         (
@@ -309,7 +389,11 @@ async fn charges_go_into_debt_down_to_the_floor(h: &Harness) {
     );
     assert_eq!(o.verdicts[0].reset_after, 12_000_000);
     // Past the floor of -5: 3 of 6 are applied, 3 forgiven.
-    let o = h.store.apply(&b, &c(6), Op::Charge).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c(6), Op::Charge))
+        .await
+        .unwrap();
     assert_eq!((o.verdicts[0].debt, o.verdicts[0].forgiven), (5, 3));
     // In debt every request waits: an ask needs one token, 6 s away.
     let ask = [Charge {
@@ -317,20 +401,38 @@ async fn charges_go_into_debt_down_to_the_floor(h: &Harness) {
         need: 1,
         ..rule
     }];
-    let o = h.store.apply(&b, &ask, Op::SPEND).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &ask, Op::SPEND))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(
         (o.verdicts[0].debt, o.verdicts[0].retry_after),
         (5, 6_000_000)
     );
     h.clock.advance(Duration::from_micros(5_999_999));
-    assert!(!h.store.apply(&b, &ask, Op::SPEND).await.unwrap().allowed);
+    assert!(
+        !h.store
+            .apply(Request::new(&b, &ask, Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
     h.clock.advance(Duration::from_micros(1));
-    let o = h.store.apply(&b, &ask, Op::SPEND).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &ask, Op::SPEND))
+        .await
+        .unwrap();
     assert!(o.allowed, "one token back");
     assert_eq!(o.verdicts[0].remaining, 1, "and the ask spent none of it");
     // Another instance sees the same balance.
-    let o = h.other.apply(&b, &c(1), Op::SPEND).await.unwrap();
+    let o = h
+        .other
+        .apply(Request::new(&b, &c(1), Op::SPEND))
+        .await
+        .unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
 }
@@ -359,7 +461,11 @@ async fn reserve_and_settle_across_instances(h: &Harness) {
     let held = |o: &tollgate::store::Verdicts| (o.verdicts[0].remaining, o.verdicts[1].remaining);
     // Reserve 40 with a minute to live: both buckets are charged 40.
     let r1 = reservation(40, 60_000_000);
-    let o = h.store.reserve(&b, &c(40), &r1).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c(40), Op::SPEND).attach(&Attachment::Reservation(r1.clone())))
+        .await
+        .unwrap();
     assert!(o.allowed);
     assert_eq!(held(&o), (60, 960));
     // It used 10: the other instance gives 30 back to both.
@@ -374,12 +480,22 @@ async fn reserve_and_settle_across_instances(h: &Harness) {
     let again = h.store.settle(&r1.id, 500).await.unwrap();
     assert_eq!(again.status, SettleStatus::AlreadySettled { actual: 10 });
     assert!(again.verdicts.is_empty());
-    let o = h.store.apply(&b, &c(0), Op::DRY).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c(0), Op::DRY))
+        .await
+        .unwrap();
     assert_eq!(held(&o), (90, 990));
     // Reserve 50 and use 150: the excess of 100 takes the first bucket from
     // 40 to its floor of -50 (10 forgiven), the second from 940 to 840.
     let r2 = reservation(50, 60_000_000);
-    assert!(h.store.reserve(&b, &c(50), &r2).await.unwrap().allowed);
+    assert!(
+        h.store
+            .apply(Request::new(&b, &c(50), Op::SPEND).attach(&Attachment::Reservation(r2.clone())))
+            .await
+            .unwrap()
+            .allowed
+    );
     let s = h.other.settle(&r2.id, 150).await.unwrap();
     assert_eq!(s.status, SettleStatus::Settled);
     assert_eq!(
@@ -391,7 +507,13 @@ async fn reserve_and_settle_across_instances(h: &Harness) {
     );
     // In debt: a reserve is refused and records nothing.
     let r3 = reservation(1, 60_000_000);
-    assert!(!h.store.reserve(&b, &c(1), &r3).await.unwrap().allowed);
+    assert!(
+        !h.store
+            .apply(Request::new(&b, &c(1), Op::SPEND).attach(&Attachment::Reservation(r3.clone())))
+            .await
+            .unwrap()
+            .allowed
+    );
     assert_eq!(
         h.store.settle(&r3.id, 0).await.unwrap().status,
         SettleStatus::Unknown
@@ -417,12 +539,25 @@ async fn reserve_and_settle_across_instances(h: &Harness) {
         lines: vec![1],
         ..reservation(70, 1_000_000)
     };
-    assert!(h.store.reserve(&erin, &one(70), &r4).await.unwrap().allowed);
+    assert!(
+        h.store
+            .apply(
+                Request::new(&erin, &one(70), Op::SPEND)
+                    .attach(&Attachment::Reservation(r4.clone()))
+            )
+            .await
+            .unwrap()
+            .allowed
+    );
     h.clock.advance(Duration::from_secs(1));
     let late = h.other.settle(&r4.id, 0).await.unwrap();
     assert_eq!(late.status, SettleStatus::Expired);
     assert_eq!(late.estimate, 70);
-    let o = h.store.apply(&erin, &one(0), Op::DRY).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&erin, &one(0), Op::DRY))
+        .await
+        .unwrap();
     assert_eq!(o.verdicts[0].remaining, 30, "the estimate stays charged");
 }
 
@@ -445,7 +580,7 @@ fn lease(tenant: &str, secs: u64) -> Lease {
 async fn held(h: &Harness, b: &BucketKey, n: u64) -> u64 {
     let o = h
         .store
-        .apply(std::slice::from_ref(b), &[cap(n)], Op::DRY)
+        .apply(Request::new(std::slice::from_ref(b), &[cap(n)], Op::DRY))
         .await
         .unwrap();
     n - o.verdicts[0].remaining
@@ -455,18 +590,30 @@ async fn leases_fill_expire_release_and_renew(h: &Harness) {
     let b = [slots("acme", "exports")];
     let c = [cap(2)];
     let a = lease("acme", 10);
-    let o = h.store.acquire(&b, &c, &a).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(a.clone())))
+        .await
+        .unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 1);
     assert_eq!(o.verdicts[0].reset_after, 10_000_000);
     h.clock.advance(Duration::from_secs(2));
     let bee = lease("acme", 5);
-    let o = h.store.acquire(&b, &c, &bee).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(bee.clone())))
+        .await
+        .unwrap();
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
     assert_eq!(o.verdicts[0].reset_after, 8_000_000, "until a's expiry");
     // Full: refused until the earliest lease (bee's, at +7 s) expires.
-    let o = h.store.acquire(&b, &c, &lease("acme", 5)).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(lease("acme", 5).clone())))
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
     assert_eq!(o.verdicts[0].retry_after, 5_000_000);
@@ -479,7 +626,13 @@ async fn leases_fill_expire_release_and_renew(h: &Harness) {
     assert_eq!(r.status, LeaseStatus::AlreadyReleased);
     assert_eq!(held(h, &b[0], 2).await, 1);
     let cee = lease("acme", 3);
-    assert!(h.store.acquire(&b, &c, &cee).await.unwrap().allowed);
+    assert!(
+        h.store
+            .apply(Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(cee.clone())))
+            .await
+            .unwrap()
+            .allowed
+    );
     assert_eq!(held(h, &b[0], 2).await, 2);
     // Renewed: a holds 20 s from now (+2 s), beyond its first expiry.
     let r = h
@@ -529,12 +682,21 @@ async fn acquire_takes_tokens_and_slots_all_or_nothing(h: &Harness) {
     let c = [charge(1, "1/hour", 1), cap(5)];
     assert!(
         h.store
-            .acquire(&b, &c, &lease("acme", 60))
+            .apply(
+                Request::new(&b, &c, Op::SPEND)
+                    .attach(&Attachment::Lease(lease("acme", 60).clone()))
+            )
             .await
             .unwrap()
             .allowed
     );
-    let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
+    let o = h
+        .store
+        .apply(
+            Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(lease("acme", 60).clone())),
+        )
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert!(!o.verdicts[0].allowed);
     assert!(o.verdicts[1].allowed);
@@ -546,16 +708,29 @@ async fn acquire_takes_tokens_and_slots_all_or_nothing(h: &Harness) {
     let c = [charge(10, "1/hour", 1), cap(1)];
     assert!(
         h.store
-            .acquire(&b, &c, &lease("acme", 60))
+            .apply(
+                Request::new(&b, &c, Op::SPEND)
+                    .attach(&Attachment::Lease(lease("acme", 60).clone()))
+            )
             .await
             .unwrap()
             .allowed
     );
-    let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
+    let o = h
+        .store
+        .apply(
+            Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(lease("acme", 60).clone())),
+        )
+        .await
+        .unwrap();
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 9, "the bucket is not charged");
     assert_eq!(o.verdicts[1].retry_after, 60_000_000);
-    let o = h.store.apply(&b[..1], &c[..1], Op::DRY).await.unwrap();
+    let o = h
+        .store
+        .apply(Request::new(&b[..1], &c[..1], Op::DRY))
+        .await
+        .unwrap();
     assert_eq!(o.verdicts[0].remaining, 8);
 }
 
@@ -568,12 +743,21 @@ async fn shadow_caps_never_refuse(h: &Harness) {
     let c = [cap(3), shadow];
     assert!(
         h.store
-            .acquire(&b, &c, &lease("acme", 60))
+            .apply(
+                Request::new(&b, &c, Op::SPEND)
+                    .attach(&Attachment::Lease(lease("acme", 60).clone()))
+            )
             .await
             .unwrap()
             .allowed
     );
-    let o = h.store.acquire(&b, &c, &lease("acme", 60)).await.unwrap();
+    let o = h
+        .store
+        .apply(
+            Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(lease("acme", 60).clone())),
+        )
+        .await
+        .unwrap();
     assert!(o.allowed, "a full shadow cap does not refuse");
     assert!(!o.verdicts[1].allowed, "but says it would have");
     assert_eq!(held(h, &b[0], 3).await, 2);
@@ -592,7 +776,11 @@ async fn five_hundred_acquirers_take_exactly_the_cap(h: &Harness) {
         tasks.push(tokio::spawn(async move {
             let b = [slots("race", "hot")];
             let l = lease("race", 3600);
-            store.acquire(&b, &c, &l).await.unwrap().allowed
+            store
+                .apply(Request::new(&b, &c, Op::SPEND).attach(&Attachment::Lease(l.clone())))
+                .await
+                .unwrap()
+                .allowed
         }));
     }
     let mut granted = 0;

@@ -6,8 +6,9 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::{Answer, Attached, DecideError, Demand, Engine};
+use super::{Answer, DecideError, Demand, Engine};
 use crate::algorithm::Micros;
+use crate::store::Attachment;
 use crate::store::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, lease};
 use crate::telemetry::metrics;
 
@@ -105,10 +106,10 @@ impl Engine {
         let caps = demand.lines.iter().any(|l| l.is_concurrency());
         let attach = if caps {
             demand.op = crate::algorithm::Op::Acquire { ttl };
-            Attached::Lease(lease)
+            Some(Attachment::Lease(lease))
         } else {
             demand.op = crate::algorithm::Op::SPEND;
-            Attached::None
+            None
         };
         let now = self.clock.now();
         let (answer, attached) = self.decide_attached(demand, attach, span).await?;
@@ -138,7 +139,7 @@ impl Engine {
             }
         }
         let id = match attached {
-            Attached::Lease(lease) if took => Some(lease.id),
+            Some(Attachment::Lease(lease)) if took => Some(lease.id),
             _ => None,
         };
         if let Some(id) = &id {

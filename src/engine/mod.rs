@@ -30,8 +30,9 @@ pub use summary::Headers;
 use crate::algorithm::{Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
-use crate::store::stack::{Applied, Layer, Request};
-use crate::store::{BucketKey, Lease, Reservation, ReservationId, SettleStatus};
+use crate::store::layer::{Applied, Layer};
+use crate::store::{Attachment, Request};
+use crate::store::{BucketKey, Reservation, ReservationId, SettleStatus};
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
 
@@ -141,16 +142,6 @@ impl Line<'_> {
             _ => None,
         }
     }
-}
-
-/// What a decision writes beside its buckets when the store admits it.
-pub(crate) enum Attached {
-    /// Nothing.
-    None,
-    /// A reservation's record.
-    Reservation(Reservation),
-    /// A lease.
-    Lease(Lease),
 }
 
 /// One decision asked of the engine: items, the rules' lines on them, and
@@ -275,7 +266,7 @@ impl Engine {
         // Everything but a wait for a remote store happens synchronously:
         // the future holds the demand and, only when it must wait, a boxed
         // store call, so that the futures of the wings above stay small.
-        self.decide_attached(demand, Attached::None, span)
+        self.decide_attached(demand, None, span)
             .await
             .map(|(answer, _)| answer)
     }
@@ -300,10 +291,10 @@ impl Engine {
             ttl,
         };
         let (answer, recorded) = self
-            .decide_attached(demand, Attached::Reservation(reservation), span)
+            .decide_attached(demand, Some(Attachment::Reservation(reservation)), span)
             .await?;
         match recorded {
-            Attached::Reservation(r) => {
+            Some(Attachment::Reservation(r)) => {
                 metrics::reserved(demand.api.label(), r.estimate);
                 Ok((answer, Some(r.id)))
             }
@@ -364,24 +355,24 @@ impl Engine {
 
     /// Decides a demand and, when the store itself admits it (not a
     /// fallback), writes what is attached: the attachment comes back, or
-    /// [`Attached::None`] when nothing was written.
+    /// `None` when nothing was written.
     async fn decide_attached(
         &self,
         demand: &mut Demand<'_>,
-        mut attached: Attached,
+        mut attached: Option<Attachment>,
         span: &tracing::Span,
-    ) -> Result<(Answer, Attached), DecideError> {
+    ) -> Result<(Answer, Option<Attachment>), DecideError> {
         let result = match self.prepare(demand) {
             Err(err) => Err(err),
             Ok(merged) if merged.charges.is_empty() => {
-                attached = Attached::None;
+                attached = None;
                 Ok(self.answer(demand, &merged, None))
             }
             Ok(merged) => {
-                if let Attached::Reservation(r) = &mut attached {
+                if let Some(Attachment::Reservation(r)) = &mut attached {
                     r.lines = merged.lines.iter().map(|&n| u64::from(n)).collect();
                 }
-                let request = merged.request(demand.op, &attached);
+                let request = merged.request(demand.op, attached.as_ref());
                 match self.store.apply_now(request) {
                     Some(applied) => applied
                         .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
@@ -389,7 +380,7 @@ impl Engine {
                     None => {
                         let store = &self.store;
                         let op = demand.op;
-                        let held = &attached;
+                        let held = attached.as_ref();
                         let (merged, applied) = Box::pin(async move {
                             let applied = store.apply(merged.request(op, held)).await;
                             (merged, applied)
@@ -418,11 +409,11 @@ impl Engine {
         demand: &Demand<'_>,
         merged: &Merged,
         applied: Applied,
-        attached: &mut Attached,
+        attached: &mut Option<Attachment>,
     ) -> Answer {
         let kept = applied.outcome.allowed
             && match attached {
-                Attached::Lease(_) => {
+                Some(Attachment::Lease(_)) => {
                     !applied.degraded
                         || merged.charges.iter().zip(&merged.policies).any(|(c, p)| {
                             c.limit.is_concurrency() && *p == OnStoreUnavailable::Local
@@ -431,7 +422,7 @@ impl Engine {
                 _ => !applied.degraded,
             };
         if !kept {
-            *attached = Attached::None;
+            *attached = None;
         }
         self.answer(demand, merged, Some(applied))
     }
@@ -580,20 +571,13 @@ struct Merged {
 }
 
 impl Merged {
-    fn request<'a>(&'a self, op: Op, attached: &'a Attached) -> Request<'a> {
+    fn request<'a>(&'a self, op: Op, attachment: Option<&'a Attachment>) -> Request<'a> {
         Request {
             buckets: &self.buckets,
             charges: &self.charges,
             policies: &self.policies,
             op,
-            reserve: match attached {
-                Attached::Reservation(r) => Some(r),
-                _ => None,
-            },
-            lease: match attached {
-                Attached::Lease(l) => Some(l),
-                _ => None,
-            },
+            attachment,
         }
     }
 }

@@ -18,11 +18,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dashmap::DashMap;
 
-use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{
-    BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError,
-    StoreStatus, Verdicts,
-};
+use super::layer::{Applied, Layer, LayerFuture, Wrapper};
+use super::{BucketKey, Request, StoreError, Verdicts};
 use crate::algorithm::{Charge, Micros, Op, Verdict};
 use crate::clock::Clock;
 
@@ -165,7 +162,11 @@ pub struct DenyCacheLayer {
     cache: DenyCache,
 }
 
-impl Layer for DenyCacheLayer {
+impl Wrapper for DenyCacheLayer {
+    fn inner(&self) -> &dyn Layer {
+        self.inner.as_ref()
+    }
+
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
         if !matches!(r.op, Op::Decide { .. }) {
             // Charges, refunds and acquires always reach the store (a slot
@@ -208,22 +209,6 @@ impl Layer for DenyCacheLayer {
             self.cache.remember(r.buckets, r.charges, &applied.outcome);
         }
         Some(result)
-    }
-
-    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
-        self.inner.settle(id, actual)
-    }
-
-    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
-        self.inner.lease(id, op)
-    }
-
-    fn ping(&self) -> PingFuture<'_> {
-        self.inner.ping()
-    }
-
-    fn status(&self) -> StoreStatus {
-        self.inner.status()
     }
 }
 

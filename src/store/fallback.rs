@@ -16,10 +16,10 @@
 
 use std::sync::Arc;
 
-use super::stack::{Applied, Layer, LayerFuture, Request};
+use super::layer::{Applied, Layer, LayerFuture, Wrapper};
 use super::{
-    LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, PingFuture, ReservationId,
-    SettleFuture, StoreError, StoreStatus, Verdicts,
+    Attachment, LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, Request, StoreError,
+    StoreStatus, Verdicts,
 };
 use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::limits::OnStoreUnavailable;
@@ -86,8 +86,10 @@ impl Fallback {
         if !local.is_empty() {
             let buckets: Vec<BucketKey> = local.iter().map(|&i| r.buckets[i].clone()).collect();
             let charges = self.local_charges(r, &local);
-            let decided = match r.lease {
-                Some(lease) if !denied => self.local.acquire_now(&buckets, &charges, lease),
+            let decided = match r.attachment {
+                Some(lease @ Attachment::Lease(_)) if !denied => {
+                    self.local.attach_now(&buckets, &charges, lease)
+                }
                 _ => self.local.apply_now(
                     &buckets,
                     &charges,
@@ -163,7 +165,7 @@ impl Fallback {
             })
             .collect();
         let local: Vec<usize> = (0..r.charges.len())
-            .filter(|&i| r.policies[i] == OnStoreUnavailable::Local)
+            .filter(|&i| r.policies.get(i) == Some(&OnStoreUnavailable::Local))
             .collect();
         if !local.is_empty() {
             let buckets: Vec<BucketKey> = local.iter().map(|&i| r.buckets[i].clone()).collect();
@@ -207,7 +209,11 @@ impl FallbackLayer {
     }
 }
 
-impl Layer for FallbackLayer {
+impl Wrapper for FallbackLayer {
+    fn inner(&self) -> &dyn Layer {
+        self.inner.as_ref()
+    }
+
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
         let inner = self.inner.apply(r);
         Box::pin(async move { self.or_policies(r, inner.await) })
@@ -215,10 +221,6 @@ impl Layer for FallbackLayer {
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
         Some(self.or_policies(r, self.inner.apply_now(r)?))
-    }
-
-    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
-        self.inner.settle(id, actual)
     }
 
     /// A lease taken by a `local` rule while the backend was unavailable
@@ -239,13 +241,9 @@ impl Layer for FallbackLayer {
         })
     }
 
-    fn ping(&self) -> PingFuture<'_> {
-        self.inner.ping()
-    }
-
     fn status(&self) -> StoreStatus {
         StoreStatus {
-            local: Some(super::stack::memory_status(&self.fallback.local)),
+            local: Some(self.fallback.local.figures()),
             ..self.inner.status()
         }
     }

@@ -29,9 +29,9 @@ use smallvec::SmallVec;
 
 use super::reservation::{self, EXPIRED_GRACE, Record};
 use super::{
-    Attach, BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, PingFuture, RecordsFull, Reservation,
-    ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError, StoreFuture,
-    StoreStatus, Verdicts,
+    Attachment, BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, RecordsFull, Request,
+    Reservation, ReservationId, SettleFuture, SettleStatus, Settled, Store, StoreError,
+    StoreFuture, StoreStatus, Verdicts,
 };
 use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
@@ -314,35 +314,24 @@ impl MemoryStore {
         charges: &[Charge],
         op: Op,
     ) -> Result<Plan, Refused> {
-        self.apply_locked(buckets, charges, op, Attach::None)
+        self.apply_locked(buckets, charges, op, None)
     }
 
-    /// Synchronous form of [`Store::reserve`].
-    pub fn reserve_now(
+    /// Synchronous form of [`Store::apply`] writing `attachment` when the
+    /// decision admits.
+    pub fn attach_now(
         &self,
         buckets: &[BucketKey],
         charges: &[Charge],
-        reservation: &Reservation,
+        attachment: &Attachment,
     ) -> Result<Plan, Refused> {
-        self.apply_locked(
-            buckets,
-            charges,
-            Op::SPEND,
-            Attach::Reservation(reservation),
-        )
-    }
-
-    /// Synchronous form of [`Store::acquire`].
-    pub fn acquire_now(
-        &self,
-        buckets: &[BucketKey],
-        charges: &[Charge],
-        lease: &Lease,
-    ) -> Result<Plan, Refused> {
-        let op = Op::Acquire {
-            ttl: lease.ttl.min(super::lease::MAX_TTL),
+        let op = match attachment.op() {
+            Op::Acquire { ttl } => Op::Acquire {
+                ttl: ttl.min(super::lease::MAX_TTL),
+            },
+            op => op,
         };
-        self.apply_locked(buckets, charges, op, Attach::Lease(lease))
+        self.apply_locked(buckets, charges, op, Some(attachment))
     }
 
     /// Locks the stripes of `buckets` (and of `extra`, a record's name),
@@ -367,7 +356,7 @@ impl MemoryStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         op: Op,
-        attach: Attach<'_>,
+        attach: Option<&Attachment>,
     ) -> Result<Plan, Refused> {
         debug_assert_eq!(buckets.len(), charges.len());
         let now = self.clock.now();
@@ -393,10 +382,10 @@ impl MemoryStore {
             }
         }
         let (record, lease) = match attach {
-            Attach::Reservation(r) if plan.allowed => {
+            Some(Attachment::Reservation(r)) if plan.allowed => {
                 (Some(self.record(r, buckets, charges, &plan, now)), None)
             }
-            Attach::Lease(l) if plan.allowed => {
+            Some(Attachment::Lease(l)) if plan.allowed => {
                 let record = self.lease_record(l, buckets, &plan, op, now);
                 // Held by no cap (every one was shadow and full): no record.
                 (None, (!record.sets.is_empty()).then_some(record))
@@ -405,8 +394,8 @@ impl MemoryStore {
         };
         // A record takes room of its own tenant's, never a bucket's.
         let tenant = match attach {
-            Attach::Reservation(r) if record.is_some() => Some(r.id.tenant()),
-            Attach::Lease(l) if lease.is_some() => Some(l.id.tenant()),
+            Some(Attachment::Reservation(r)) if record.is_some() => Some(r.id.tenant()),
+            Some(Attachment::Lease(l)) if lease.is_some() => Some(l.id.tenant()),
             _ => None,
         };
         if let Some(tenant) = tenant {
@@ -489,12 +478,12 @@ impl MemoryStore {
         }
         // A record already held under the same name (a retried id) keeps
         // one place.
-        if let (Some(held), Attach::Reservation(r)) = (record, attach)
+        if let (Some(held), Some(Attachment::Reservation(r))) = (record, attach)
             && self.reservations.insert(r.id.record_name(), held).is_some()
         {
             self.records.give_back(r.id.tenant(), 1);
         }
-        if let (Some(held), Attach::Lease(l)) = (lease, attach)
+        if let (Some(held), Some(Attachment::Lease(l))) = (lease, attach)
             && self.leases.insert(l.id.record_name(), held).is_some()
         {
             self.records.give_back(l.id.tenant(), 1);
@@ -621,48 +610,40 @@ fn verdicts(result: Result<Plan, Refused>) -> Result<Verdicts, StoreError> {
         .map_err(StoreError::from)
 }
 
+impl MemoryStore {
+    /// The figures a status reports.
+    pub fn figures(&self) -> super::MemoryFigures {
+        let (idle, refused) = self.evictions();
+        super::MemoryFigures {
+            buckets: self.len(),
+            max_buckets: self.max_buckets(),
+            bytes: self.bytes(),
+            max_bytes: self.max_bytes(),
+            evicted_idle: idle,
+            refused_at_capacity: refused,
+        }
+    }
+
+    /// [`Store::apply`] at once.
+    fn apply_request(&self, r: Request<'_>) -> Result<Verdicts, StoreError> {
+        verdicts(match r.attachment {
+            None => MemoryStore::apply_now(self, r.buckets, r.charges, r.op),
+            Some(attachment) => self.attach_now(r.buckets, r.charges, attachment),
+        })
+    }
+}
+
 impl Store for MemoryStore {
-    fn apply<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        op: Op,
-    ) -> StoreFuture<'a> {
-        let result = verdicts(MemoryStore::apply_now(self, buckets, charges, op));
-        Box::pin(std::future::ready(result))
+    fn apply<'a>(&'a self, request: Request<'a>) -> StoreFuture<'a> {
+        Box::pin(std::future::ready(self.apply_request(request)))
     }
 
-    fn apply_now(
-        &self,
-        buckets: &[BucketKey],
-        charges: &[Charge],
-        op: Op,
-    ) -> Option<Result<Verdicts, StoreError>> {
-        Some(verdicts(MemoryStore::apply_now(self, buckets, charges, op)))
-    }
-
-    fn reserve<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        reservation: &'a Reservation,
-    ) -> StoreFuture<'a> {
-        let result = verdicts(self.reserve_now(buckets, charges, reservation));
-        Box::pin(std::future::ready(result))
+    fn apply_now(&self, request: Request<'_>) -> Option<Result<Verdicts, StoreError>> {
+        Some(self.apply_request(request))
     }
 
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
         Box::pin(std::future::ready(Ok(self.settle_now(id, actual))))
-    }
-
-    fn acquire<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        lease: &'a Lease,
-    ) -> StoreFuture<'a> {
-        let result = verdicts(self.acquire_now(buckets, charges, lease));
-        Box::pin(std::future::ready(result))
     }
 
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
@@ -682,7 +663,7 @@ impl Store for MemoryStore {
             kind: "memory",
             breaker: None,
             nodes: Vec::new(),
-            local: Some(super::stack::memory_status(self)),
+            local: Some(self.figures()),
             answered: true,
         }
     }

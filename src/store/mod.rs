@@ -13,6 +13,7 @@
 pub mod breaker;
 pub mod deny_cache;
 pub mod fallback;
+pub mod layer;
 pub mod lease;
 pub mod memory;
 pub mod record_id;
@@ -87,16 +88,74 @@ impl fmt::Debug for BucketKey {
     }
 }
 
-/// What a backend writes beside a decision's buckets when it admits: a
-/// reservation's record, or a lease.
+/// What a decision writes beside its buckets when the store admits it: a
+/// reservation's record, or a lease. The engine owns it for the decision's
+/// life; the store borrows it through [`Request::attachment`].
+#[derive(Debug, Clone)]
+pub enum Attachment {
+    /// A reservation's record: settled later ([`Store::settle`]).
+    Reservation(Reservation),
+    /// A lease: one slot of every admitting concurrency cap, released or
+    /// renewed later ([`Store::lease`]).
+    Lease(Lease),
+}
+
+impl Attachment {
+    /// How a decision writing this attachment applies its charges: a
+    /// reservation spends; a lease acquires for its time to live.
+    pub fn op(&self) -> Op {
+        match self {
+            Self::Reservation(_) => Op::SPEND,
+            Self::Lease(lease) => Op::Acquire { ttl: lease.ttl },
+        }
+    }
+}
+
+/// One atomic decision: what the engine asks of the store stack, and what
+/// each layer passes to the next and the last to the backend.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Attach<'a> {
-    /// Nothing.
-    None,
-    /// A reservation's record ([`Store::reserve`]).
-    Reservation(&'a Reservation),
-    /// A lease ([`Store::acquire`]).
-    Lease(&'a Lease),
+pub struct Request<'a> {
+    /// The buckets, each at most once.
+    pub buckets: &'a [BucketKey],
+    /// One charge per bucket.
+    pub charges: &'a [Charge],
+    /// One store-unavailable policy per bucket: how the fallback layer
+    /// answers when the backend is unavailable (empty for a backend called
+    /// on its own).
+    pub policies: &'a [OnStoreUnavailable],
+    /// How the charges apply ([`Attachment::op`] when one is attached).
+    pub op: Op,
+    /// What to write beside the buckets when the decision admits.
+    pub attachment: Option<&'a Attachment>,
+}
+
+impl<'a> Request<'a> {
+    /// Applies `charges[i]` to `buckets[i]` with `op`, writing nothing
+    /// beside them.
+    pub fn new(buckets: &'a [BucketKey], charges: &'a [Charge], op: Op) -> Self {
+        Self {
+            buckets,
+            charges,
+            policies: &[],
+            op,
+            attachment: None,
+        }
+    }
+
+    /// The same decision, writing `attachment` when it admits (and
+    /// applying the charges as it says: [`Attachment::op`]).
+    pub fn attach(self, attachment: &'a Attachment) -> Self {
+        Self {
+            op: attachment.op(),
+            attachment: Some(attachment),
+            ..self
+        }
+    }
+
+    /// The same decision, with one store-unavailable policy per bucket.
+    pub fn with_policies(self, policies: &'a [OnStoreUnavailable]) -> Self {
+        Self { policies, ..self }
+    }
 }
 
 /// A store failure. Details are logged by the caller, never sent to clients.
@@ -200,51 +259,25 @@ pub fn redact(url: &str) -> String {
 
 /// Applies decisions to buckets atomically.
 pub trait Store: Send + Sync + 'static {
-    /// Applies `charges[i]` to bucket `buckets[i]` for every `i` with `op`,
-    /// as one atomic step (see [`crate::algorithm::plan`]): a decision
-    /// spends only when spending and every enforced charge admits; a charge
-    /// or a refund always applies. Each bucket appears at most once.
-    fn apply<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        op: Op,
-    ) -> StoreFuture<'a>;
+    /// Applies `request.charges[i]` to bucket `request.buckets[i]` for
+    /// every `i` with `request.op`, as one atomic step (see
+    /// [`crate::algorithm::plan`]): a decision spends only when spending
+    /// and every enforced charge admits; a charge or a refund always
+    /// applies. Each bucket appears at most once. When the decision admits
+    /// and a record is attached, it is written in the same step: a
+    /// reservation's record, or a lease added to every admitting
+    /// concurrency cap's set.
+    fn apply<'a>(&'a self, request: Request<'a>) -> StoreFuture<'a>;
 
     /// [`Store::apply`] done at once, for a store that never waits (the
     /// in-process one); `None` for one that does.
-    fn apply_now(
-        &self,
-        _buckets: &[BucketKey],
-        _charges: &[Charge],
-        _op: Op,
-    ) -> Option<Result<Verdicts, StoreError>> {
+    fn apply_now(&self, _request: Request<'_>) -> Option<Result<Verdicts, StoreError>> {
         None
     }
-
-    /// Decides and spends like [`Store::apply`] with [`Op::SPEND`] and, when
-    /// allowed, writes `reservation`'s record in the same atomic step.
-    fn reserve<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        reservation: &'a Reservation,
-    ) -> StoreFuture<'a>;
 
     /// Settles a reservation at `actual` per line, atomically: every
     /// bucket it charged gets the difference back or the excess charged.
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a>;
-
-    /// Decides like [`Store::apply`] with [`Op::Acquire`] (the lease's time
-    /// to live) and, when allowed, adds `lease` to every admitting
-    /// concurrency cap's set and writes its record, in the same atomic
-    /// step.
-    fn acquire<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        lease: &'a Lease,
-    ) -> StoreFuture<'a>;
 
     /// Releases or renews a lease, atomically on every set it holds.
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a>;

@@ -60,8 +60,8 @@ use topology::{Topology as Routes, slot_of};
 
 use super::reservation::MAX_TTL;
 use super::{
-    Attach, BucketKey, Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, RecordsFull, Reservation,
-    ReservationId, SettleFuture, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
+    Attachment, BucketKey, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, RecordsFull, ReservationId,
+    SettleFuture, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
 };
 use crate::algorithm::{Charge, Micros, Op};
 use crate::clock::Clock;
@@ -221,7 +221,7 @@ impl RedisStore {
         buckets: &[BucketKey],
         charges: &[Charge],
         op: Op,
-        attach: Attach<'_>,
+        attach: Option<&Attachment>,
     ) -> Result<Verdicts, StoreError> {
         let shared = &self.shared;
         if shared.routes.is_cluster() {
@@ -241,13 +241,13 @@ impl RedisStore {
                     .iter()
                     .any(|k| coalesce::hash_tag(k) != coalesce::hash_tag(&keys[0]))
         };
-        if split(&keys) && matches!((op, attach), (Op::DRY | Op::Charge, Attach::None)) {
+        if split(&keys) && matches!((op, attach), (Op::DRY | Op::Charge, None)) {
             // Reads and unconditional charges need no atomicity across
             // slots: each slot's part is applied on its own.
             return self.decide_per_slot(buckets, charges, op, &keys).await;
         }
         let kind = match (op, attach) {
-            (_, Attach::Lease(lease)) => {
+            (_, Some(Attachment::Lease(lease))) => {
                 if buckets.iter().any(|b| b.tenant() != lease.id.tenant()) {
                     return Err(StoreError::Unsupported(
                         "a lease holds one tenant's caps; acquire each tenant's slots separately"
@@ -260,7 +260,7 @@ impl RedisStore {
                     member: lease.id.member(),
                 }
             }
-            (_, Attach::Reservation(r)) => {
+            (_, Some(Attachment::Reservation(r))) => {
                 if buckets.iter().any(|b| b.tenant() != r.id.tenant()) {
                     return Err(StoreError::Unsupported(
                         "a reservation holds one tenant's buckets; reserve each tenant's items separately"
@@ -277,9 +277,9 @@ impl RedisStore {
                     body,
                 }
             }
-            (Op::Decide { spend }, Attach::None) => Kind::Decide { spend },
-            (Op::Charge, Attach::None) => Kind::Charge,
-            (Op::Refund { .. } | Op::Acquire { .. }, Attach::None) => {
+            (Op::Decide { spend }, None) => Kind::Decide { spend },
+            (Op::Charge, None) => Kind::Charge,
+            (Op::Refund { .. } | Op::Acquire { .. }, None) => {
                 return Err(StoreError::Unsupported(
                     "refunds are made by settling a reservation, and leases by acquiring one"
                         .into(),
@@ -803,37 +803,9 @@ const MAX_REDIRECTS: usize = 16;
 const TRYAGAIN_PAUSE: Duration = Duration::from_millis(2);
 
 impl Store for RedisStore {
-    fn apply<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        op: Op,
-    ) -> StoreFuture<'a> {
-        Box::pin(self.decide(buckets, charges, op, Attach::None))
-    }
-
-    fn reserve<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        reservation: &'a Reservation,
-    ) -> StoreFuture<'a> {
-        Box::pin(self.decide(
-            buckets,
-            charges,
-            Op::SPEND,
-            Attach::Reservation(reservation),
-        ))
-    }
-
-    fn acquire<'a>(
-        &'a self,
-        buckets: &'a [BucketKey],
-        charges: &'a [Charge],
-        lease: &'a Lease,
-    ) -> StoreFuture<'a> {
-        let op = Op::Acquire { ttl: lease.ttl };
-        Box::pin(self.decide(buckets, charges, op, Attach::Lease(lease)))
+    fn apply<'a>(&'a self, r: super::Request<'a>) -> StoreFuture<'a> {
+        let op = r.attachment.map_or(r.op, Attachment::op);
+        Box::pin(self.decide(r.buckets, r.charges, op, r.attachment))
     }
 
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> super::LeaseFuture<'a> {

@@ -49,11 +49,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dashmap::DashMap;
 use smallvec::SmallVec;
 
-use super::stack::{Applied, Layer, LayerFuture, Request};
-use super::{
-    BucketKey, LeaseFuture, LeaseId, LeaseOp, PingFuture, ReservationId, SettleFuture, StoreError,
-    StoreStatus, Verdicts,
-};
+use super::layer::{Applied, Layer, LayerFuture, Wrapper};
+use super::{BucketKey, Request, StoreError, Verdicts};
 use crate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
@@ -417,14 +414,10 @@ impl SlicesLayer {
             let charges = [Charge::new(limit, want)];
             let applied = self
                 .inner
-                .apply(Request {
-                    buckets: std::slice::from_ref(bucket),
-                    charges: &charges,
-                    policies: &[policy],
-                    op: Op::SPEND,
-                    reserve: None,
-                    lease: None,
-                })
+                .apply(
+                    Request::new(std::slice::from_ref(bucket), &charges, Op::SPEND)
+                        .with_policies(&[policy]),
+                )
                 .await?;
             let got =
                 applied.outcome.verdicts.first().copied().ok_or_else(|| {
@@ -555,21 +548,16 @@ impl SlicesLayer {
             let buckets: SmallVec<[BucketKey; 4]> =
                 rest.iter().map(|&i| r.buckets[i].clone()).collect();
             let charges: SmallVec<[Charge; 4]> = rest.iter().map(|&i| r.charges[i]).collect();
-            let policies: SmallVec<[OnStoreUnavailable; 4]> =
-                rest.iter().map(|&i| r.policies[i]).collect();
+            let policies: SmallVec<[OnStoreUnavailable; 4]> = rest
+                .iter()
+                .filter_map(|&i| r.policies.get(i).copied())
+                .collect();
             // A refused decision spends nothing: the rest is only asked
             // what it holds, for its verdicts.
             let op = if allowed { Op::SPEND } else { Op::DRY };
             let applied = self
                 .inner
-                .apply(Request {
-                    buckets: &buckets,
-                    charges: &charges,
-                    policies: &policies,
-                    op,
-                    reserve: None,
-                    lease: None,
-                })
+                .apply(Request::new(&buckets, &charges, op).with_policies(&policies))
                 .await;
             match applied {
                 Ok(applied) => {
@@ -614,9 +602,13 @@ impl SlicesLayer {
     }
 }
 
-impl Layer for SlicesLayer {
+impl Wrapper for SlicesLayer {
+    fn inner(&self) -> &dyn Layer {
+        self.inner.as_ref()
+    }
+
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
-        if r.op != Op::SPEND || r.reserve.is_some() || r.lease.is_some() {
+        if r.op != Op::SPEND || r.attachment.is_some() {
             return self.inner.apply(r);
         }
         let sliced: SmallVec<[usize; 2]> = (0..r.buckets.len())
@@ -630,26 +622,9 @@ impl Layer for SlicesLayer {
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
         let plain = r.op != Op::SPEND
-            || r.reserve.is_some()
-            || r.lease.is_some()
+            || r.attachment.is_some()
             || !r.buckets.iter().zip(r.charges).any(|(b, c)| sliced(b, c));
         if plain { self.inner.apply_now(r) } else { None }
-    }
-
-    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
-        self.inner.settle(id, actual)
-    }
-
-    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
-        self.inner.lease(id, op)
-    }
-
-    fn ping(&self) -> PingFuture<'_> {
-        self.inner.ping()
-    }
-
-    fn status(&self) -> StoreStatus {
-        self.inner.status()
     }
 }
 

@@ -1,9 +1,10 @@
 //! The store as the engine sees it: a backend wrapped in layers.
 //!
-//! A [`Layer`] applies one atomic decision like a [`Store`] does, but also
-//! knows each charge's store-unavailable policy and reports whether the
-//! answer came from a fallback. Each layer adds one behaviour by wrapping
-//! the next, and [`build`] composes them in one place:
+//! A [`Layer`] applies one atomic decision like a [`Store`] does, and
+//! reports whether the answer came from a fallback. Each layer adds one
+//! behaviour by wrapping the next ([`super::layer::Wrapper`]: it overrides
+//! what it changes, the rest passes through), and [`build`] composes them
+//! in one place:
 //!
 //! ```text
 //! DenyCache  ->  Fallback  ->  Slices  ->  backend (memory, or Redis)
@@ -19,79 +20,18 @@
 //! each call and a circuit breaker per node, so that a dead node costs its
 //! callers nothing and the other nodes' callers are not touched.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
+use super::layer::{Applied, Layer, LayerFuture};
 use super::slices::Slices;
 use super::{
-    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, MemoryStore, PingFuture, Reservation,
-    ReservationId, SettleFuture, Store, StoreError, StoreStatus, Verdicts,
+    LeaseFuture, LeaseId, LeaseOp, PingFuture, Request, ReservationId, SettleFuture, Store,
+    StoreError, StoreStatus,
 };
-use crate::algorithm::{Charge, Op};
 use crate::clock::Clock;
-use crate::limits::OnStoreUnavailable;
-
-/// One atomic decision as the engine asks it.
-#[derive(Debug, Clone, Copy)]
-pub struct Request<'a> {
-    /// The buckets, each at most once.
-    pub buckets: &'a [BucketKey],
-    /// One charge per bucket.
-    pub charges: &'a [Charge],
-    /// One store-unavailable policy per bucket.
-    pub policies: &'a [OnStoreUnavailable],
-    /// How the charges apply.
-    pub op: Op,
-    /// A reservation to record when the decision admits ([`Op::SPEND`]
-    /// only).
-    pub reserve: Option<&'a Reservation>,
-    /// A lease to take when the decision admits ([`Op::Acquire`] only).
-    pub lease: Option<&'a Lease>,
-}
-
-/// What a layered store answers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Applied {
-    /// The verdicts.
-    pub outcome: Verdicts,
-    /// True when the backend was unavailable and the verdicts follow each
-    /// charge's store-unavailable policy.
-    pub degraded: bool,
-}
-
-/// The future of [`Layer::apply`].
-pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Applied, StoreError>> + Send + 'a>>;
-
-/// A store, possibly wrapped: what the engine calls.
-pub trait Layer: Send + Sync + 'static {
-    /// Applies `request` as one atomic decision.
-    fn apply<'a>(&'a self, request: Request<'a>) -> LayerFuture<'a>;
-
-    /// Applies `request` at once, when the stack can without waiting (an
-    /// in-process backend): the same answer as [`Layer::apply`] without
-    /// its boxed futures. `None`: use `apply`.
-    fn apply_now(&self, _request: Request<'_>) -> Option<Result<Applied, StoreError>> {
-        None
-    }
-
-    /// Settles a reservation (see [`Store::settle`]). No layer answers a
-    /// settle in the backend's place: while it is unavailable, settles fail.
-    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a>;
-
-    /// Releases or renews a lease (see [`Store::lease`]).
-    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a>;
-
-    /// Checks that the backend answers.
-    fn ping(&self) -> PingFuture<'_>;
-
-    /// Health and figures of the backend (and of the in-process buckets
-    /// of the local fallback).
-    fn status(&self) -> StoreStatus;
-}
 
 /// The bottom of the stack: a backend store, and whether it has answered
 /// yet (readiness turns on with the first answer, not the next ping).
@@ -110,11 +50,7 @@ impl Backend {
 
 impl Layer for Backend {
     fn apply<'a>(&'a self, r: Request<'a>) -> LayerFuture<'a> {
-        let inner = match (r.reserve, r.lease) {
-            (Some(reservation), _) => self.store.reserve(r.buckets, r.charges, reservation),
-            (None, Some(lease)) => self.store.acquire(r.buckets, r.charges, lease),
-            (None, None) => self.store.apply(r.buckets, r.charges, r.op),
-        };
+        let inner = self.store.apply(r);
         Box::pin(async move {
             let verdicts = inner.await;
             self.answered(&verdicts);
@@ -126,10 +62,7 @@ impl Layer for Backend {
     }
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
-        if r.reserve.is_some() || r.lease.is_some() {
-            return None;
-        }
-        let verdicts = self.store.apply_now(r.buckets, r.charges, r.op)?;
+        let verdicts = self.store.apply_now(r)?;
         Some(verdicts.map(|outcome| Applied {
             outcome,
             degraded: false,
@@ -201,17 +134,4 @@ pub fn build(backend: Arc<dyn Store>, layers: Layers, clock: Arc<dyn Clock>) -> 
         stack = Box::new(DenyCache::new(clock, capacity, max_bytes).wrap(stack));
     }
     Arc::from(stack)
-}
-
-/// The in-process figures a status reports.
-pub(crate) fn memory_status(memory: &MemoryStore) -> super::MemoryFigures {
-    let (idle, refused) = memory.evictions();
-    super::MemoryFigures {
-        buckets: memory.len(),
-        max_buckets: memory.max_buckets(),
-        bytes: memory.bytes(),
-        max_bytes: memory.max_bytes(),
-        evicted_idle: idle,
-        refused_at_capacity: refused,
-    }
 }

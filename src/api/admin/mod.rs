@@ -34,7 +34,7 @@ use subtle::ConstantTimeEq;
 use crate::limits::table::LimitsTable;
 use crate::limits::watch::LiveLimits;
 use crate::store::breaker::BreakerState;
-use crate::store::stack::Layer;
+use crate::store::layer::Layer;
 use crate::telemetry::metrics;
 use crate::telemetry::top::TopLimited;
 
