@@ -627,3 +627,65 @@ async fn awkward_values_are_read_exactly_on_postgres() {
     let table = LimitsTable::open(&url).await.unwrap();
     awkward_values_are_read_exactly(&url, &table).await;
 }
+
+/// A small edit is read and applied on the watcher's thread, at the
+/// process's own priority, so that it comes into force within a second
+/// however busy the decision threads are; a bulk edit (more than a
+/// thousand changes) on the bulk thread, in the idle scheduling class, so
+/// that it takes no core from a decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_edits_apply_on_the_watcher_and_bulk_edits_on_the_idle_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.db");
+    let limits = path.to_str().unwrap();
+    let table = LimitsTable::open(limits).await.unwrap();
+    let server = ServeProcess::start(
+        dir.path(),
+        &["--limits", limits, "--reload-interval", "100ms"],
+    );
+    server.wait_ready();
+    let mut c = client(&server.grpc).await;
+    table
+        .upsert(&row("acme", "acme", "", "key", 7, "1/second"))
+        .await
+        .unwrap();
+    eventually(&mut c, "acme", ("acme", 7)).await;
+    // 1 001 changes in one transaction: the bulk thread's.
+    let mut sql = String::from("BEGIN;");
+    for i in 0..1001 {
+        sql.push_str(&format!(
+            "INSERT INTO limits (name, tenant, burst, rate) VALUES ('b{i}', 'b{i}', 11, 1);"
+        ));
+    }
+    sql.push_str("COMMIT;");
+    table.execute_sql(&sql).await.unwrap();
+    eventually(&mut c, "b1000", ("b1000", 11)).await;
+    // 500 changes: the watcher's.
+    table
+        .execute_sql("UPDATE limits SET burst = 12 WHERE name LIKE 'b%' AND id % 2 = 0")
+        .await
+        .unwrap();
+    eventually(&mut c, "b999", ("b999", 12)).await;
+    let (_, logs) = server.terminate();
+    let applied: Vec<(String, String)> = logs
+        .iter()
+        .filter(|l| l.contains("limits applied"))
+        .map(|l| {
+            let field = |name: &str| {
+                let at = l.find(&format!("{name}=")).unwrap() + name.len() + 1;
+                l[at..].split_whitespace().next().unwrap().to_owned()
+            };
+            (field("rules"), field("thread").trim_matches('"').to_owned())
+        })
+        .collect();
+    // acme's row, the 1 001 rows, the 500.
+    assert_eq!(
+        applied,
+        [
+            ("2".to_owned(), "limits-watch".to_owned()),
+            ("1003".into(), "limits-bulk".into()),
+            ("1003".into(), "limits-watch".into()),
+        ],
+        "{logs:#?}"
+    );
+}

@@ -528,6 +528,32 @@ impl LimitsTable {
         )
     }
 
+    /// How many changes the table logged after version `since`: 0 when
+    /// none, `u64::MAX` when everything must be read again (`since` is 0,
+    /// or the change log no longer reaches back to it). One indexed read.
+    pub async fn pending(&self, since: i64) -> Result<u64, TableError> {
+        with_pool!(self, pool => {
+            let head = sqlx::query("SELECT version, pruned FROM limits_version WHERE id = 1")
+                .fetch_one(pool)
+                .await?;
+            let (version, pruned): (i64, i64) = (head.try_get(0)?, head.try_get(1)?);
+            if version == since {
+                return Ok(0);
+            }
+            if since == 0 || since < pruned || since > version {
+                return Ok(u64::MAX);
+            }
+            let logged: i64 = bound!(
+                sqlx::query(self.sql("SELECT count(*) FROM limits_changes WHERE version > ?")),
+                &[Bind::Int(since)]
+            )
+            .fetch_one(pool)
+            .await?
+            .try_get(0)?;
+            Ok(logged.max(0) as u64)
+        })
+    }
+
     /// Reads what changed after version `since` into `sink`, in one
     /// snapshot, and returns the version read up to; `None` (and nothing
     /// fed) when nothing changed. Reads everything when `since` is 0, when

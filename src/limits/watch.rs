@@ -280,22 +280,30 @@ impl LiveLimits {
             version = next_version,
             whole_table = applied.full,
             elapsed_ms = started.elapsed().as_millis() as u64,
+            thread = std::thread::current().name().unwrap_or_default(),
             "limits applied"
         );
         Ok(true)
     }
 }
 
-/// The scheduling priority (nice value) of the watcher's thread where the
-/// idle policy cannot be had (see [`lower_priority`]).
-const WATCHER_NICE: i32 = 19;
+/// The scheduling priority (nice value) of the bulk thread where the idle
+/// policy cannot be had (see [`lower_priority`]).
+const BULK_NICE: i32 = 19;
 
-/// Runs [`watch`] on a thread of its own, at the lowest scheduling priority
-/// ([`lower_priority`]), with connections of its own to the table (made on
-/// that thread, so their worker threads share its priority). Reading and
-/// applying a 100 000-row edit costs the watcher over a second of CPU;
-/// there it never takes a core from a decision. The receiver completes
-/// when the watcher has stopped.
+/// Changes one catch-up reads on the watcher's thread; a catch-up of more
+/// (a bulk edit, or the whole table again) runs on the bulk thread
+/// ([`Bulk`]).
+pub const BULK_CHANGES: u64 = 1000;
+
+/// Runs [`watch`] on a thread of its own at the process's priority, so that
+/// an edit of a few rows is applied within a second however busy the
+/// decision threads are; and catch-ups of more than [`BULK_CHANGES`]
+/// changes on a second thread in the idle scheduling class ([`Bulk`]),
+/// where reading and applying a 100 000-row edit (about a second of CPU)
+/// never takes a core from a decision. Each thread has connections of its
+/// own to the table, made on it, so that their worker threads share its
+/// priority. The receiver completes when the watcher has stopped.
 pub fn spawn_watch(
     limits: Arc<LiveLimits>,
     table: LimitsTable,
@@ -303,26 +311,71 @@ pub fn spawn_watch(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
+    let bulk = Bulk::spawn(limits.clone(), table.clone())?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     std::thread::Builder::new()
         .name("limits-watch".into())
         .spawn(move || {
-            lower_priority();
             runtime.block_on(async move {
-                let table = match table.reopen().await {
-                    Ok(own) => own,
-                    Err(err) => {
-                        tracing::warn!(error = %err, "limits watcher shares the server's connections");
-                        table
-                    }
-                };
-                watch(limits, table, every, shutdown).await;
+                let table = own_connections(table).await;
+                watch_with(limits, table, Some(bulk), every, shutdown).await;
             });
             let _ = done.send(());
         })?;
     Ok(stopped)
+}
+
+/// A handle on `table` with connections made on the calling thread, or
+/// `table` itself when none can be made.
+async fn own_connections(table: LimitsTable) -> LimitsTable {
+    match table.reopen().await {
+        Ok(own) => own,
+        Err(err) => {
+            tracing::warn!(error = %err, "limits watcher shares the server's connections");
+            table
+        }
+    }
+}
+
+/// What the bulk thread answers for one catch-up.
+type BulkAnswer = tokio::sync::oneshot::Sender<Result<bool, LoadError>>;
+
+/// The bulk thread: catches up on request, on a thread in Linux's idle
+/// scheduling class ([`lower_priority`]). It stops once every handle is
+/// dropped.
+#[derive(Clone)]
+pub struct Bulk {
+    requests: tokio::sync::mpsc::UnboundedSender<BulkAnswer>,
+}
+
+impl Bulk {
+    fn spawn(limits: Arc<LiveLimits>, table: LimitsTable) -> std::io::Result<Self> {
+        let (requests, mut asked) = tokio::sync::mpsc::unbounded_channel::<BulkAnswer>();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name("limits-bulk".into())
+            .spawn(move || {
+                lower_priority();
+                runtime.block_on(async move {
+                    let table = own_connections(table).await;
+                    while let Some(answer) = asked.recv().await {
+                        let _ = answer.send(limits.catch_up(&table).await);
+                    }
+                });
+            })?;
+        Ok(Self { requests })
+    }
+
+    /// Catches up on the bulk thread; `None` when it is gone.
+    async fn catch_up(&self) -> Option<Result<bool, LoadError>> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        self.requests.send(answer).ok()?;
+        answered.await.ok()
+    }
 }
 
 /// Puts the calling thread (and the threads it starts) in Linux's idle
@@ -331,7 +384,7 @@ pub fn spawn_watch(
 /// (a thread at nice 19 keeps a small share and may finish its slice
 /// first). So when the cores are busy, decisions go first and a bulk
 /// edit's catch-up takes the CPU they leave. Where the class cannot be had,
-/// nice [`WATCHER_NICE`].
+/// nice [`BULK_NICE`].
 fn lower_priority() {
     #[cfg(target_os = "linux")]
     {
@@ -344,9 +397,9 @@ fn lower_priority() {
             return;
         }
         if let Err(err) =
-            rustix::process::setpriority_process(Some(rustix::thread::gettid()), WATCHER_NICE)
+            rustix::process::setpriority_process(Some(rustix::thread::gettid()), BULK_NICE)
         {
-            tracing::debug!(error = %err, "cannot lower the limits watcher's priority");
+            tracing::debug!(error = %err, "cannot lower the limits bulk thread's priority");
         }
     }
 }
@@ -360,6 +413,17 @@ fn lower_priority() {
 pub async fn watch(
     limits: Arc<LiveLimits>,
     table: LimitsTable,
+    every: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
+    watch_with(limits, table, None, every, shutdown).await;
+}
+
+/// [`watch`], with bulk catch-ups on `bulk` when given.
+async fn watch_with(
+    limits: Arc<LiveLimits>,
+    table: LimitsTable,
+    bulk: Option<Bulk>,
     every: Duration,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -383,7 +447,7 @@ pub async fn watch(
                     listener = l;
                     // Edits made while nobody listened sent their NOTIFY
                     // into the void: catch up now that we listen.
-                    catch_up(&limits, &table).await;
+                    catch_up(&limits, &table, bulk.as_ref()).await;
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "cannot listen for limits changes; polling meanwhile")
@@ -433,13 +497,24 @@ pub async fn watch(
                 }
             },
         }
-        catch_up(&limits, &table).await;
+        catch_up(&limits, &table, bulk.as_ref()).await;
     }
 }
 
-/// Catches up, keeping the rules in force when the table cannot be read.
-async fn catch_up(limits: &LiveLimits, table: &LimitsTable) {
-    if let Err(err) = limits.catch_up(table).await {
+/// Catches up, keeping the rules in force when the table cannot be read:
+/// on the bulk thread when more than [`BULK_CHANGES`] changes wait.
+async fn catch_up(limits: &LiveLimits, table: &LimitsTable, bulk: Option<&Bulk>) {
+    let since = limits.status.lock().version;
+    let result = match bulk {
+        Some(bulk) if table.pending(since).await.is_ok_and(|n| n > BULK_CHANGES) => {
+            match bulk.catch_up().await {
+                Some(result) => result,
+                None => limits.catch_up(table).await,
+            }
+        }
+        _ => limits.catch_up(table).await,
+    };
+    if let Err(err) = result {
         tracing::warn!(error = %err, "cannot read the limits table; the rules in force stay");
     }
 }
