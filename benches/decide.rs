@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tollgate::algorithm::{Algorithm, Charge, Limit, Op, Rate, decide, plan};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::{BucketKey, MemoryStore, RedisConfig, RedisStore, Request, Store};
+use tollgate::store::{
+    BucketKey, BucketKind, MemoryStore, RedisConfig, RedisStore, Request, Store,
+};
 
 const T0: u64 = 1_700_000_000_000_000;
 
@@ -70,7 +72,7 @@ fn memory_store(c: &mut Criterion) {
         need: 1,
         enforce: true,
     }];
-    let hot = [BucketKey::new("bench", "k", "", "hot")];
+    let hot = [BucketKey::new("bench", BucketKind::KEY, "", "hot")];
     g.bench_function("one_hot_key", |b| {
         b.iter(|| {
             clock.advance(Duration::from_micros(1));
@@ -78,7 +80,7 @@ fn memory_store(c: &mut Criterion) {
         })
     });
     let keys: Vec<[BucketKey; 1]> = (0..1_000_000)
-        .map(|i| [BucketKey::new("bench", "k", "", &i.to_string())])
+        .map(|i| [BucketKey::new("bench", BucketKind::KEY, "", &i.to_string())])
         .collect();
     for k in &keys {
         store
@@ -172,7 +174,12 @@ fn redis_store(c: &mut Criterion) {
     g.bench_function("sequential_round_trip", |b| {
         b.iter(|| {
             i += 1;
-            let key = [BucketKey::new("bench", "k", "", &(i % 10_000).to_string())];
+            let key = [BucketKey::new(
+                "bench",
+                BucketKind::KEY,
+                "",
+                &(i % 10_000).to_string(),
+            )];
             runtime
                 .block_on(store.apply(Request::new(&key, &charge, Op::SPEND)))
                 .unwrap()
@@ -187,7 +194,7 @@ fn redis_store(c: &mut Criterion) {
                 for j in 0..64u64 {
                     let store = store.clone();
                     tasks.push(tokio::spawn(async move {
-                        let key = [BucketKey::new("bench", "k", "", &j.to_string())];
+                        let key = [BucketKey::new("bench", BucketKind::KEY, "", &j.to_string())];
                         store
                             .apply(Request::new(&key, &charge, Op::SPEND))
                             .await

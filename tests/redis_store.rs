@@ -14,8 +14,8 @@ use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Rate, State, pla
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::reservation::{Record, settle_plan};
 use tollgate::store::{
-    Attachment, BucketKey, RedisConfig, RedisStore, Request, Reservation, ReservationId,
-    SettleStatus, Settled, Store, StoreError,
+    Attachment, BucketKey, BucketKind, RedisConfig, RedisStore, Request, Reservation,
+    ReservationId, SettleStatus, Settled, Store, StoreError,
 };
 
 fn store(url: String, clock: &Arc<ManualClock>, margin: Duration) -> RedisStore {
@@ -72,7 +72,7 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
     let mut conn = connect(&server).await;
     let limits = &sequence.limits;
     let keys: Vec<BucketKey> = (0..4)
-        .map(|i| BucketKey::new("diff", "k", "", &format!("key{i}")))
+        .map(|i| BucketKey::new("diff", BucketKind::KEY, "", &format!("key{i}")))
         .collect();
     let mut states: HashMap<BucketKey, State> = HashMap::new();
     let mut rng = Rng(sequence.seed);
@@ -417,8 +417,8 @@ async fn one_evalsha_per_decision_and_noscript_is_handled() {
         enforce: true,
     }];
     let b = [
-        BucketKey::new("acme", "k", "", "alice"),
-        BucketKey::new("acme", "t", "", ""),
+        BucketKey::new("acme", BucketKind::KEY, "", "alice"),
+        BucketKey::new("acme", BucketKind::TENANT, "", ""),
     ];
     let c2 = [c[0], c[0]];
     store.apply(Request::new(&b, &c2, Op::SPEND)).await.unwrap(); // loads the script
@@ -466,7 +466,12 @@ async fn keys_follow_the_documented_format_and_expire_when_full() {
     }];
     store
         .apply(Request::new(
-            &[BucketKey::new("acme", "k", "exports", "alice:1")],
+            &[BucketKey::new(
+                "acme",
+                BucketKind::KEY,
+                "exports",
+                "alice:1",
+            )],
             &c,
             Op::SPEND,
         ))
@@ -474,7 +479,7 @@ async fn keys_follow_the_documented_format_and_expire_when_full() {
         .unwrap();
     store
         .apply(Request::new(
-            &[BucketKey::new("", "t", "", "")],
+            &[BucketKey::new("", BucketKind::TENANT, "", "")],
             &c,
             Op::SPEND,
         ))
@@ -514,8 +519,8 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
         enforce: true,
     }; 2];
     let b = [
-        BucketKey::new("acme", "k", "", "a"),
-        BucketKey::new("globex", "k", "", "a"),
+        BucketKey::new("acme", BucketKind::KEY, "", "a"),
+        BucketKey::new("globex", BucketKind::KEY, "", "a"),
     ];
     let err = on_cluster
         .apply(Request::new(&b, &c, Op::SPEND))
@@ -528,8 +533,8 @@ async fn a_cluster_refuses_one_call_across_tenants_but_not_a_single_redis() {
     );
     // Same tenant: one slot, fine.
     let same = [
-        BucketKey::new("acme", "k", "", "a"),
-        BucketKey::new("acme", "t", "", ""),
+        BucketKey::new("acme", BucketKind::KEY, "", "a"),
+        BucketKey::new("acme", BucketKind::TENANT, "", ""),
     ];
     assert!(
         on_cluster
@@ -673,7 +678,7 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
     // (each also charging a bucket of its own, so each call carries a mix).
     store
         .apply(Request::new(
-            &[BucketKey::new("warm", "k", "", "up")],
+            &[BucketKey::new("warm", BucketKind::KEY, "", "up")],
             &[hot],
             Op::SPEND,
         ))
@@ -685,8 +690,8 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             let b = [
-                BucketKey::new("race", "k", "", "hot"),
-                BucketKey::new("race", "k", "", &format!("own-{i}")),
+                BucketKey::new("race", BucketKind::KEY, "", "hot"),
+                BucketKey::new("race", BucketKind::KEY, "", &format!("own-{i}")),
             ];
             store
                 .apply(Request::new(&b, &[hot, hot], Op::SPEND))
@@ -770,7 +775,7 @@ async fn large_batches_go_out_one_per_call() {
     };
     store
         .apply(Request::new(
-            &[BucketKey::new("warm", "k", "", "up")],
+            &[BucketKey::new("warm", BucketKind::KEY, "", "up")],
             &[charge],
             Op::SPEND,
         ))
@@ -782,7 +787,7 @@ async fn large_batches_go_out_one_per_call() {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             let keys: Vec<BucketKey> = (0..1000)
-                .map(|i| BucketKey::new("big", "k", "", &format!("b{b}-{i}")))
+                .map(|i| BucketKey::new("big", BucketKind::KEY, "", &format!("b{b}-{i}")))
                 .collect();
             store
                 .apply(Request::new(&keys, &vec![charge; 1000], Op::SPEND))
@@ -888,7 +893,12 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
         for i in 0..100 {
             let store = store.clone();
             tasks.push(tokio::spawn(async move {
-                let b = [BucketKey::new("cancel", "k", "", &format!("k{i}"))];
+                let b = [BucketKey::new(
+                    "cancel",
+                    BucketKind::KEY,
+                    "",
+                    &format!("k{i}"),
+                )];
                 store.apply(Request::new(&b, &c, Op::SPEND)).await
             }));
         }
@@ -908,7 +918,7 @@ async fn cancelled_callers_do_not_stall_coalesced_decisions() {
     }
     // No slot was lost: decisions still go straight through, one by one.
     for i in 0..20 {
-        let b = [BucketKey::new("cancel", "k", "", "after")];
+        let b = [BucketKey::new("cancel", BucketKind::KEY, "", "after")];
         let o = store.apply(Request::new(&b, &c, Op::SPEND)).await.unwrap();
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, 1_000_000 - 1 - i);
@@ -932,7 +942,7 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
         need: 1,
         enforce: true,
     }];
-    let b = [BucketKey::new("frozen", "k", "", "warm")];
+    let b = [BucketKey::new("frozen", BucketKind::KEY, "", "warm")];
     assert!(
         store
             .apply(Request::new(&b, &c, Op::SPEND))
@@ -949,7 +959,12 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
         }
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
-            let b = [BucketKey::new("frozen", "k", "", &format!("k{i}"))];
+            let b = [BucketKey::new(
+                "frozen",
+                BucketKind::KEY,
+                "",
+                &format!("k{i}"),
+            )];
             let asked = tokio::time::Instant::now();
             let result = store.apply(Request::new(&b, &c, Op::SPEND)).await;
             (result, asked.elapsed())
@@ -975,7 +990,7 @@ async fn decisions_queued_behind_a_frozen_redis_are_answered_by_their_deadline()
 
     server.thaw();
     for i in 0..20 {
-        let b = [BucketKey::new("frozen", "k", "", "after")];
+        let b = [BucketKey::new("frozen", BucketKind::KEY, "", "after")];
         let o = loop {
             // The breaker the timeouts opened refuses until its cooldown
             // passes (a refused call spends nothing).
@@ -1036,7 +1051,7 @@ async fn reservation_records_expire_by_themselves() {
         lines: vec![1],
         ttl: 30_000_000,
     };
-    let bucket = [BucketKey::new("acme", "k", "", "alice")];
+    let bucket = [BucketKey::new("acme", BucketKind::KEY, "", "alice")];
     assert!(
         store
             .apply(
@@ -1076,9 +1091,20 @@ async fn leases_agree_between_lua_and_rust() {
         let memory = MemoryStore::new(clock.clone(), 100_000);
         let tenant = format!("lease{seed:x}");
         let sets: Vec<BucketKey> = (0..3)
-            .map(|i| BucketKey::new(&tenant, "kc", "", &format!("set{i}")))
+            .map(|i| {
+                BucketKey::new(
+                    &tenant,
+                    BucketKind::Rule {
+                        per_key: true,
+                        concurrency: true,
+                        shadow: false,
+                    },
+                    "",
+                    &format!("set{i}"),
+                )
+            })
             .collect();
-        let bucket = BucketKey::new(&tenant, "k", "", "tokens");
+        let bucket = BucketKey::new(&tenant, BucketKind::KEY, "", "tokens");
         let tokens = Limit::new(4, "2/second".parse::<Rate>().unwrap()).unwrap();
         let mut rng = Rng(seed);
         let mut leases: Vec<LeaseId> = Vec::new();

@@ -23,7 +23,7 @@ use tollgate::clock::{Clock, ManualClock};
 use tollgate::limits::OnStoreUnavailable;
 use tollgate::store::layer::Layer;
 use tollgate::store::stack::{Layers, build};
-use tollgate::store::{Attachment, Request};
+use tollgate::store::{Attachment, BucketKind, Request};
 use tollgate::store::{
     BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
     Reservation, ReservationId, SettleStatus, Store, StoreError,
@@ -105,11 +105,11 @@ fn limit(burst: u64, rate: &str) -> Limit {
 }
 
 fn ceiling(tenant: &str) -> BucketKey {
-    BucketKey::new(tenant, "t", "", "")
+    BucketKey::new(tenant, BucketKind::TENANT, "", "")
 }
 
 fn per_key(tenant: &str, key: &str) -> BucketKey {
-    BucketKey::new(tenant, "k", "", key)
+    BucketKey::new(tenant, BucketKind::KEY, "", key)
 }
 
 const POLICIES: [OnStoreUnavailable; 2] = [OnStoreUnavailable::Deny, OnStoreUnavailable::Deny];
@@ -554,7 +554,16 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
     let settled = store.settle(&reservation.id, 2).await.unwrap();
     assert_eq!(settled.status, SettleStatus::Settled);
     assert_eq!(settled.verdicts[0].remaining, 8, "10 less the 2 it used");
-    let slots = [BucketKey::new("spread", "kc", "", "dave")];
+    let slots = [BucketKey::new(
+        "spread",
+        BucketKind::Rule {
+            per_key: true,
+            concurrency: true,
+            shadow: false,
+        },
+        "",
+        "dave",
+    )];
     let cap = [Charge::new(Limit::concurrency(1).unwrap(), 1)];
     let lease = Lease {
         id: LeaseId::for_key("spread", "dave"),

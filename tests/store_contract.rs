@@ -13,8 +13,8 @@ use common::redis::{RedisCluster, RedisServer};
 use tollgate::algorithm::{Charge, Limit, Op, Rate};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::{
-    Attachment, BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig,
-    RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
+    Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
+    RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
 };
 
 struct Harness {
@@ -82,7 +82,7 @@ fn charge(burst: u64, rate: &str, cost: u64) -> Charge {
 }
 
 fn key(tenant: &str, k: &str) -> BucketKey {
-    BucketKey::new(tenant, "k", "", k)
+    BucketKey::new(tenant, BucketKind::KEY, "", k)
 }
 
 async fn burst_then_exact_retry_after(h: &Harness) {
@@ -167,7 +167,16 @@ async fn dry_run_spends_nothing(h: &Harness) {
 async fn shadow_charges_never_reject(h: &Harness) {
     let b = [
         key("t", "enforced"),
-        BucketKey::new("t", "ks", "", "shadow"),
+        BucketKey::new(
+            "t",
+            BucketKind::Rule {
+                per_key: true,
+                concurrency: false,
+                shadow: true,
+            },
+            "",
+            "shadow",
+        ),
     ];
     let c = [
         charge(10, "1/hour", 1),
@@ -443,7 +452,10 @@ async fn charges_go_into_debt_down_to_the_floor(h: &Harness) {
 /// reservation and an expired one are told apart, and an expired one keeps
 /// its estimate charged.
 async fn reserve_and_settle_across_instances(h: &Harness) {
-    let b = [key("llm", "dave"), BucketKey::new("llm", "t", "", "")];
+    let b = [
+        key("llm", "dave"),
+        BucketKey::new("llm", BucketKind::TENANT, "", ""),
+    ];
     let rules = [with_debt(100, "1/hour", 50), with_debt(1000, "1/hour", 0)];
     let c = |estimate| {
         rules.map(|r| Charge {
@@ -566,7 +578,16 @@ fn cap(n: u64) -> Charge {
 }
 
 fn slots(tenant: &str, k: &str) -> BucketKey {
-    BucketKey::new(tenant, "kc", "", k)
+    BucketKey::new(
+        tenant,
+        BucketKind::Rule {
+            per_key: true,
+            concurrency: true,
+            shadow: false,
+        },
+        "",
+        k,
+    )
 }
 
 fn lease(tenant: &str, secs: u64) -> Lease {

@@ -299,7 +299,7 @@ impl RateLimiterService {
                 };
                 demand.lines.push(Line {
                     item: i,
-                    bucket: BucketKey::new(req.tenant, rule.bucket_tag(), &rule.resource, key),
+                    bucket: BucketKey::new(req.tenant, rule.bucket_kind(), &rule.resource, key),
                     allowance: Allowance::Limited(rule.limit),
                     enforce: rule.mode == Mode::Enforce,
                     on_store_unavailable: rule.on_store_unavailable,

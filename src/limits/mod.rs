@@ -676,16 +676,11 @@ impl Shape {
     /// added for shadow rules so they count in buckets of their own.
     /// A concurrency rule's sets are tagged `kc`, `kcs`, `tc` and `tcs`,
     /// apart from every rate bucket.
-    pub fn bucket_tag(&self) -> &'static str {
-        match (self.kind, self.scope, self.mode) {
-            (Kind::Rate, Scope::Key, Mode::Enforce) => "k",
-            (Kind::Rate, Scope::Key, Mode::Shadow) => "ks",
-            (Kind::Rate, Scope::Tenant, Mode::Enforce) => "t",
-            (Kind::Rate, Scope::Tenant, Mode::Shadow) => "ts",
-            (Kind::Concurrency, Scope::Key, Mode::Enforce) => "kc",
-            (Kind::Concurrency, Scope::Key, Mode::Shadow) => "kcs",
-            (Kind::Concurrency, Scope::Tenant, Mode::Enforce) => "tc",
-            (Kind::Concurrency, Scope::Tenant, Mode::Shadow) => "tcs",
+    pub fn bucket_kind(&self) -> crate::store::BucketKind {
+        crate::store::BucketKind::Rule {
+            per_key: self.scope == Scope::Key,
+            concurrency: self.kind == Kind::Concurrency,
+            shadow: self.mode == Mode::Shadow,
         }
     }
 }

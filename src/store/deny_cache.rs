@@ -217,6 +217,7 @@ mod tests {
     use super::*;
     use crate::algorithm::{Limit, Rate};
     use crate::clock::ManualClock;
+    use crate::store::BucketKind;
     use std::time::Duration;
 
     fn rejected(retry_after: Micros) -> Verdicts {
@@ -244,7 +245,14 @@ mod tests {
             need: 1,
             enforce: true,
         }];
-        let key = |i: u32| BucketKey::new("t", "k", "", &format!("{i:04}{}", "x".repeat(196)));
+        let key = |i: u32| {
+            BucketKey::new(
+                "t",
+                BucketKind::KEY,
+                "",
+                &format!("{i:04}{}", "x".repeat(196)),
+            )
+        };
         let per_entry = entry_bytes(&key(0));
         let cache = DenyCache::new(clock.clone(), 1_000_000, 50 * per_entry);
         for i in 0..500 {

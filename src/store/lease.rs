@@ -30,7 +30,7 @@ pub struct Leases;
 
 impl RecordKind for Leases {
     const PREFIX: &'static str = "l1.";
-    const SCOPE: &'static str = "l";
+    const SET: super::RecordSet = super::RecordSet::Leases;
 }
 
 /// What an acquire writes beside its decision.

@@ -674,6 +674,7 @@ mod tests {
     use super::*;
     use crate::algorithm::{Limit, Rate};
     use crate::clock::ManualClock;
+    use crate::store::BucketKind;
     use std::time::Duration;
 
     const T0: Micros = 1_700_000_000_000_000;
@@ -686,7 +687,7 @@ mod tests {
     }
 
     fn key(k: &str) -> BucketKey {
-        BucketKey::new("t", "k", "", k)
+        BucketKey::new("t", BucketKind::KEY, "", k)
     }
 
     #[test]
@@ -727,7 +728,10 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut admitted = 0;
                     for i in 0..100 {
-                        let mut b = vec![BucketKey::new("t", "t", "", ""), key(&format!("k{t}"))];
+                        let mut b = vec![
+                            BucketKey::new("t", BucketKind::TENANT, "", ""),
+                            key(&format!("k{t}")),
+                        ];
                         let mut c = vec![charge(200, "1/day", 1), charge(1000, "1/day", 1)];
                         if i % 2 == 0 {
                             b.reverse();
@@ -864,7 +868,7 @@ mod tests {
     fn a_flood_of_new_keys_never_refills_a_bystanders_exhausted_key() {
         let clock = Arc::new(ManualClock::new(T0));
         let store = MemoryStore::new(clock.clone(), 1_000);
-        let bystander = [BucketKey::new("calm", "k", "", "user")];
+        let bystander = [BucketKey::new("calm", BucketKind::KEY, "", "user")];
         let fast = [charge(10, "10/second", 1)];
         for _ in 0..10 {
             assert!(
@@ -877,7 +881,7 @@ mod tests {
         let slow = [charge(10, "1/hour", 1)];
         for i in 0..1_200u32 {
             let _ = store.apply_now(
-                &[BucketKey::new("flood", "k", "", &i.to_string())],
+                &[BucketKey::new("flood", BucketKind::KEY, "", &i.to_string())],
                 &slow,
                 Op::SPEND,
             );
@@ -904,7 +908,11 @@ mod tests {
         clock.advance(Duration::from_secs(2));
         assert!(
             store
-                .apply_now(&[BucketKey::new("new", "k", "", "x")], &slow, Op::SPEND)
+                .apply_now(
+                    &[BucketKey::new("new", BucketKind::KEY, "", "x")],
+                    &slow,
+                    Op::SPEND
+                )
                 .is_ok()
         );
         assert!(store.state(&bystander[0]).is_none(), "swept once full");
@@ -918,7 +926,14 @@ mod tests {
         let clock = Arc::new(ManualClock::new(T0));
         let store = MemoryStore::new(clock.clone(), 1_000_000).with_max_bytes(100_000);
         let slow = [charge(10, "1/hour", 1)];
-        let long = |i: u32| BucketKey::new("t", "k", "", &format!("{i:04}{}", "x".repeat(996)));
+        let long = |i: u32| {
+            BucketKey::new(
+                "t",
+                BucketKind::KEY,
+                "",
+                &format!("{i:04}{}", "x".repeat(996)),
+            )
+        };
         let per_bucket = BUCKET_OVERHEAD_BYTES + long(0).as_str().len();
         let mut admitted = 0;
         for i in 0..200 {
@@ -979,7 +994,12 @@ fn measure_buckets(n: u32, pad: usize) {
     let padding = "x".repeat(pad);
     let before = rss();
     for i in 0..n {
-        let key = BucketKey::new("acme", "k", "", &format!("user-{i:07}{padding}"));
+        let key = BucketKey::new(
+            "acme",
+            crate::store::BucketKind::KEY,
+            "",
+            &format!("user-{i:07}{padding}"),
+        );
         store.apply_now(&[key], &charge, Op::SPEND).unwrap();
     }
     let taken = rss() - before;

@@ -35,56 +35,179 @@ pub use memory::MemoryStore;
 pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
 pub use reservation::{Reservation, ReservationId, SettleStatus, Settled};
 
-/// The name of one bucket: tenant, scope, resource and key, rendered as
-/// `tenant:scope:resource:key`. Tenants and resources cannot contain `:`,
-/// and the key comes last, so the rendering is unambiguous.
-#[derive(Clone, Default, PartialEq, Eq, Hash)]
-pub struct BucketKey(String);
+/// What a bucket is, besides whose: a rule's bucket (per key or per
+/// tenant, rate or concurrency, enforced or shadow), an Envoy API counter,
+/// or a set of records. Part of the bucket's identity, and written into
+/// its name as a short tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BucketKind {
+    /// A limits-table rule's bucket.
+    Rule {
+        /// One bucket per key (else one per tenant).
+        per_key: bool,
+        /// A concurrency cap's lease set (else a rate bucket).
+        concurrency: bool,
+        /// A shadow rule's (counted, never refusing).
+        shadow: bool,
+    },
+    /// A counter of the Envoy API: the descriptor's configured rule, or a
+    /// limit override sent with the request.
+    Envoy {
+        /// A limit override's counter.
+        overridden: bool,
+    },
+    /// One of a tenant's sets of records.
+    Records(RecordSet),
+}
+
+/// A tenant's records of one kind, as a store keeps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordSet {
+    /// Reservation records ([`reservation::Reservations`]).
+    Reservations,
+    /// Leases ([`lease::Leases`]).
+    Leases,
+    /// The tenant's count of both, where records are capped per tenant.
+    Count,
+}
+
+impl BucketKind {
+    /// A per-key rate bucket of an enforced rule.
+    pub const KEY: Self = Self::Rule {
+        per_key: true,
+        concurrency: false,
+        shadow: false,
+    };
+    /// A tenant-wide rate bucket of an enforced rule.
+    pub const TENANT: Self = Self::Rule {
+        per_key: false,
+        concurrency: false,
+        shadow: false,
+    };
+
+    /// The tag written into bucket names. Stored state is named by it:
+    /// these never change.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Self::Rule {
+                per_key,
+                concurrency,
+                shadow,
+            } => match (per_key, concurrency, shadow) {
+                (true, false, false) => "k",
+                (true, false, true) => "ks",
+                (false, false, false) => "t",
+                (false, false, true) => "ts",
+                (true, true, false) => "kc",
+                (true, true, true) => "kcs",
+                (false, true, false) => "tc",
+                (false, true, true) => "tcs",
+            },
+            Self::Envoy { .. } => "e",
+            Self::Records(RecordSet::Reservations) => "r",
+            Self::Records(RecordSet::Leases) => "l",
+            Self::Records(RecordSet::Count) => "rq",
+        }
+    }
+}
+
+/// One bucket's identity: tenant, kind, resource and key, built once (by
+/// the engine, from a rule; or by a record's id) and rendered once as its
+/// name, `tenant:tag:resource:key`. Tenants and resources cannot contain
+/// `:` and the key comes last, so the name is unambiguous; the parts are
+/// kept beside it, never parsed back out of it.
+///
+/// As small as the name alone was (24 bytes): a million buckets in memory
+/// pay for nothing else. Offsets are 16-bit: the engine bounds names to
+/// [`crate::engine::caps::MAX_BUCKET_BYTES`].
+#[derive(Clone)]
+pub struct BucketKey {
+    name: Box<str>,
+    kind: BucketKind,
+    tenant_len: u16,
+    key_at: u16,
+}
+
+/// The key part of an Envoy limit override's counter.
+const OVERRIDE: &str = "override:";
 
 impl BucketKey {
-    /// Renders a bucket name. `scope` is a short tag (`k` per key, `t` per
-    /// tenant); `key` is empty for tenant-wide buckets.
-    pub fn new(tenant: &str, scope: &str, resource: &str, key: &str) -> Self {
-        let mut s =
-            String::with_capacity(tenant.len() + scope.len() + resource.len() + key.len() + 3);
-        for (i, part) in [tenant, scope, resource, key].into_iter().enumerate() {
-            if i > 0 {
-                s.push(':');
-            }
-            s.push_str(part);
+    /// The bucket of `kind` for `tenant`, `resource` and `key` (`key` empty
+    /// for a tenant-wide bucket).
+    pub fn new(tenant: &str, kind: BucketKind, resource: &str, key: &str) -> Self {
+        let tag = kind.tag();
+        let prefix = match kind {
+            BucketKind::Envoy { overridden: true } => OVERRIDE,
+            _ => "",
+        };
+        let mut name = String::with_capacity(
+            tenant.len() + tag.len() + resource.len() + prefix.len() + key.len() + 3,
+        );
+        for part in [tenant, ":", tag, ":", resource, ":"] {
+            name.push_str(part);
         }
-        Self(s)
+        let key_at = name.len() + prefix.len();
+        name.push_str(prefix);
+        name.push_str(key);
+        Self {
+            kind,
+            tenant_len: u16::try_from(tenant.len()).unwrap_or(u16::MAX),
+            key_at: u16::try_from(key_at).unwrap_or(u16::MAX),
+            name: name.into_boxed_str(),
+        }
     }
 
     /// The rendered name.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.name
     }
 
-    /// The scope part of the name (`k`, `t`, `kc`, …).
-    pub fn scope(&self) -> &str {
-        self.0.split(':').nth(1).unwrap_or_default()
+    /// What the bucket is.
+    pub fn kind(&self) -> BucketKind {
+        self.kind
     }
 
-    /// The key part of the name (empty for a tenant-wide bucket).
+    /// The key part (empty for a tenant-wide bucket).
     pub fn key(&self) -> &str {
-        self.0.splitn(4, ':').nth(3).unwrap_or_default()
+        self.name.get(self.key_at as usize..).unwrap_or_default()
     }
 
-    /// True for a per-key bucket (scopes `k`, `ks`, `kc`, `kcs`).
+    /// True for a per-key rule bucket.
     pub fn is_per_key(&self) -> bool {
-        self.scope().starts_with('k')
+        matches!(self.kind, BucketKind::Rule { per_key: true, .. })
     }
 
-    /// The tenant part of the name.
+    /// The tenant part.
     pub fn tenant(&self) -> &str {
-        self.0.split(':').next().unwrap_or_default()
+        self.name
+            .get(..self.tenant_len as usize)
+            .unwrap_or_default()
+    }
+}
+
+impl PartialEq for BucketKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for BucketKey {}
+
+impl std::hash::Hash for BucketKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+    }
+}
+
+impl Default for BucketKey {
+    fn default() -> Self {
+        Self::new("", BucketKind::KEY, "", "")
     }
 }
 
 impl fmt::Debug for BucketKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
+        fmt::Debug::fmt(&self.name, f)
     }
 }
 
@@ -355,4 +478,70 @@ pub struct MemoryFigures {
     pub evicted_idle: u64,
     /// Decisions refused at the cap (never a bucket dropped while refilling).
     pub refused_at_capacity: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_keeps_its_parts_beside_its_name() {
+        let shadow_cap = BucketKind::Rule {
+            per_key: true,
+            concurrency: true,
+            shadow: true,
+        };
+        // A key may hold ':' (it comes last); the parts are never parsed
+        // back out of the name.
+        let b = BucketKey::new("acme", shadow_cap, "search", "user:42:x");
+        assert_eq!(b.as_str(), "acme:kcs:search:user:42:x");
+        assert_eq!(
+            (b.tenant(), b.key(), b.kind()),
+            ("acme", "user:42:x", shadow_cap)
+        );
+        assert!(b.is_per_key());
+        let t = BucketKey::new("", BucketKind::TENANT, "", "");
+        assert_eq!((t.as_str(), t.tenant(), t.key()), (":t::", "", ""));
+        assert!(!t.is_per_key());
+        // An Envoy override's bucket is apart from the rule's of the same
+        // counter.
+        let rule = BucketKey::new(
+            "~d",
+            BucketKind::Envoy { overridden: false },
+            "fixed",
+            "a_b",
+        );
+        let over = BucketKey::new("~d", BucketKind::Envoy { overridden: true }, "fixed", "a_b");
+        assert_eq!(rule.as_str(), "~d:e:fixed:a_b");
+        assert_eq!(over.as_str(), "~d:e:fixed:override:a_b");
+        assert_eq!(over.key(), "a_b");
+        assert_ne!(rule, over);
+        let records = BucketKey::new(
+            "acme",
+            BucketKind::Records(RecordSet::Reservations),
+            "",
+            "n1",
+        );
+        assert_eq!(records.as_str(), "acme:r::n1");
+    }
+
+    #[test]
+    fn every_rule_kind_has_its_own_tag() {
+        let mut tags = std::collections::HashSet::new();
+        for bits in 0..8u8 {
+            let kind = BucketKind::Rule {
+                per_key: bits & 1 != 0,
+                concurrency: bits & 2 != 0,
+                shadow: bits & 4 != 0,
+            };
+            assert!(tags.insert(kind.tag()), "{kind:?}");
+        }
+        assert!(tags.insert(BucketKind::Envoy { overridden: true }.tag()));
+        for set in [RecordSet::Reservations, RecordSet::Leases, RecordSet::Count] {
+            assert!(tags.insert(BucketKind::Records(set).tag()), "{set:?}");
+        }
+        assert_eq!(std::mem::size_of::<BucketKey>(), 24);
+        assert_eq!(BucketKind::KEY.tag(), "k");
+        assert_eq!(BucketKind::TENANT.tag(), "t");
+    }
 }

@@ -16,8 +16,8 @@ const KEYED: u128 = 1 << 95;
 pub trait RecordKind: Clone + PartialEq + Eq + Hash {
     /// The token's prefix, with its version: `r1.`, `l1.`.
     const PREFIX: &'static str;
-    /// The scope letter of the record's name among the tenant's buckets.
-    const SCOPE: &'static str;
+    /// The set the record is kept in among the tenant's buckets.
+    const SET: super::RecordSet;
 }
 
 /// See the module docs.
@@ -79,11 +79,16 @@ impl<K: RecordKind> RecordId<K> {
         format!("{:032x}", self.nonce)
     }
 
-    /// The record's name in a store, `tenant:SCOPE::NONCE`: a bucket name
+    /// The record's name in a store, `tenant:TAG::NONCE`: a bucket name
     /// of its own scope, so that a store files it with the tenant's
     /// buckets.
     pub fn record_name(&self) -> BucketKey {
-        BucketKey::new(&self.tenant, K::SCOPE, "", &self.member())
+        BucketKey::new(
+            &self.tenant,
+            super::BucketKind::Records(K::SET),
+            "",
+            &self.member(),
+        )
     }
 
     /// Reads a token written by [`fmt::Display`]; `None` when it is not one.

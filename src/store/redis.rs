@@ -60,8 +60,8 @@ use topology::{Topology as Routes, slot_of};
 
 use super::reservation::MAX_TTL;
 use super::{
-    Attachment, BucketKey, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, RecordsFull, ReservationId,
-    SettleFuture, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
+    Attachment, BucketKey, BucketKind, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, RecordsFull,
+    ReservationId, SettleFuture, Settled, Store, StoreError, StoreFuture, Verdicts, lease, redact,
 };
 use crate::algorithm::{Charge, Micros, Op};
 use crate::clock::Clock;
@@ -519,7 +519,15 @@ impl Shared {
     /// The Redis key of the set of a tenant's reservation records, beside
     /// the record (`PREFIX{TENANT}:rq::`).
     fn records_key(&self, id: &ReservationId) -> String {
-        self.tagged(&BucketKey::new(id.tenant(), "rq", "", ""), id.key_spread())
+        self.tagged(
+            &BucketKey::new(
+                id.tenant(),
+                BucketKind::Records(super::RecordSet::Count),
+                "",
+                "",
+            ),
+            id.key_spread(),
+        )
     }
 
     /// The Redis key of a lease's record, under its tenant's hash tag.
@@ -542,7 +550,8 @@ impl Shared {
     /// a key's `spread`, `PREFIX{TENANT/SPREAD}:…`: a record written beside
     /// one key's buckets gets the same tag as they do.
     fn tagged(&self, name: &BucketKey, spread: Option<u32>) -> String {
-        let (tenant, rest) = name.as_str().split_once(':').unwrap_or((name.as_str(), ""));
+        let tenant = name.tenant();
+        let rest = name.as_str().get(tenant.len() + 1..).unwrap_or_default();
         let tag = if tenant.is_empty() {
             "@default"
         } else {
@@ -863,9 +872,9 @@ mod tests {
     fn keys_carry_the_tenant_as_hash_tag_and_with_spread_keys_a_hash_of_the_key() {
         let plain = store(false);
         let spread = store(true);
-        let per_key = BucketKey::new("acme", "k", "search", "user-42");
-        let tenant_wide = BucketKey::new("acme", "t", "search", "");
-        let no_tenant = BucketKey::new("", "k", "", "ip-1");
+        let per_key = BucketKey::new("acme", BucketKind::KEY, "search", "user-42");
+        let tenant_wide = BucketKey::new("acme", BucketKind::TENANT, "search", "");
+        let no_tenant = BucketKey::new("", BucketKind::KEY, "", "ip-1");
         assert_eq!(
             plain.redis_key(&per_key),
             "tollgate:{acme}:k:search:user-42"
@@ -880,7 +889,7 @@ mod tests {
             )
         );
         assert_eq!(
-            spread.redis_key(&BucketKey::new("acme", "k", "", "")),
+            spread.redis_key(&BucketKey::new("acme", BucketKind::KEY, "", "")),
             "tollgate:{acme/811c9dc5}:k::",
             "the FNV-1a offset basis, zero-padded to eight digits, for an empty key"
         );

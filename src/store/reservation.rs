@@ -32,7 +32,7 @@ pub struct Reservations;
 
 impl RecordKind for Reservations {
     const PREFIX: &'static str = "r1.";
-    const SCOPE: &'static str = "r";
+    const SET: super::RecordSet = super::RecordSet::Reservations;
 }
 
 /// What a reserve writes beside its decision.

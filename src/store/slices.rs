@@ -50,7 +50,7 @@ use dashmap::DashMap;
 use smallvec::SmallVec;
 
 use super::layer::{Applied, Layer, LayerFuture, Wrapper};
-use super::{BucketKey, Request, StoreError, Verdicts};
+use super::{BucketKey, BucketKind, Request, StoreError, Verdicts};
 use crate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::limits::OnStoreUnavailable;
@@ -345,7 +345,7 @@ fn sliced(bucket: &BucketKey, charge: &Charge) -> bool {
         && charge.need == charge.cost
         && charge.cost <= charge.limit.burst()
         && charge.limit.algorithm() == Algorithm::TokenBucket
-        && bucket.as_str().split(':').nth(1) == Some("t")
+        && bucket.kind() == BucketKind::TENANT
 }
 
 /// What a sliced bucket answered.
@@ -809,7 +809,7 @@ mod tests {
     fn slots_are_bounded_and_idle_ones_swept_at_most_once_a_second() {
         let clock = Arc::new(crate::clock::ManualClock::new(1_000_000));
         let slices = Slices::new(clock.clone(), 16);
-        let bucket = |i: usize| BucketKey::new(&format!("t{i}"), "t", "", "");
+        let bucket = |i: usize| BucketKey::new(&format!("t{i}"), BucketKind::TENANT, "", "");
         let now = clock.now();
         for i in 0..16 {
             slices.slot(&bucket(i), now).state.lock().used_at = now;
@@ -831,14 +831,23 @@ mod tests {
     #[test]
     fn only_enforced_tenant_wide_token_buckets_that_spend_are_sliced() {
         let l = limit(100, "10/second");
-        let tenant = BucketKey::new("acme", "t", "", "");
+        let tenant = BucketKey::new("acme", BucketKind::TENANT, "", "");
         assert!(sliced(&tenant, &Charge::new(l, 1)));
         assert!(!sliced(
-            &BucketKey::new("acme", "k", "", "u"),
+            &BucketKey::new("acme", BucketKind::KEY, "", "u"),
             &Charge::new(l, 1)
         ));
         assert!(!sliced(
-            &BucketKey::new("acme", "ts", "", ""),
+            &BucketKey::new(
+                "acme",
+                BucketKind::Rule {
+                    per_key: false,
+                    concurrency: false,
+                    shadow: true
+                },
+                "",
+                ""
+            ),
             &Charge::new(l, 1)
         ));
         let shadow = Charge {

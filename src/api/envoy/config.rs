@@ -120,6 +120,9 @@ pub struct Match {
     /// The counter: the request's entries (`key_value.key_value`), with a
     /// shared wildcard's pattern in place of the value.
     pub counter: String,
+    /// The limit came with the request (a descriptor's limit override), not
+    /// from the configuration: its bucket is apart from the rule's.
+    pub overridden: bool,
 }
 
 /// A loaded configuration: every domain of every file.
@@ -218,7 +221,11 @@ impl EnvoyConfig {
             }
             node = next;
         }
-        found.map(|rule| Match { rule, counter })
+        found.map(|rule| Match {
+            rule,
+            counter,
+            overridden: false,
+        })
     }
 }
 

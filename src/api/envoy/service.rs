@@ -39,7 +39,7 @@ use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use crate::store::BucketKey;
+use crate::store::{BucketKey, BucketKind};
 use crate::telemetry::traces;
 
 pub use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
@@ -147,7 +147,14 @@ impl RateLimitService for EnvoyRateLimitService {
             };
             demand.lines.push(Line {
                 item: i,
-                bucket: BucketKey::new(&tenant, "e", algorithm.as_str(), &m.counter),
+                bucket: BucketKey::new(
+                    &tenant,
+                    BucketKind::Envoy {
+                        overridden: m.overridden,
+                    },
+                    algorithm.as_str(),
+                    &m.counter,
+                ),
                 allowance,
                 enforce: !m.rule.shadow,
                 on_store_unavailable: m.rule.on_store_unavailable,
@@ -416,7 +423,8 @@ fn override_rule(
             detailed_metric: false,
             on_store_unavailable: OnStoreUnavailable::Allow,
         }),
-        counter: format!("override:{counter}"),
+        counter,
+        overridden: true,
     })
 }
 
