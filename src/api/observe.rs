@@ -54,16 +54,76 @@ where
     }
 }
 
+/// Every method the gRPC port serves, by service: the `method` label's
+/// values (anything else is `other`).
+const METHODS: &[(&str, &[&str])] = &[
+    (
+        "tollgate.v1.RateLimiter",
+        &[
+            "ShouldAllow",
+            "ShouldAllowBatch",
+            "ShouldAllowStream",
+            "Reserve",
+            "Settle",
+            "Charge",
+            "Acquire",
+            "Release",
+            "Renew",
+            "Hold",
+        ],
+    ),
+    ("tollgate.v1.Admin", &["TopLimited", "LimitsStatus"]),
+    (
+        "envoy.service.ratelimit.v3.RateLimitService",
+        &["ShouldRateLimit"],
+    ),
+];
+
 /// The bounded `method` label of a gRPC path.
 pub fn method_label(path: &str) -> &'static str {
     match path {
-        "/tollgate.v1.RateLimiter/ShouldAllow" => "ShouldAllow",
-        "/tollgate.v1.RateLimiter/ShouldAllowBatch" => "ShouldAllowBatch",
-        "/tollgate.v1.Admin/TopLimited" => "TopLimited",
-        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" => "ShouldRateLimit",
-        "/grpc.health.v1.Health/Check" => "HealthCheck",
-        "/grpc.health.v1.Health/Watch" => "HealthWatch",
-        p if p.starts_with("/grpc.reflection.") => "Reflection",
-        _ => "other",
+        "/grpc.health.v1.Health/Check" => return "HealthCheck",
+        "/grpc.health.v1.Health/Watch" => return "HealthWatch",
+        p if p.starts_with("/grpc.reflection.") => return "Reflection",
+        _ => {}
+    }
+    let Some((service, method)) = path.strip_prefix('/').and_then(|p| p.split_once('/')) else {
+        return "other";
+    };
+    METHODS
+        .iter()
+        .filter(|(s, _)| *s == service)
+        .flat_map(|(_, methods)| methods.iter())
+        .find(|m| **m == method)
+        .copied()
+        .unwrap_or("other")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    /// Every method of every service the descriptors hold has a label of
+    /// its own: a method added to a proto without one fails here.
+    #[test]
+    fn every_served_method_has_its_own_label() {
+        let set =
+            prost_types::FileDescriptorSet::decode(crate::proto::FILE_DESCRIPTOR_SET).unwrap();
+        let mut seen = 0;
+        for file in &set.file {
+            for service in &file.service {
+                let full = format!("{}.{}", file.package(), service.name());
+                for method in &service.method {
+                    let path = format!("/{full}/{}", method.name());
+                    assert_eq!(method_label(&path), method.name(), "{path}");
+                    seen += 1;
+                }
+            }
+        }
+        assert!(seen >= 13, "{seen} methods in the descriptors");
+        assert_eq!(method_label("/tollgate.v1.RateLimiter/Nope"), "other");
+        assert_eq!(method_label("/x.Y/ShouldAllow"), "other");
+        assert_eq!(method_label("garbage"), "other");
     }
 }
