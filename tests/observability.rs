@@ -11,14 +11,18 @@ use tollgate::proto::v1::admin_client::AdminClient;
 async fn hammer(server: &TestServer) {
     let mut client = server.client().await;
     // Each tenant's keys have a burst of 2: everything past it is rejected.
-    for (tenant, key, n) in [
-        ("scraper", "bot-1", 40),
-        ("scraper", "bot-2", 12),
-        ("storm", "client-9", 20),
-        ("calm", "k", 2),
+    // storm asks 2 tokens at a time: its first request takes both, and its
+    // rejections count requests (19), not tokens (38).
+    for (tenant, key, n, cost) in [
+        ("scraper", "bot-1", 40, 1),
+        ("scraper", "bot-2", 12, 1),
+        ("storm", "client-9", 20, 2),
+        ("calm", "k", 2, 1),
     ] {
         for _ in 0..n {
-            ask(&mut client, req(tenant, key)).await;
+            let mut r = req(tenant, key);
+            r.cost = cost;
+            ask(&mut client, r).await;
         }
     }
 }
@@ -50,7 +54,7 @@ async fn the_most_limited_tenants_everywhere() {
             tenants[1]["tenant"].as_str(),
             tenants[1]["rejections"].as_u64()
         ),
-        (Some("storm"), Some(18))
+        (Some("storm"), Some(19))
     );
 
     let mut admin = AdminClient::new(server.channel().await);
@@ -76,7 +80,7 @@ async fn the_most_limited_tenants_everywhere() {
         "{metrics}"
     );
     assert!(
-        metrics.contains("tollgate_top_limited_rejections{tenant=\"storm\",rank=\"2\"} 18\n"),
+        metrics.contains("tollgate_top_limited_rejections{tenant=\"storm\",rank=\"2\"} 19\n"),
         "{metrics}"
     );
     assert!(!metrics.contains("tollgate_top_limited_rejections{tenant=\"calm\""));

@@ -491,7 +491,7 @@ impl Engine {
         for (item, a) in demand.items.iter().zip(&answer.items) {
             let label = a.line.map_or("", |l| demand.lines[l].label);
             if !a.allowed {
-                self.top.record(item.tenant, item.key, item.cost);
+                self.top.record(item.tenant, item.key, 1);
             }
             if a.debt > 0 {
                 self.top.record_debt(item.tenant, item.key, a.debt);
