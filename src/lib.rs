@@ -5,14 +5,15 @@
 //! ```text
 //! api::{native, envoy, admin}    wings side by side; none imports another
 //!            |
-//!          engine                the only caller of the store
+//!          engine                the only caller of the store's decisions
 //!         /      \
 //!     limits    store            store = backend wrapped in layers
 //!                 |
 //!        algorithm, clock        pure functions of (state, limit, cost, now)
 //! ```
 //!
-//! `server` wires them together; `proto` is the wire contract; `telemetry`
+//! The admin wing reads the store's status (health and figures) and the
+//! limits' status, never a decision. `server` wires them together; `proto` is the wire contract; `telemetry`
 //! holds metrics, traces and the top-limited sketch; `cli` is the command
 //! line of the binary. The load tool lives in its own crate, `bench/`.
 

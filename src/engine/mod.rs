@@ -9,8 +9,11 @@
 //!    bytes) and its cost arithmetic (saturating sums, a cost no limit can
 //!    hold is refused or rejected as the API asks);
 //! 2. merge the lines that share a bucket into one charge each;
-//! 3. apply the charges as one atomic store call through the store's layers
-//!    (deny cache, store-unavailable fallback), all or nothing;
+//! 3. apply the charges as one [`crate::store::Request`] through the store's
+//!    layers (deny cache, store-unavailable fallback, token slices), all or
+//!    nothing: one atomic backend call, except that a decision on a sliced
+//!    ceiling may take a new slice first (a call of its own, whose tokens
+//!    are given back when the decision is refused);
 //! 4. per item, pick the tightest bucket and classify the outcome;
 //! 5. record metrics, the top-limited sketch and the span's outcome;
 //! 6. build the `RateLimit-*` / `Retry-After` header values.

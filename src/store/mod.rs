@@ -1,14 +1,19 @@
 //! Where bucket state lives.
 //!
-//! A backend ([`Store`]: [`memory`], [`redis`]) has one job: apply a
-//! decision to a set of buckets atomically, following
+//! A backend ([`Store`]: [`memory`], [`redis`]) has one job: apply one
+//! [`Request`] to a set of buckets atomically, following
 //! [`crate::algorithm::plan`] (all enforced buckets admit and every
-//! admitting bucket is spent, or nothing is spent). The backend also owns
-//! the clock its buckets are measured by. One contract suite
-//! (`tests/store_contract.rs`) runs against every backend.
+//! admitting bucket is spent, or nothing is spent), writing its
+//! [`Attachment`] (a reservation's record, a lease) in the same step when it
+//! admits. Buckets are named by [`BucketKey`], built from a typed
+//! [`BucketKind`]. The backend also owns the clock its buckets are measured
+//! by. One contract suite (`tests/store_contract.rs`) runs against every
+//! backend.
 //!
 //! The engine does not call a backend directly: [`stack`] wraps it in
-//! layers ([`deny_cache`], [`fallback`]), composed in one place.
+//! layers ([`deny_cache`], [`fallback`], [`slices`]; each a
+//! [`layer::Wrapper`] that overrides only what it changes), composed in one
+//! place.
 
 pub mod breaker;
 pub mod deny_cache;
