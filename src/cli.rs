@@ -186,7 +186,7 @@ impl WaitFor {
 }
 
 /// Parses the command line. `serve --help` shows each option's default,
-/// read from the one place defaults are written (see [`serve`]).
+/// read from the one place defaults are written (`ServeArgs::defaults`).
 pub fn parse() -> Result<Cli, clap::Error> {
     use clap::{CommandFactory, FromArgMatches};
 

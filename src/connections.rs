@@ -371,8 +371,8 @@ impl ConnectionHandle {
     }
 }
 
-/// One accepted connection: the socket, its slot under the cap (in
-/// [`Shared`]), the handshake deadline and the idle timer.
+/// One accepted connection: the socket, its slot under the cap (in the
+/// port's shared state), the handshake deadline and the idle timer.
 pub struct Connection {
     stream: TcpStream,
     handle: ConnectionHandle,

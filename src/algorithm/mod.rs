@@ -6,7 +6,7 @@
 //!
 //! - [`token_bucket`]: the token bucket (GCRA), the default;
 //! - [`window`]: fixed and sliding windows (envoyproxy/ratelimit's);
-//! - [`plan`]: several buckets decided together, all or nothing.
+//! - [`plan()`]: several buckets decided together, all or nothing.
 //!
 //! This file holds the shared vocabulary: rates, limits, verdicts, charges,
 //! and the [`Op`]s a set of charges can be applied with.

@@ -1,7 +1,7 @@
 //! The native wing: `tollgate.v1.RateLimiter` (single, batch and stream).
 //!
 //! Maps a request to a [`Demand`] (one item per request item; one line per
-//! limits-table rule that applies to it) and the engine's [`Answer`] back
+//! limits-table rule that applies to it) and the engine's [`crate::engine::Answer`] back
 //! to the response. It decides nothing itself.
 
 use std::sync::Arc;

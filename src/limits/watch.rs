@@ -292,14 +292,14 @@ impl LiveLimits {
 const BULK_NICE: i32 = 19;
 
 /// Changes one catch-up reads on the watcher's thread; a catch-up of more
-/// (a bulk edit, or the whole table again) runs on the bulk thread
-/// ([`Bulk`]).
+/// (a bulk edit, or the whole table again) runs on the bulk thread, in the
+/// idle scheduling class.
 pub const BULK_CHANGES: u64 = 1000;
 
 /// Runs [`watch`] on a thread of its own at the process's priority, so that
 /// an edit of a few rows is applied within a second however busy the
 /// decision threads are; and catch-ups of more than [`BULK_CHANGES`]
-/// changes on a second thread in the idle scheduling class ([`Bulk`]),
+/// changes on a second thread in the idle scheduling class,
 /// where reading and applying a 100 000-row edit (about a second of CPU)
 /// never takes a core from a decision. Each thread has connections of its
 /// own to the table, made on it, so that their worker threads share its
@@ -346,7 +346,7 @@ type BulkAnswer = tokio::sync::oneshot::Sender<Result<bool, LoadError>>;
 /// scheduling class ([`lower_priority`]). It stops once every handle is
 /// dropped.
 #[derive(Clone)]
-pub struct Bulk {
+struct Bulk {
     requests: tokio::sync::mpsc::UnboundedSender<BulkAnswer>,
 }
 

@@ -2,7 +2,7 @@
 //!
 //! A backend ([`Store`]: [`memory`], [`redis`]) has one job: apply one
 //! [`Request`] to a set of buckets atomically, following
-//! [`crate::algorithm::plan`] (all enforced buckets admit and every
+//! [`crate::algorithm::plan()`] (all enforced buckets admit and every
 //! admitting bucket is spent, or nothing is spent), writing its
 //! [`Attachment`] (a reservation's record, a lease) in the same step when it
 //! admits. Buckets are named by [`BucketKey`], built from a typed
@@ -389,7 +389,7 @@ pub fn redact(url: &str) -> String {
 pub trait Store: Send + Sync + 'static {
     /// Applies `request.charges[i]` to bucket `request.buckets[i]` for
     /// every `i` with `request.op`, as one atomic step (see
-    /// [`crate::algorithm::plan`]): a decision spends only when spending
+    /// [`crate::algorithm::plan()`]): a decision spends only when spending
     /// and every enforced charge admits; a charge or a refund always
     /// applies. Each bucket appears at most once. When the decision admits
     /// and a record is attached, it is written in the same step: a

@@ -427,7 +427,7 @@ impl RedisStore {
     /// that Redis's clock agrees) and whose record is still unsettled, and
     /// in `tollgate_leases_expired_total` the leases it granted or last
     /// renewed that expired unreleased; at
-    /// most [`EXPIRY_CHECKS_PER_CALL`] per call. The server calls it on its
+    /// most a fixed number per call. The server calls it on its
     /// sweep interval. Returns how many it found expired.
     pub async fn count_expired(&self) -> u64 {
         let now = tokio::time::Instant::now();
