@@ -444,7 +444,7 @@ impl LimitsTable {
     /// `SELECT`s the rows of `from` (a `FROM` clause and its `WHERE`s,
     /// over table `limits` or a query of its columns) as chunks: one text
     /// value per [`CHUNK_ROWS`] ids, each row a run of its thirteen values
-    /// ([`LOADED`]), each value written as its length in bytes, a comma and
+    /// (the id, then [`super::file::COLUMNS`]), each value written as its length in bytes, a comma and
     /// the value. Lengths rather than separators, so no value can be
     /// mistaken for the next (a name may hold any character). The database
     /// driver copies and allocates every value it returns and hands each
@@ -456,8 +456,10 @@ impl LimitsTable {
             Pool::Sqlite(_) => ("octet_length({c})", "group_concat"),
             Pool::Postgres(_) => ("octet_length({c}::text)", "string_agg"),
         };
-        let row = LOADED
-            .iter()
+        // The id, then the columns in `export`'s order: as `chunk_rows`
+        // reads them.
+        let row = std::iter::once(&"id")
+            .chain(super::file::COLUMNS.iter())
             .map(|c| {
                 let text = match self.pool {
                     Pool::Sqlite(_) => (*c).to_owned(),
@@ -1050,23 +1052,6 @@ fn sqlite_file(location: &str) -> Option<&str> {
     };
     (!path.is_empty()).then_some(path)
 }
-
-/// The columns [`LimitsTable::chunked`] reads, in [`chunk_rows`]' order.
-const LOADED: [&str; 13] = [
-    "id",
-    "name",
-    "tenant",
-    "plan",
-    "resource",
-    "scope",
-    "burst",
-    "rate",
-    "rate_unit",
-    "mode",
-    "on_store_unavailable",
-    "debt",
-    "kind",
-];
 
 /// Rows per chunk: ids `[k * CHUNK_ROWS, (k + 1) * CHUNK_ROWS)` are read
 /// as one value.
