@@ -36,7 +36,10 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::limits::table::LimitsTable;
 
-pub use client::{ChargeArgs, CheckArgs, TopArgs, charge, check, health, top};
+pub use client::{
+    AcquireArgs, ChargeArgs, CheckArgs, ReleaseArgs, TopArgs, acquire, charge, check, health,
+    release, top,
+};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use plans::{PlansCommand, plans};
 pub use serve::{Process, Serve, ServeArgs};
@@ -66,6 +69,11 @@ pub enum Command {
     /// Record usage known after the work on a running server (charged in
     /// full, into debt where the rule allows it).
     Charge(ChargeArgs),
+    /// Take a slot of the concurrency caps that apply (a lease) on a running
+    /// server, and print its token for `release`.
+    Acquire(AcquireArgs),
+    /// Give back a lease taken with `acquire`.
+    Release(ReleaseArgs),
     /// Show the most limited tenants of a running server, refreshing in place.
     Top(TopArgs),
     /// Ask a running server's gRPC health service; exit 0 when serving (for

@@ -79,6 +79,8 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
         }
         Command::Check(args) => cli::check(args).await?,
         Command::Charge(args) => cli::charge(args).await?,
+        Command::Acquire(args) => cli::acquire(args).await?,
+        Command::Release(args) => cli::release(args).await?,
         Command::Top(args) => cli::top(args).await?,
         Command::Health { server, service } => cli::health(server, service).await?,
     }

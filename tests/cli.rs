@@ -406,3 +406,54 @@ fn edits_name_their_table_and_return_once_the_server_applied_them() {
         stderr(&out)
     );
 }
+
+#[test]
+fn acquire_and_release_try_a_concurrency_cap_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    let out = tollgate(
+        path,
+        &[
+            "limits",
+            "set",
+            "--create",
+            "--wait-for",
+            "none",
+            "--tenant",
+            "reports",
+            "--scope",
+            "tenant",
+            "--concurrency",
+            "1",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let server = ServeProcess::start(path, &[]);
+    let url = format!("http://{}", server.grpc);
+    let acquire = || {
+        tollgate(
+            path,
+            &[
+                "acquire", "--server", &url, "--tenant", "reports", "--key", "k", "--ttl", "5m",
+            ],
+        )
+    };
+    let first = acquire();
+    assert!(first.status.success(), "{first:?}");
+    let line = stdout(&first);
+    assert!(line.starts_with("GRANTED   lease "), "{line}");
+    assert!(line.contains("  in flight 1/1  "), "{line}");
+    let lease = line.split_whitespace().nth(2).unwrap().to_owned();
+    // The one slot is held: refused, exit status 1.
+    let second = acquire();
+    assert_eq!(second.status.code(), Some(1), "{second:?}");
+    assert!(
+        stdout(&second).starts_with("REFUSED   in flight 1/1  "),
+        "{}",
+        stdout(&second)
+    );
+    let release = || tollgate(path, &["release", "--server", &url, "--lease", &lease]);
+    assert_eq!(stdout(&release()), "RELEASED\n");
+    assert_eq!(stdout(&release()), "ALREADY RELEASED (nothing changed)\n");
+    assert!(acquire().status.success());
+}
