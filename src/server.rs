@@ -399,52 +399,11 @@ pub async fn run(
         Some(dir) => LiveEnvoyConfig::load(dir)?,
         None => LiveEnvoyConfig::empty(),
     });
-    // The in-process store: the store itself, or the fallback for rules
-    // that decide locally while Redis is down.
-    let memory = Arc::new(
-        MemoryStore::new(clock.clone(), config.max_buckets)
-            .with_max_bytes(config.max_bucket_bytes)
-            .with_max_records(config.max_records, config.max_records_per_tenant),
-    );
-    let fallback = Fallback {
-        local: memory.clone(),
-        local_fraction: config.local_fraction,
-        deny_retry_after: config.breaker_cooldown.as_micros() as u64,
-    };
-    let mut redis_store = None;
-    let backend: Arc<dyn Store> = match &config.store {
-        // At its cap the in-process store refuses new buckets, and the
-        // fallback answers by each rule's policy.
-        StoreSpec::Memory => memory.clone(),
-        StoreSpec::Redis(url) => {
-            let redis_config = RedisConfig {
-                prefix: config.redis_prefix.clone(),
-                timeout: config.store_timeout,
-                ca_cert: config.redis_ca_cert.clone(),
-                coalesce: config.redis_coalesce,
-                spread_keys: config.redis_spread_keys,
-                breaker_threshold: config.breaker_threshold,
-                breaker_cooldown: config.breaker_cooldown,
-                max_records_per_tenant: config.max_records_per_tenant,
-                ..RedisConfig::new(url.clone())
-            };
-            let pinned = config.redis_uses_clock.then(|| clock.clone());
-            let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
-            redis_store = Some(redis.clone());
-            redis as Arc<dyn Store>
-        }
-    };
-    let store = stack::build(
-        backend,
-        Layers {
-            fallback: Some(fallback),
-            deny_cache: config
-                .deny_cache
-                .then_some((config.max_buckets, config.max_bucket_bytes)),
-            slices: config.token_slices.then_some(MAX_SLICED_BUCKETS),
-        },
-        clock.clone(),
-    );
+    let Stores {
+        memory,
+        redis: redis_store,
+        stack: store,
+    } = build_stores(&config, &clock)?;
     let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
     let engine = Arc::new(Engine::new(store.clone(), clock.clone(), top.clone()));
 
@@ -476,28 +435,7 @@ pub async fn run(
         config.reload_interval,
         stopped(),
     )?;
-    // Drops idle buckets (and counts reservations that expired unsettled).
-    let sweeper = {
-        let (memory, stop, every) = (memory.clone(), stopped(), config.sweep_interval);
-        tokio::spawn(async move {
-            tokio::pin!(stop);
-            let mut tick = tokio::time::interval(every);
-            loop {
-                tokio::select! {
-                    _ = &mut stop => return,
-                    _ = tick.tick() => {
-                        memory.sweep_idle();
-                        if let Some(redis) = &redis_store {
-                            tokio::select! {
-                                _ = &mut stop => return,
-                                _ = redis.count_expired() => {}
-                            }
-                        }
-                    }
-                }
-            }
-        })
-    };
+    let sweeper = spawn_sweeper(memory, redis_store, config.sweep_interval, stopped());
 
     let grpc_addr = listeners.grpc.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
@@ -516,24 +454,7 @@ pub async fn run(
         access: config.admin_access.clone(),
         grpc_in_flight: in_flight.clone(),
     });
-    // Every second: the decision rates, and leases past their time to live
-    // out of this instance's book (`tollgate_leases_held`).
-    let sampler = {
-        let (state, stop, engine) = (admin_state.clone(), stopped(), engine.clone());
-        tokio::spawn(async move {
-            tokio::pin!(stop);
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = &mut stop => return,
-                    _ = tick.tick() => {
-                        state.rates.sample();
-                        engine.sweep_leases();
-                    }
-                }
-            }
-        })
-    };
+    let sampler = spawn_sampler(admin_state.clone(), engine.clone(), stopped());
     let limits_of_ports = config.grpc_limits;
     ensure_file_descriptors(limits_of_ports.max_connections + ADMIN_MAX_CONNECTIONS);
     let admin_acceptor = Acceptor::new(
@@ -698,6 +619,121 @@ pub async fn run(
     table.close().await;
     tracing::info!("tollgate stopped");
     served.map_err(Into::into)
+}
+
+/// The stores a server decides with.
+struct Stores {
+    /// The in-process store: the store itself, or the fallback for rules
+    /// that decide locally while Redis is down.
+    memory: Arc<MemoryStore>,
+    /// The Redis store, when decisions go to Redis.
+    redis: Option<Arc<RedisStore>>,
+    /// The backend wrapped in its layers: what the engine calls.
+    stack: Arc<dyn Layer>,
+}
+
+/// Builds the backend `config` names and its layers.
+fn build_stores(config: &ServeConfig, clock: &Arc<dyn Clock>) -> Result<Stores, ServeError> {
+    let memory = Arc::new(
+        MemoryStore::new(clock.clone(), config.max_buckets)
+            .with_max_bytes(config.max_bucket_bytes)
+            .with_max_records(config.max_records, config.max_records_per_tenant),
+    );
+    let fallback = Fallback {
+        local: memory.clone(),
+        local_fraction: config.local_fraction,
+        deny_retry_after: config.breaker_cooldown.as_micros() as u64,
+    };
+    let mut redis_store = None;
+    let backend: Arc<dyn Store> = match &config.store {
+        // At its cap the in-process store refuses new buckets, and the
+        // fallback answers by each rule's policy.
+        StoreSpec::Memory => memory.clone(),
+        StoreSpec::Redis(url) => {
+            let redis_config = RedisConfig {
+                prefix: config.redis_prefix.clone(),
+                timeout: config.store_timeout,
+                ca_cert: config.redis_ca_cert.clone(),
+                coalesce: config.redis_coalesce,
+                spread_keys: config.redis_spread_keys,
+                breaker_threshold: config.breaker_threshold,
+                breaker_cooldown: config.breaker_cooldown,
+                max_records_per_tenant: config.max_records_per_tenant,
+                ..RedisConfig::new(url.clone())
+            };
+            let pinned = config.redis_uses_clock.then(|| clock.clone());
+            let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
+            redis_store = Some(redis.clone());
+            redis as Arc<dyn Store>
+        }
+    };
+    let stack = stack::build(
+        backend,
+        Layers {
+            fallback: Some(fallback),
+            deny_cache: config
+                .deny_cache
+                .then_some((config.max_buckets, config.max_bucket_bytes)),
+            slices: config.token_slices.then_some(MAX_SLICED_BUCKETS),
+        },
+        clock.clone(),
+    );
+    Ok(Stores {
+        memory,
+        redis: redis_store,
+        stack,
+    })
+}
+
+/// Drops idle buckets every `every` (and counts reservations and leases
+/// that expired on Redis unsettled) until `stop` completes.
+fn spawn_sweeper(
+    memory: Arc<MemoryStore>,
+    redis_store: Option<Arc<RedisStore>>,
+    every: Duration,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        tokio::pin!(stop);
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tick.tick() => {
+                    memory.sweep_idle();
+                    if let Some(redis) = &redis_store {
+                        tokio::select! {
+                            _ = &mut stop => return,
+                            _ = redis.count_expired() => {}
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Every second until `stop` completes: samples the decision rates, and
+/// takes leases past their time to live out of this instance's book
+/// (`tollgate_leases_held`).
+fn spawn_sampler(
+    state: Arc<AdminState>,
+    engine: Arc<Engine>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        tokio::pin!(stop);
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tick.tick() => {
+                    state.rates.sample();
+                    engine.sweep_leases();
+                }
+            }
+        }
+    })
 }
 
 /// Pings the store until it answers (backing off from 100 ms to 2 s) or a
