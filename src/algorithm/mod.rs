@@ -554,6 +554,7 @@ impl Op {
 
 pub mod concurrency;
 pub mod plan;
+pub mod slice;
 pub mod token_bucket;
 pub mod window;
 
