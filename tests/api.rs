@@ -385,7 +385,9 @@ async fn large_batches_merge_items_sharing_a_bucket() {
     server.stop().await;
 }
 
-#[tokio::test]
+/// Server and clients on a runtime of several threads, so that calls run
+/// in parallel and race for the bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_hundred_concurrent_calls_at_a_fresh_bucket_of_one_hundred() {
     let server = TestServer::with_rows(&[row("hundred", "", "", "key", 100, "1/day")]).await;
     let mut tasks = Vec::new();

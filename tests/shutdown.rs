@@ -31,6 +31,7 @@ fn sigterm_exits_after_the_grace_period_whatever_connections_stay_open() {
 
     let pid = server.child.id();
     let (tx, rx) = std::sync::mpsc::channel();
+    let signalled = tokio::time::Instant::now();
     std::thread::spawn(move || {
         let _ = tx.send(server.terminate());
     });
@@ -39,6 +40,13 @@ fn sigterm_exits_after_the_grace_period_whatever_connections_stay_open() {
     let (status, logs) = rx
         .recv_timeout(Duration::from_secs(60))
         .unwrap_or_else(|_| panic!("tollgate (pid {pid}) did not exit after SIGTERM"));
+    // The open connections held it for the whole grace period (a slow
+    // machine only makes this longer): it waited, then closed them.
+    let waited = signalled.elapsed();
+    assert!(
+        waited >= Duration::from_secs(1),
+        "exited {waited:?} after SIGTERM, before the 1 s grace period"
+    );
     assert!(status.success(), "{status:?}: {logs:#?}");
     assert!(
         logs.iter()
