@@ -162,10 +162,15 @@ async fn redis_killed_each_policy_answers_and_nothing_is_counted_twice() {
         }),
     });
     renew.set_timeout(DEADLINE);
-    client.renew(renew).await.unwrap();
+    let renewed = client.renew(renew).await.unwrap().into_inner();
+    assert_eq!(renewed.ttl.map(|d| (d.seconds, d.nanos)), Some((30, 0)));
     assert!(
         acquire(&mut client, "local").await.granted,
         "its slot is free again"
+    );
+    assert!(
+        !acquire(&mut client, "local").await.granted,
+        "the renewed lease still holds its slot: the cap of two is full"
     );
     // A lease held in Redis cannot be released while Redis is down: the
     // caller is told, and the lease expires at its ttl.
