@@ -9,9 +9,9 @@ use super::parse_duration;
 use crate::proto::v1::ShouldAllowRequest;
 use crate::proto::v1::rate_limiter_client::RateLimiterClient;
 
-/// Which server, and whose budget: what `check` and `charge` share.
+/// Which server: what the commands that talk to one share.
 #[derive(Debug, Args)]
-pub struct Asking {
+pub struct Server {
     /// The server's gRPC address.
     #[arg(
         long,
@@ -19,6 +19,23 @@ pub struct Asking {
         default_value = "http://127.0.0.1:50051"
     )]
     pub server: String,
+}
+
+impl Server {
+    async fn client(&self) -> anyhow::Result<RateLimiterClient<tonic::transport::Channel>> {
+        RateLimiterClient::connect(self.server.clone())
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", self.server))
+    }
+}
+
+/// Which server, and whose budget: what `check`, `charge` and `acquire`
+/// share.
+#[derive(Debug, Args)]
+pub struct Asking {
+    /// The server.
+    #[command(flatten)]
+    pub server: Server,
     /// Tenant.
     #[arg(long, default_value = "")]
     pub tenant: String,
@@ -32,9 +49,7 @@ pub struct Asking {
 
 impl Asking {
     async fn client(&self) -> anyhow::Result<RateLimiterClient<tonic::transport::Channel>> {
-        RateLimiterClient::connect(self.server.clone())
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", self.server))
+        self.server.client().await
     }
 }
 
@@ -188,13 +203,9 @@ pub async fn acquire(args: AcquireArgs) -> anyhow::Result<()> {
 /// `tollgate release`.
 #[derive(Debug, Args)]
 pub struct ReleaseArgs {
-    /// The server's gRPC address.
-    #[arg(
-        long,
-        env = "TOLLGATE_SERVER",
-        default_value = "http://127.0.0.1:50051"
-    )]
-    pub server: String,
+    /// The server.
+    #[command(flatten)]
+    pub server: Server,
     /// The lease token `acquire` printed.
     #[arg(long)]
     pub lease: String,
@@ -204,9 +215,7 @@ pub struct ReleaseArgs {
 pub async fn release(args: ReleaseArgs) -> anyhow::Result<()> {
     use crate::proto::v1::{LeaseStatus, ReleaseRequest};
 
-    let mut client = RateLimiterClient::connect(args.server.clone())
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let mut client = args.server.client().await?;
     let r = client
         .release(ReleaseRequest { lease: args.lease })
         .await

@@ -312,19 +312,31 @@ pub fn spawn_watch(
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
     let bulk = Bulk::spawn(limits.clone(), table.clone())?;
+    on_own_thread("limits-watch", || {}, async move {
+        let table = own_connections(table).await;
+        watch_with(limits, table, Some(bulk), every, shutdown).await;
+        let _ = done.send(());
+    })?;
+    Ok(stopped)
+}
+
+/// Runs `task` to completion on a new thread named `name` with a runtime of
+/// its own, after `setup` (run first on that thread).
+fn on_own_thread(
+    name: &str,
+    setup: impl FnOnce() + Send + 'static,
+    task: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     std::thread::Builder::new()
-        .name("limits-watch".into())
+        .name(name.into())
         .spawn(move || {
-            runtime.block_on(async move {
-                let table = own_connections(table).await;
-                watch_with(limits, table, Some(bulk), every, shutdown).await;
-            });
-            let _ = done.send(());
+            setup();
+            runtime.block_on(task);
         })?;
-    Ok(stopped)
+    Ok(())
 }
 
 /// A handle on `table` with connections made on the calling thread, or
@@ -353,20 +365,12 @@ struct Bulk {
 impl Bulk {
     fn spawn(limits: Arc<LiveLimits>, table: LimitsTable) -> std::io::Result<Self> {
         let (requests, mut asked) = tokio::sync::mpsc::unbounded_channel::<BulkAnswer>();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        std::thread::Builder::new()
-            .name("limits-bulk".into())
-            .spawn(move || {
-                lower_priority();
-                runtime.block_on(async move {
-                    let table = own_connections(table).await;
-                    while let Some(answer) = asked.recv().await {
-                        let _ = answer.send(limits.catch_up(&table).await);
-                    }
-                });
-            })?;
+        on_own_thread("limits-bulk", lower_priority, async move {
+            let table = own_connections(table).await;
+            while let Some(answer) = asked.recv().await {
+                let _ = answer.send(limits.catch_up(&table).await);
+            }
+        })?;
         Ok(Self { requests })
     }
 
