@@ -36,13 +36,14 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::limits::table::LimitsTable;
 
+pub use crate::options::{parse_duration, parse_duration_or_zero, parse_fraction, parse_ratio};
 pub use client::{
     AcquireArgs, ChargeArgs, CheckArgs, ReleaseArgs, TopArgs, acquire, charge, check, health,
     release, top,
 };
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use plans::{PlansCommand, plans};
-pub use serve::{Process, Serve, ServeArgs};
+pub use serve::{Process, Serve, ServeArgs, options_table};
 
 /// Tollgate: a rate-limit decision service.
 #[derive(Debug, Parser)]
@@ -193,77 +194,39 @@ impl WaitFor {
     }
 }
 
-/// Parses the command line. `serve --help` shows each option's default,
-/// read from the one place defaults are written (`ServeArgs::defaults`).
+/// Parses the command line. For `serve`, a file named by `--config` fills
+/// the options that neither a flag nor the environment set.
 pub fn parse() -> Result<Cli, clap::Error> {
+    parse_from(std::env::args_os())
+}
+
+/// As [`parse`], from the given arguments (the first is the program).
+pub fn parse_from(
+    argv: impl IntoIterator<Item = impl Into<std::ffi::OsString>>,
+) -> Result<Cli, clap::Error> {
     use clap::{CommandFactory, FromArgMatches};
 
-    let defaults = match serde_json::to_value(ServeArgs::defaults()) {
-        Ok(serde_json::Value::Object(map)) => map,
-        _ => Default::default(),
-    };
-    let command = Cli::command().mut_subcommand("serve", |mut serve| {
-        for (name, value) in &defaults {
-            let shown = match value {
-                serde_json::Value::Null => continue,
-                serde_json::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            serve = serve.mut_arg(name, |arg| {
-                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
-                arg.help(format!("{help} [default: {shown}]"))
-            });
-        }
-        serve
-    });
-    let matches = command.try_get_matches()?;
+    let mut argv: Vec<std::ffi::OsString> = argv.into_iter().map(Into::into).collect();
+    let command = Cli::command();
+    let mut matches = command.clone().try_get_matches_from(&argv)?;
+    if let Some(("serve", given)) = matches.subcommand()
+        && let Some(path) = given.get_one::<std::path::PathBuf>("config")
+    {
+        let serve = command
+            .find_subcommand("serve")
+            .expect("serve is a subcommand");
+        let refuse = |message: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("{message}\n"),
+            )
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| refuse(format!("config file {}: {e}", path.display())))?;
+        argv.extend(serve::file_args(serve, Some(given), path, &text).map_err(refuse)?);
+        matches = command.try_get_matches_from(&argv)?;
+    }
     Cli::from_arg_matches(&matches)
-}
-
-/// Parses a ratio in [0, 1].
-pub fn parse_ratio(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
-        _ => Err(format!("{s:?} must be a number from 0 to 1")),
-    }
-}
-
-/// Parses a fraction in (0, 1].
-pub fn parse_fraction(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
-        _ => Err(format!(
-            "{s:?} must be a number greater than 0 and at most 1"
-        )),
-    }
-}
-
-/// Parses `1s`, `250ms`, `2m`, `1h`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    parse_duration_or_zero(s).and_then(|d| {
-        if d.is_zero() {
-            Err(format!("{s:?} must be more than zero"))
-        } else {
-            Ok(d)
-        }
-    })
-}
-
-/// As [`parse_duration`], where zero means "never" (`0s`).
-pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?} must look like 500ms, 1s, 2m or 1h"))?;
-    Ok(match unit {
-        "ms" => Duration::from_millis(n),
-        "s" | "" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
-    })
 }
 
 /// Writes to stdout and flushes. When stdout is a pipe whose reader has

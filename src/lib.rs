@@ -24,6 +24,7 @@ pub mod clock;
 pub mod connections;
 pub mod engine;
 pub mod limits;
+pub mod options;
 pub mod proto;
 pub mod runtime;
 pub mod server;

@@ -12,10 +12,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::admin::grpc::{AdminServer, AdminService};
-use crate::api::admin::{self, AdminAccess, AdminState};
-use crate::api::envoy::service::{EnvoyOptions, EnvoyRateLimitService, RateLimitServiceServer};
+use crate::api::admin::{self, AdminState};
+use crate::api::envoy::service::{EnvoyRateLimitService, RateLimitServiceServer};
 use crate::api::envoy::{ConfigError, LiveEnvoyConfig};
-use crate::api::native::{RateLimiterServer, RateLimiterService, Unmatched};
+use crate::api::native::{RateLimiterServer, RateLimiterService};
 use crate::clock::Clock;
 use crate::connections::{
     Acceptor, ConnectionHandle, ConnectionLimits, HTTP2_PREFACE_BYTES, Handshake, InFlightCap,
@@ -28,285 +28,20 @@ use crate::proto;
 use crate::store::fallback::Fallback;
 use crate::store::layer::Layer;
 use crate::store::stack::{self, Layers};
-use crate::store::{MemoryStore, RedisConfig, RedisStore, Store, StoreError, redact};
+use crate::store::{MemoryStore, RedisStore, Store, StoreError};
 use crate::telemetry::top::TopLimited;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-/// Largest accepted gRPC message: a full batch of maximal items fits.
-pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+mod config;
 
-/// Where bucket state lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreSpec {
-    /// In this process.
-    Memory,
-    /// In Redis, a Redis Cluster or a Sentinel-managed Redis, at this URL.
-    Redis(String),
-}
-
-impl std::str::FromStr for StoreSpec {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s == "memory" {
-            return Ok(Self::Memory);
-        }
-        let config = RedisConfig::new(s);
-        config.validate().map_err(|e| {
-            format!("{e}\n(--store takes `memory`, redis://, rediss://, redis-cluster://, rediss-cluster://, redis-sentinel:// or rediss-sentinel://)")
-        })?;
-        Ok(Self::Redis(s.to_owned()))
-    }
-}
-
-impl StoreSpec {
-    /// For logs: the kind, or the URL with its password hidden.
-    pub fn describe(&self) -> String {
-        match self {
-            Self::Memory => "memory".into(),
-            Self::Redis(url) => redact(url),
-        }
-    }
-}
-
-/// Everything `serve` needs besides listeners and a clock.
-#[derive(Debug, Clone)]
-pub struct ServeConfig {
-    /// The limits table: a SQLite path or `sqlite:` URL.
-    pub limits: String,
-    /// Where bucket state lives.
-    pub store: StoreSpec,
-    /// How often the limits table's version is read (SQLite; PostgreSQL
-    /// is notified) and Envoy's configuration directory re-read.
-    pub reload_interval: Duration,
-    /// The most limits rows (rules) kept in memory.
-    pub max_limit_rows: usize,
-    /// How often idle in-memory buckets are dropped.
-    pub sweep_interval: Duration,
-    /// The cap on in-memory buckets (also for the local fallback and the
-    /// deny cache).
-    pub max_buckets: usize,
-    /// The cap on their bytes, each counted as 160 bytes plus its key.
-    pub max_bucket_bytes: usize,
-    /// The cap on in-memory reservation and lease records, apart from
-    /// buckets and shared fairly between tenants.
-    pub max_records: usize,
-    /// The most records one tenant holds, in memory and on Redis.
-    pub max_records_per_tenant: Option<usize>,
-    /// What to do with requests no rule applies to.
-    pub unmatched: Unmatched,
-    /// Prefix of every Redis key.
-    pub redis_prefix: String,
-    /// Most decisions coalesced into one Redis script call (0 or 1: off).
-    pub redis_coalesce: usize,
-    /// Spread each tenant's per-key buckets over Redis Cluster slots
-    /// (`--redis-spread-keys`).
-    pub redis_spread_keys: bool,
-    /// Answer hot tenant-wide buckets from token slices (`--token-slices`).
-    pub token_slices: bool,
-    /// Longest wait for one store call.
-    pub store_timeout: Duration,
-    /// Consecutive failed calls to one Redis node that open its circuit
-    /// breaker.
-    pub breaker_threshold: u32,
-    /// How long the breaker stays open before probing again; also the
-    /// `retry_after` of requests refused by a fail-closed rule.
-    pub breaker_cooldown: Duration,
-    /// The share of each limit a `local` rule allows per instance while the
-    /// store is down, in (0, 1].
-    pub local_fraction: f64,
-    /// CA certificate (PEM) for `rediss://` servers signed by a private CA.
-    pub redis_ca_cert: Option<std::path::PathBuf>,
-    /// A directory of envoyproxy/ratelimit YAML files for the Envoy API.
-    pub envoy_config: Option<std::path::PathBuf>,
-    /// Options of the Envoy API.
-    pub envoy_options: EnvoyOptions,
-    /// Who may use the admin port.
-    pub admin_access: AdminAccess,
-    /// TLS on the gRPC port.
-    pub tls: Option<TlsFiles>,
-    /// Limits that keep one caller from starving the others.
-    pub grpc_limits: GrpcLimits,
-    /// Answer requests for recently rejected buckets locally until their
-    /// retry-after, skipping the store (`--deny-cache`).
-    pub deny_cache: bool,
-    /// Use the given clock for Redis decisions instead of Redis's own `TIME`
-    /// (for tests that control time).
-    pub redis_uses_clock: bool,
-    /// How long a shutdown waits for open connections and calls in flight
-    /// before closing what remains.
-    pub shutdown_grace: Duration,
-}
-
-impl Default for ServeConfig {
-    /// The defaults of `tollgate serve`, written here once (the Redis ones
-    /// in [`RedisConfig::new`], the gRPC ones in [`GrpcLimits::default`],
-    /// the Envoy ones in [`EnvoyOptions::default`]).
-    fn default() -> Self {
-        let redis = RedisConfig::new(String::new());
-        Self {
-            limits: crate::limits::table::DEFAULT_LOCATION.into(),
-            store: StoreSpec::Memory,
-            reload_interval: Duration::from_millis(500),
-            max_limit_rows: 2_000_000,
-            sweep_interval: Duration::from_secs(10),
-            max_buckets: 1_000_000,
-            max_bucket_bytes: 256 << 20,
-            max_records: 1_000_000,
-            max_records_per_tenant: None,
-            unmatched: Unmatched::Allow,
-            redis_prefix: redis.prefix,
-            redis_coalesce: redis.coalesce,
-            redis_spread_keys: redis.spread_keys,
-            token_slices: false,
-            store_timeout: redis.timeout,
-            breaker_threshold: 5,
-            breaker_cooldown: Duration::from_secs(1),
-            local_fraction: 1.0,
-            redis_ca_cert: None,
-            envoy_config: None,
-            envoy_options: EnvoyOptions::default(),
-            redis_uses_clock: false,
-            deny_cache: false,
-            admin_access: AdminAccess::default(),
-            tls: None,
-            grpc_limits: GrpcLimits::default(),
-            shutdown_grace: Duration::from_secs(10),
-        }
-    }
-}
+pub use config::{
+    CONNECTION_OVERHEAD_BYTES, GrpcLimits, MAX_MESSAGE_BYTES, STREAM_OVERHEAD_BYTES, ServeConfig,
+    StoreSpec, TlsFiles, TlsOptions,
+};
 
 /// Most tenant-wide buckets one instance holds token slices for at once.
 const MAX_SLICED_BUCKETS: usize = 100_000;
-
-/// PEM files for TLS on the gRPC port.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// The server's certificate chain.
-    pub cert: std::path::PathBuf,
-    /// Its private key.
-    pub key: std::path::PathBuf,
-    /// When set, clients must present a certificate signed by this CA
-    /// (mutual TLS).
-    pub client_ca: Option<std::path::PathBuf>,
-}
-
-/// Protection of the gRPC server against one caller starving the others, and
-/// the bounds that make its memory finite (see [`GrpcLimits::worst_case_bytes`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GrpcLimits {
-    /// Largest request message.
-    pub max_message_bytes: usize,
-    /// Concurrent HTTP/2 streams per connection.
-    pub max_concurrent_streams: u32,
-    /// Requests served at once per connection; more wait their turn, so one
-    /// connection cannot take every worker.
-    pub connection_concurrency: usize,
-    /// Longest time a request may take before it is cancelled.
-    pub request_timeout: Duration,
-    /// Open connections at most.
-    pub max_connections: usize,
-    /// Requests in service at once across all connections; past it a request
-    /// is refused with RESOURCE_EXHAUSTED at once.
-    pub max_requests_in_flight: usize,
-    /// Largest header block of one request (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`).
-    pub max_header_bytes: u32,
-    /// Request body bytes a connection may have received and not yet read
-    /// (its HTTP/2 flow-control window; each stream gets a quarter).
-    pub connection_window_bytes: u32,
-    /// How often an HTTP/2 PING checks that a quiet peer is still there
-    /// (zero: never, the default; TCP keepalive probes instead).
-    pub keepalive_interval: Duration,
-    /// How long the PING's answer may take before the connection is closed.
-    pub keepalive_timeout: Duration,
-    /// A connection with no request in flight for this long is closed
-    /// (zero: never; also applies to the admin port).
-    pub idle_timeout: Duration,
-}
-
-impl Default for GrpcLimits {
-    fn default() -> Self {
-        Self {
-            max_message_bytes: MAX_MESSAGE_BYTES,
-            max_concurrent_streams: 128,
-            connection_concurrency: 128,
-            request_timeout: Duration::from_secs(10),
-            max_connections: 1024,
-            max_requests_in_flight: 1024,
-            max_header_bytes: 16 * 1024,
-            connection_window_bytes: 256 * 1024,
-            // HTTP/2 keepalive makes hyper read the clock and take a lock on
-            // every frame received (about 3 % of the CPU per decision in the
-            // profile); TCP keepalive finds dead peers for free.
-            keepalive_interval: Duration::ZERO,
-            keepalive_timeout: Duration::from_secs(20),
-            idle_timeout: Duration::from_secs(300),
-        }
-    }
-}
-
-/// Bytes an open connection holds besides its streams (buffers of the
-/// socket, TLS-less HTTP/2 state), measured: see the README's "Memory".
-pub const CONNECTION_OVERHEAD_BYTES: usize = 64 * 1024;
-/// Bytes one open stream holds besides its headers (HTTP/2 stream state,
-/// the request, its future and decode buffer), measured likewise.
-pub const STREAM_OVERHEAD_BYTES: usize = 16 * 1024;
-
-impl GrpcLimits {
-    /// TCP keepalive for accepted connections: on when HTTP/2 PINGs are off,
-    /// probing after 60 s of quiet.
-    pub fn tcp_keepalive(&self) -> Option<Duration> {
-        self.keepalive_interval
-            .is_zero()
-            .then_some(Duration::from_secs(60))
-    }
-
-    /// Refuses settings that would turn every caller away.
-    pub fn validate(&self) -> Result<(), String> {
-        let zero = |name: &str| Err(format!("{name} must be at least 1"));
-        if self.max_connections == 0 {
-            return zero("--grpc-max-connections");
-        }
-        if self.max_requests_in_flight == 0 {
-            return zero("--grpc-max-requests-in-flight");
-        }
-        if self.max_concurrent_streams == 0 {
-            return zero("--grpc-max-concurrent-streams");
-        }
-        if self.connection_concurrency == 0 {
-            return zero("--grpc-connection-concurrency");
-        }
-        if self.max_message_bytes < 64 {
-            return Err(
-                "--grpc-max-message-bytes must be at least 64 (a ShouldAllow request takes \
-                 tens of bytes; the default is 1048576)"
-                    .into(),
-            );
-        }
-        if self.max_header_bytes < 1024 {
-            return Err("--grpc-max-header-bytes must be at least 1024".into());
-        }
-        if self.connection_window_bytes < 65_535 {
-            return Err(
-                "--grpc-connection-window-bytes must be at least 65535 (HTTP/2's minimum)".into(),
-            );
-        }
-        Ok(())
-    }
-
-    /// The most memory gRPC connections and requests can hold at once,
-    /// whatever callers send: every connection open, every stream open with
-    /// a full header block, every connection's window full of unread body,
-    /// and every request in service holding a largest message.
-    pub fn worst_case_bytes(&self) -> usize {
-        let per_stream = STREAM_OVERHEAD_BYTES + self.max_header_bytes as usize;
-        let per_connection = CONNECTION_OVERHEAD_BYTES
-            + self.connection_window_bytes as usize
-            + self.max_concurrent_streams as usize * per_stream;
-        self.max_connections * per_connection + self.max_requests_in_flight * self.max_message_bytes
-    }
-}
 
 /// Open connections on the admin port at most (each serves one request at a
 /// time); one peer address may hold half.
@@ -392,7 +127,13 @@ pub async fn run(
         .map_err(ServeError::Admin)?;
     crate::telemetry::metrics::handle(); // install the recorder before the first count
     crate::telemetry::metrics::runtime();
-    let tls = config.tls.as_ref().map(TlsFiles::config).transpose()?;
+    let tls = config
+        .tls
+        .files()
+        .map_err(ServeError::Tls)?
+        .as_ref()
+        .map(TlsFiles::config)
+        .transpose()?;
     let table = LimitsTable::open(&config.limits).await?;
     let limits = Arc::new(LiveLimits::load(&table, config.max_limit_rows).await?);
     let envoy_config = Arc::new(match &config.envoy_config {
@@ -650,17 +391,7 @@ fn build_stores(config: &ServeConfig, clock: &Arc<dyn Clock>) -> Result<Stores, 
         // fallback answers by each rule's policy.
         StoreSpec::Memory => memory.clone(),
         StoreSpec::Redis(url) => {
-            let redis_config = RedisConfig {
-                prefix: config.redis_prefix.clone(),
-                timeout: config.store_timeout,
-                ca_cert: config.redis_ca_cert.clone(),
-                coalesce: config.redis_coalesce,
-                spread_keys: config.redis_spread_keys,
-                breaker_threshold: config.breaker_threshold,
-                breaker_cooldown: config.breaker_cooldown,
-                max_records_per_tenant: config.max_records_per_tenant,
-                ..RedisConfig::new(url.clone())
-            };
+            let redis_config = config.redis(url);
             let pinned = config.redis_uses_clock.then(|| clock.clone());
             let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
             redis_store = Some(redis.clone());

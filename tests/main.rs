@@ -16,6 +16,7 @@ mod connections;
 mod deny_cache;
 mod deploy;
 mod distributed;
+mod docs;
 mod envoy_api;
 mod envoy_e2e;
 mod envoy_fixtures;

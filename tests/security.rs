@@ -13,7 +13,7 @@ use common::{TestServer, ask, req};
 use tollgate::api::admin::AdminAccess;
 use tollgate::proto::v1::Degraded;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
-use tollgate::server::{ServeConfig, StoreSpec, TlsFiles};
+use tollgate::server::{ServeConfig, StoreSpec, TlsFiles, TlsOptions};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 /// A TLS channel trusting the CA in `d`, presenting the client certificate
@@ -59,7 +59,7 @@ async fn start_tls(d: &Path, mutual: bool) -> TestServer {
         key: d.join("server.key"),
         client_ca: mutual.then(|| d.join("ca.pem")),
     };
-    TestServer::launch(None, move |c| c.tls = Some(files)).await
+    TestServer::launch(None, move |c| c.tls = TlsOptions::with(files)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

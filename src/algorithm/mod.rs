@@ -35,9 +35,10 @@ pub const MAX_CONCURRENCY: u64 = 1_000_000;
 pub const MAX_TOLERANCE: Micros = 100 * 365 * 86_400 * 1_000_000;
 
 /// The unit of a rate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum RateUnit {
-    /// Per second.
+    /// Per second (the default).
+    #[default]
     Second,
     /// Per minute.
     Minute,

@@ -7,7 +7,7 @@ use std::io::Write;
 use super::{LimitsLocation, WaitFor};
 use crate::limits::file::{Format, read_rows, write_header, write_row};
 use crate::limits::table::RowFilter;
-use crate::limits::{LimitRow, StoredRow};
+use crate::limits::{LimitRow, Mode, OnStoreUnavailable, Scope, StoredRow, policy_str};
 
 /// `tollgate limits …`.
 #[derive(Debug, Subcommand)]
@@ -101,7 +101,7 @@ pub struct SetArgs {
     #[arg(long, default_value = "")]
     pub resource: String,
     /// `key` (one bucket per key) or `tenant` (one ceiling for all keys).
-    #[arg(long, default_value = "key")]
+    #[arg(long, default_value = Scope::default().as_str())]
     pub scope: String,
     /// Capacity: the largest burst.
     #[arg(long, required_unless_present = "concurrency")]
@@ -114,10 +114,10 @@ pub struct SetArgs {
     #[arg(long, conflicts_with_all = ["burst", "rate", "debt"])]
     pub concurrency: Option<i64>,
     /// `enforce` or `shadow`.
-    #[arg(long, default_value = "enforce")]
+    #[arg(long, default_value = Mode::default().as_str())]
     pub mode: String,
     /// When the shared store is down: `allow`, `deny` or `local`.
-    #[arg(long, default_value = "allow")]
+    #[arg(long, default_value = policy_str(OnStoreUnavailable::default()))]
     pub on_store_unavailable: String,
     /// Tokens below zero that usage charged after the work (Charge,
     /// Settle) may take a bucket; 0 for none.

@@ -8,7 +8,7 @@ use std::io::{BufRead, Write};
 
 use serde::Deserialize;
 
-use super::StoredRow;
+use super::{StoredRow, column_default};
 
 /// A file's format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -60,42 +60,25 @@ struct FileRow {
     plan: String,
     #[serde(default)]
     resource: String,
-    #[serde(default = "key")]
+    #[serde(default = "column_default::scope")]
     scope: String,
     burst: i64,
     #[serde(default)]
     rate: i64,
-    #[serde(default = "second")]
+    #[serde(default = "column_default::rate_unit")]
     rate_unit: String,
-    #[serde(default = "enforce")]
+    #[serde(default = "column_default::mode")]
     mode: String,
-    #[serde(default = "allow")]
+    #[serde(default = "column_default::on_store_unavailable")]
     on_store_unavailable: String,
     #[serde(default)]
     debt: i64,
-    #[serde(default = "rate")]
+    #[serde(default = "column_default::kind")]
     kind: String,
     /// Accepted (an export carries it) and ignored: the table sets it.
     #[serde(default)]
     #[allow(dead_code)]
     updated_at: String,
-}
-
-// The table's column defaults, shared with the admin API's rows.
-pub(crate) fn key() -> String {
-    "key".into()
-}
-fn second() -> String {
-    "second".into()
-}
-pub(crate) fn enforce() -> String {
-    "enforce".into()
-}
-pub(crate) fn allow() -> String {
-    "allow".into()
-}
-pub(crate) fn rate() -> String {
-    "rate".into()
 }
 
 impl From<FileRow> for StoredRow {

@@ -75,10 +75,11 @@ pub fn check_label_named(value: &str, what: impl FnOnce() -> String) -> Result<(
 }
 
 /// Who shares a bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
-    /// One bucket per key.
+    /// One bucket per key (a row's default).
+    #[default]
     Key,
     /// One bucket shared by all the tenant's keys: a ceiling.
     Tenant,
@@ -95,11 +96,12 @@ impl Scope {
 }
 
 /// What a rule limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     /// How fast tokens are spent: a token bucket of `burst` refilled at
-    /// `rate`.
+    /// `rate` (a row's default).
+    #[default]
     Rate,
     /// How much runs at once: at most `burst` leases held together
     /// (`rate` is not used).
@@ -127,15 +129,41 @@ impl std::str::FromStr for Kind {
     }
 }
 
-fn default_kind() -> String {
-    "rate".into()
+/// Each column's default as the table writes it, for the sources of rows
+/// that may leave a column out (files, the admin API, `limits set`): the
+/// `Default` of the column's type, so it is declared once.
+pub mod column_default {
+    use super::{Kind, Mode, OnStoreUnavailable, Scope};
+    use crate::algorithm::RateUnit;
+
+    /// `key`.
+    pub fn scope() -> String {
+        Scope::default().as_str().into()
+    }
+    /// `rate`.
+    pub fn kind() -> String {
+        Kind::default().as_str().into()
+    }
+    /// `enforce`.
+    pub fn mode() -> String {
+        Mode::default().as_str().into()
+    }
+    /// `allow`.
+    pub fn on_store_unavailable() -> String {
+        super::policy_str(OnStoreUnavailable::default()).into()
+    }
+    /// `second`.
+    pub fn rate_unit() -> String {
+        RateUnit::default().as_str().into()
+    }
 }
 
 /// Whether a rule rejects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// Rejects requests over the limit.
+    /// Rejects requests over the limit (a row's default).
+    #[default]
     Enforce,
     /// Never rejects; reports `shadow: true` when it would have.
     Shadow,
@@ -196,7 +224,7 @@ pub struct StoredRow {
     pub debt: i64,
     /// `rate` (a token bucket) or `concurrency` (at most `burst` leases
     /// held at once).
-    #[serde(default = "default_kind")]
+    #[serde(default = "column_default::kind")]
     pub kind: String,
     /// When the row last changed (set by the table).
     #[serde(default)]
@@ -276,7 +304,7 @@ impl Mode {
 }
 
 /// `allow`, `deny` or `local`, as written in the table.
-pub fn policy_str(policy: OnStoreUnavailable) -> &'static str {
+pub const fn policy_str(policy: OnStoreUnavailable) -> &'static str {
     match policy {
         OnStoreUnavailable::Allow => "allow",
         OnStoreUnavailable::Deny => "deny",

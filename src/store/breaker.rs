@@ -14,6 +14,12 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+/// Consecutive failures that open a breaker unless configured otherwise.
+pub const DEFAULT_THRESHOLD: u32 = 5;
+/// How long an open breaker waits before probing, unless configured
+/// otherwise.
+pub const DEFAULT_COOLDOWN: Duration = Duration::from_secs(1);
+
 /// The breaker's state, as exported in metrics (0, 1, 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BreakerState {

@@ -421,10 +421,11 @@ pub trait Store: Send + Sync + 'static {
 }
 
 /// What a rule does when the shared store cannot be reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnStoreUnavailable {
-    /// Fail open: admit.
+    /// Fail open: admit (a rule's default).
+    #[default]
     Allow,
     /// Fail closed: reject.
     Deny,

@@ -67,6 +67,13 @@ use crate::algorithm::{Charge, Micros, Op};
 use crate::clock::Clock;
 use crate::telemetry::metrics;
 
+/// Prefix of every key unless configured otherwise.
+pub const DEFAULT_PREFIX: &str = "tollgate:";
+/// Longest wait for one decision's answer unless configured otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+/// Most decisions coalesced into one script call unless configured otherwise.
+pub const DEFAULT_COALESCE: usize = 64;
+
 /// The decision script.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
 
@@ -115,13 +122,13 @@ impl RedisConfig {
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
-            prefix: "tollgate:".into(),
-            timeout: Duration::from_millis(100),
+            prefix: DEFAULT_PREFIX.into(),
+            timeout: DEFAULT_TIMEOUT,
             expiry_margin: Duration::from_secs(1),
             ca_cert: None,
-            coalesce: 64,
-            breaker_threshold: 5,
-            breaker_cooldown: Duration::from_secs(1),
+            coalesce: DEFAULT_COALESCE,
+            breaker_threshold: super::breaker::DEFAULT_THRESHOLD,
+            breaker_cooldown: super::breaker::DEFAULT_COOLDOWN,
             spread_keys: false,
             max_records_per_tenant: None,
         }

@@ -27,7 +27,7 @@ pub(super) struct RowRequest {
     plan: String,
     #[serde(default)]
     resource: String,
-    #[serde(default = "crate::limits::file::key")]
+    #[serde(default = "crate::limits::column_default::scope")]
     scope: String,
     /// Capacity; for a concurrency rule, the most leases held at once.
     burst: i64,
@@ -35,11 +35,11 @@ pub(super) struct RowRequest {
     #[serde(default)]
     rate: String,
     /// `rate` (default) or `concurrency`.
-    #[serde(default = "crate::limits::file::rate")]
+    #[serde(default = "crate::limits::column_default::kind")]
     kind: String,
-    #[serde(default = "crate::limits::file::enforce")]
+    #[serde(default = "crate::limits::column_default::mode")]
     mode: String,
-    #[serde(default = "crate::limits::file::allow")]
+    #[serde(default = "crate::limits::column_default::on_store_unavailable")]
     on_store_unavailable: String,
     #[serde(default)]
     debt: i64,

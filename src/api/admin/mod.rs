@@ -104,15 +104,32 @@ impl Readiness {
 /// token is configured; the read-only ones are open unless `protect_reads`
 /// (except `/healthz` and `/readyz`, for probes). [`AdminAccess::validate`]
 /// refuses settings that would open the port by accident.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct AdminAccess {
-    /// The bearer token; never empty (see [`AdminAccess::validate`]).
+    /// Bearer token for the admin port's changing endpoints (POST/DELETE
+    /// /v1/limits and plans); without it they are disabled. Never empty.
+    #[arg(
+        id = "admin_token",
+        long = "admin-token",
+        env = "TOLLGATE_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
     pub token: Option<String>,
-    /// Require the token for the read-only endpoints too.
+    /// Require the admin token for the read-only admin endpoints too
+    /// (/healthz and /readyz stay open for probes).
+    #[arg(id = "admin_protect_reads", long = "admin-protect-reads", env = "TOLLGATE_ADMIN_PROTECT_READS", action = clap::ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub protect_reads: bool,
-    /// The network the admin port is bound on is trusted: serve it on a
-    /// non-loopback address without a token.
+    /// Serve the admin port without a token on a non-loopback address: only
+    /// trusted hosts can reach it (refused otherwise, so that a missing or
+    /// empty Secret never opens the limits table to a cluster network).
+    #[arg(id = "admin_trust_network", long = "admin-trust-network", env = "TOLLGATE_ADMIN_TRUST_NETWORK", action = clap::ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub trust_network: bool,
+}
+
+impl Default for AdminAccess {
+    fn default() -> Self {
+        crate::options::defaults()
+    }
 }
 
 impl AdminAccess {

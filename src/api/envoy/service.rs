@@ -52,21 +52,20 @@ pub const OVERRIDE_LABEL: &str = "override";
 pub const CHARGE_ENTRY: &str = "tollgate.charge";
 
 /// Service-wide options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
 pub struct EnvoyOptions {
-    /// Global shadow mode: count everything, never answer OVER_LIMIT.
+    /// Envoy API global shadow mode: count, but never answer OVER_LIMIT.
+    #[arg(id = "envoy_shadow_mode", long = "envoy-shadow-mode", env = "TOLLGATE_ENVOY_SHADOW_MODE", action = clap::ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub shadow_mode: bool,
-    /// Add `RateLimit-*` (and, when over limit, `Retry-After`) to
-    /// `response_headers_to_add`.
+    /// Add RateLimit-* (and, when over the limit, Retry-After) to Envoy's
+    /// response_headers_to_add.
+    #[arg(id = "envoy_response_headers", long = "envoy-response-headers", env = "TOLLGATE_ENVOY_RESPONSE_HEADERS", action = clap::ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub response_headers: bool,
 }
 
 impl Default for EnvoyOptions {
     fn default() -> Self {
-        Self {
-            shadow_mode: false,
-            response_headers: true,
-        }
+        crate::options::defaults()
     }
 }
 
