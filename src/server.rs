@@ -146,7 +146,9 @@ pub async fn run(
         stack: store,
     } = build_stores(&config, &clock)?;
     let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
-    let engine = Arc::new(Engine::new(store.clone(), clock.clone(), top.clone()));
+    let engine = Arc::new(
+        Engine::new(store.clone(), clock.clone(), top.clone()).with_unmatched(config.unmatched),
+    );
 
     // Every task stops when `shutdown` completes, or when the gRPC server
     // itself ends.
@@ -251,7 +253,7 @@ pub async fn run(
         table.fingerprint(),
     ));
     let native = RateLimiterServer::new(
-        RateLimiterService::new(engine, limits.clone(), config.unmatched)
+        RateLimiterService::new(engine, limits.clone())
             .with_shutdown(streams_stop)
             .with_first_message_deadline(config.grpc_limits.request_timeout),
     )

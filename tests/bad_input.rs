@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::{TestServer, ask, raw, req, row};
-use tollgate::api::native::Unmatched;
+use tollgate::engine::Unmatched;
 use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 use tonic::Code;
 

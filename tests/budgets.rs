@@ -342,6 +342,24 @@ async fn bad_budget_requests_get_clear_errors_and_extremes_are_clamped() {
             "the message quotes at most 64 bytes"
         );
     }
+    // Counted once each, where they belong: the five tokens as invalid
+    // settles; the empty key, the huge estimate and the negative ttl as
+    // refused decisions.
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert_eq!(
+        sample(
+            &metrics,
+            r#"tollgate_settles_total{api="native",status="invalid"}"#
+        ),
+        5
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            r#"tollgate_decisions_total{api="native",outcome="error",rule=""}"#
+        ),
+        3
+    );
     // Nothing above was charged.
     assert_eq!(ask(&mut client, req("llm", "k")).await.remaining, 999);
 

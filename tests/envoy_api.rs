@@ -301,6 +301,14 @@ async fn shadow_mode_per_descriptor_and_global() {
         Code::OverLimit,
         "but says which descriptor is over"
     );
+    // Counted as shadow rejections, as a rule in shadow mode is: nothing
+    // was refused.
+    let (_, metrics) = server.http_get("/metrics").await.unwrap();
+    assert!(
+        metrics.contains(r#"tollgate_decisions_total{api="envoy",outcome="shadow_rejected",rule="edge.plan_free"} 1"#),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(r#"outcome="rejected""#), "{metrics}");
     server.stop().await;
 }
 

@@ -171,6 +171,15 @@ async fn acquire_release_and_renew_over_grpc() {
         assert!(err.message().contains("renew it"), "{}", err.message());
     }
     let err = client
+        .renew(RenewRequest {
+            lease: d.lease.clone(),
+            ttl: secs(7200),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("one hour"), "{}", err.message());
+    let err = client
         .acquire(acquire_req("acme", "", "exports", 10, 0))
         .await
         .unwrap_err();
@@ -200,6 +209,9 @@ async fn acquire_release_and_renew_over_grpc() {
         "tollgate_lease_operations_total{op=\"renew\",status=\"renewed\"} 1",
         "tollgate_lease_operations_total{op=\"renew\",status=\"unknown\"} 1",
         "tollgate_lease_operations_total{op=\"renew\",status=\"already_released\"} 1",
+        // Three tokens that are no lease's, and a renew for two hours.
+        "tollgate_lease_operations_total{op=\"release\",status=\"invalid\"} 3",
+        "tollgate_lease_operations_total{op=\"renew\",status=\"invalid\"} 1",
         "tollgate_leases_held{rule=\"exports-slots\"} 1",
     ] {
         assert!(metrics.contains(line), "{line} missing from\n{metrics}");

@@ -26,3 +26,9 @@ pub fn duration(us: Micros) -> prost_types::Duration {
         nanos: ((us % 1_000_000) * 1_000) as i32,
     }
 }
+
+/// A protobuf Duration as microseconds, exactly as sent (negative and
+/// out-of-range values included: the engine checks them).
+pub fn micros(d: &prost_types::Duration) -> i128 {
+    i128::from(d.seconds) * 1_000_000 + i128::from(d.nanos) / 1_000
+}

@@ -11,10 +11,11 @@ use smallvec::SmallVec;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use super::{duration, status};
-use crate::algorithm::{Micros, Op};
+use super::{duration, micros, status};
+use crate::algorithm::Op;
 use crate::engine::{
-    self, Allowance, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line, OverCapacity, caps,
+    self, Allowance, Answer, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line,
+    OverCapacity, Ttl, caps,
 };
 use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
@@ -28,44 +29,14 @@ use crate::proto::v1::{
     SettleRequest, SettleResponse, SettleStatus as ProtoSettleStatus, ShouldAllowBatchRequest,
     ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
-use crate::store::{BucketKey, ReservationId, SettleStatus, reservation};
+use crate::store::{BucketKey, SettleStatus};
 use crate::telemetry::traces;
 
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
 
 mod leases;
 
-/// What a decision writes beside its buckets when admitted.
-#[derive(Debug, Clone, Copy)]
-enum Attach {
-    /// Nothing.
-    None,
-    /// A reservation with this time to live.
-    Reserve(Micros),
-    /// A lease with this time to live.
-    Lease(Micros),
-}
-
-/// What to do with a request no rule applies to.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Unmatched {
-    /// Admit it, unlimited (the default).
-    #[default]
-    Allow,
-    /// Refuse it with FAILED_PRECONDITION.
-    Deny,
-}
+pub use crate::engine::Unmatched;
 
 /// The rule of each line of a demand (a single decision has one to four).
 type LineRules = SmallVec<[Arc<Rule>; 4]>;
@@ -74,13 +45,32 @@ type Deciders = SmallVec<[Option<Arc<Rule>>; 1]>;
 
 /// A decision as the wing reports it.
 struct Decided {
-    answer: engine::Answer,
+    answer: Answer,
     /// The rule that decided each item.
     deciders: Deciders,
-    /// A reservation's or a lease's token, when one was recorded.
-    token: Option<String>,
-    /// The rule of each line.
-    line_rules: LineRules,
+}
+
+impl Decided {
+    /// The answer with the rule that decided each item, from the rule of
+    /// each line.
+    fn new(answer: Answer, line_rules: &LineRules) -> Self {
+        let deciders = answer
+            .items
+            .iter()
+            .map(|a| a.line.map(|l| line_rules[l].clone()))
+            .collect();
+        Self { answer, deciders }
+    }
+}
+
+/// Awaits `f`, inside `span` when it is traced (a disabled span costs
+/// nothing).
+pub(super) async fn traced<T>(span: &tracing::Span, f: impl std::future::Future<Output = T>) -> T {
+    if span.is_disabled() {
+        f.await
+    } else {
+        f.instrument(span.clone()).await
+    }
 }
 
 /// One item as the wire gives it (a `ShouldAllowRequest` or a batch item).
@@ -119,7 +109,6 @@ impl<'a> From<&'a BatchItem> for Asked<'a> {
 pub struct RateLimiterService {
     engine: Arc<Engine>,
     limits: Arc<LiveLimits>,
-    unmatched: Unmatched,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
     first_message: Duration,
 }
@@ -130,11 +119,10 @@ pub const FIRST_MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
 
 impl RateLimiterService {
     /// The service deciding through `engine` by the rules in `limits`.
-    pub fn new(engine: Arc<Engine>, limits: Arc<LiveLimits>, unmatched: Unmatched) -> Self {
+    pub fn new(engine: Arc<Engine>, limits: Arc<LiveLimits>) -> Self {
         Self {
             engine,
             limits,
-            unmatched,
             stop: None,
             first_message: FIRST_MESSAGE_DEADLINE,
         }
@@ -171,79 +159,46 @@ impl RateLimiterService {
     }
 
     /// Decides the items of one request (one item, or a batch's) with `op`
-    /// and returns each item's answer with the rule that decided it; with
-    /// `reserve` (one item), records a reservation of that time to live.
-    /// Log events inside belong to `span` when it is traced.
+    /// and returns each item's answer with the rule that decided it. Log
+    /// events inside belong to `span` when it is traced.
     async fn decide(
         &self,
         items: &[Asked<'_>],
         batch: bool,
         op: Op,
-        attach: Attach,
-        span: &tracing::Span,
-    ) -> Result<Decided, Status> {
-        let decided = self.decide_untraced(items, batch, op, attach, span);
-        if span.is_disabled() {
-            decided.await
-        } else {
-            decided.instrument(span.clone()).await
-        }
-    }
-
-    async fn decide_untraced(
-        &self,
-        items: &[Asked<'_>],
-        batch: bool,
-        op: Op,
-        attach: Attach,
         span: &tracing::Span,
     ) -> Result<Decided, Status> {
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
-        let caps = matches!(attach, Attach::Lease(_));
-        let mut demand = self
-            .demand(&rules, items, batch, op, caps, &mut line_rules)
-            .map_err(|err| {
-                engine::refused(Api::Native, items.len(), span);
-                status::from_decide_error(err)
-            })?;
-        let (answer, token) = match attach {
-            Attach::Reserve(ttl) => self
-                .engine
-                .reserve(&mut demand, ttl, span)
-                .await
-                .map(|(a, r)| (a, r.map(|r| r.to_string()))),
-            Attach::Lease(ttl) => self
-                .engine
-                .acquire(&mut demand, ttl, span)
-                .await
-                .map(|(a, l)| (a, l.map(|l| l.to_string()))),
-            Attach::None => self
-                .engine
-                .decide(&mut demand, span)
-                .await
-                .map(|a| (a, None)),
-        }
-        .map_err(status::from_decide_error)?;
-        let deciders = answer
-            .items
-            .iter()
-            .map(|a| a.line.map(|l| line_rules[l].clone()))
-            .collect();
-        Ok(Decided {
-            answer,
-            deciders,
-            token,
-            line_rules,
-        })
+        let mut demand = self.demand(&rules, items, batch, op, false, &mut line_rules, span)?;
+        let answer = traced(span, self.engine.decide(&mut demand, span))
+            .await
+            .map_err(status::from_decide_error)?;
+        Ok(Decided::new(answer, &line_rules))
     }
 
     /// The demand: per item, a line for each rule that applies, in the
     /// order [`RuleSet::applicable`] gives them; with `caps` (an acquire),
     /// the rate rules only when it spends tokens, then the concurrency
-    /// rules.
+    /// rules. A request that cannot be a demand is counted as refused.
+    #[allow(clippy::too_many_arguments)]
     fn demand<'a>(
         &self,
+        rules: &'a RuleSet,
+        items: &[Asked<'a>],
+        batch: bool,
+        op: Op,
+        caps: bool,
+        line_rules: &mut LineRules,
+        span: &tracing::Span,
+    ) -> Result<Demand<'a>, Status> {
+        Self::lines(rules, items, batch, op, caps, line_rules).map_err(|err| {
+            engine::refused(Api::Native, items.len(), span);
+            status::from_decide_error(err)
+        })
+    }
+
+    fn lines<'a>(
         rules: &'a RuleSet,
         items: &[Asked<'a>],
         batch: bool,
@@ -273,13 +228,14 @@ impl RateLimiterService {
             check_label_named(req.resource, || field(i, "resource"))
                 .map_err(DecideError::InvalidField)?;
             // A decision costs at least one token; a charge after the fact
-            // may be of nothing.
+            // may be of nothing, and so may an acquire (a slot, no tokens).
             let cost = match op {
-                Op::Decide { .. } => req.cost.max(1),
+                Op::Decide { .. } if !caps => req.cost.max(1),
                 _ => req.cost,
             };
-            demand.items.push(Item::new(req.tenant, req.key, cost));
-            let mut matched = false;
+            demand
+                .items
+                .push(Item::new(req.tenant, req.resource, req.key, cost));
             // Looked up only when wanted: a decision never pays for the
             // concurrency slots' lookups.
             let rates = (!caps || cost > 0)
@@ -291,7 +247,6 @@ impl RateLimiterService {
                 .into_iter()
                 .flatten();
             for rule in rates.chain(concurrency) {
-                matched = true;
                 let key = if rule.scope == Scope::Key {
                     req.key
                 } else {
@@ -307,12 +262,6 @@ impl RateLimiterService {
                 });
                 line_rules.push(rule.clone());
             }
-            if !matched && self.unmatched == Unmatched::Deny {
-                return Err(DecideError::NoRule {
-                    tenant: req.tenant.into(),
-                    resource: req.resource.into(),
-                });
-            }
         }
         Ok(demand)
     }
@@ -327,7 +276,7 @@ impl RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let d = self.decide(&asked, false, op, Attach::None, &span).await?;
+        let d = self.decide(&asked, false, op, &span).await?;
         Ok(to_response(&d.answer.items[0], d.deciders[0].as_deref()))
     }
 
@@ -336,10 +285,6 @@ impl RateLimiterService {
         req: &ReserveRequest,
         metadata: &tonic::metadata::MetadataMap,
     ) -> Result<ReserveResponse, Status> {
-        let ttl = match &req.ttl {
-            None => DEFAULT_RESERVATION_TTL,
-            Some(d) => ttl_micros(d)?,
-        };
         let span = traces::decision_span("Reserve", metadata, &req.tenant, req.estimate.max(1));
         let asked = [Asked {
             key: &req.key,
@@ -347,13 +292,32 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let d = self
-            .decide(&asked, false, Op::SPEND, Attach::Reserve(ttl), &span)
-            .await?;
+        let rules = self.limits.snapshot();
+        let mut line_rules = LineRules::new();
+        let mut demand = self.demand(
+            &rules,
+            &asked,
+            false,
+            Op::SPEND,
+            false,
+            &mut line_rules,
+            &span,
+        )?;
+        let asked_ttl = req.ttl.as_ref().map(micros);
+        let reserved = traced(&span, self.engine.reserve(&mut demand, asked_ttl, &span))
+            .await
+            .map_err(status::from_decide_error)?;
+        let d = Decided::new(reserved.answer, &line_rules);
         Ok(ReserveResponse {
             decision: Some(to_response(&d.answer.items[0], d.deciders[0].as_deref())),
-            ttl: d.token.as_ref().map(|_| duration(ttl)),
-            reservation: d.token.unwrap_or_default(),
+            ttl: reserved
+                .reservation
+                .as_ref()
+                .map(|_| duration(reserved.ttl)),
+            reservation: reserved
+                .reservation
+                .map(|r| r.to_string())
+                .unwrap_or_default(),
         })
     }
 
@@ -369,9 +333,7 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let d = self
-            .decide(&asked, false, Op::Charge, Attach::None, &span)
-            .await?;
+        let d = self.decide(&asked, false, Op::Charge, &span).await?;
         let (answer, rules) = (d.answer, d.deciders);
         let item = &answer.items[0];
         Ok(ChargeResponse {
@@ -386,22 +348,6 @@ impl RateLimiterService {
             degraded: degraded(item) as i32,
         })
     }
-}
-
-/// A reservation's time to live when the request names none.
-pub const DEFAULT_RESERVATION_TTL: Micros = 60_000_000;
-
-/// A requested time to live, checked: above zero and at most
-/// [`reservation::MAX_TTL`].
-pub(super) fn ttl_micros(d: &prost_types::Duration) -> Result<Micros, Status> {
-    let us = i128::from(d.seconds) * 1_000_000 + i128::from(d.nanos) / 1_000;
-    if us <= 0 || us > i128::from(reservation::MAX_TTL) {
-        return Err(Status::invalid_argument(format!(
-            "ttl is {}.{:09} s; a reservation lives from 1 µs to one hour (3600 s)",
-            d.seconds, d.nanos
-        )));
-    }
-    Ok(us as Micros)
 }
 
 #[tonic::async_trait]
@@ -499,7 +445,7 @@ impl RateLimiter for RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let d = self.decide(&items, true, op, Attach::None, &span).await?;
+        let d = self.decide(&items, true, op, &span).await?;
         let (answer, rules) = (d.answer, d.deciders);
         Ok(Response::new(ShouldAllowBatchResponse {
             allowed: answer.allowed,
@@ -527,35 +473,23 @@ impl RateLimiter for RateLimiterService {
         request: Request<SettleRequest>,
     ) -> Result<Response<SettleResponse>, Status> {
         let req = request.get_ref();
-        let id = ReservationId::parse(&req.reservation).ok_or_else(|| {
-            engine::refused(Api::Native, 1, &tracing::Span::none());
-            Status::invalid_argument(format!(
-                "reservation {:?} is not a token Reserve returned (they start with \"r1.\")",
-                truncate_for_message(&req.reservation)
-            ))
-        })?;
         let settled = self
             .engine
-            .settle(Api::Native, &id, req.actual)
+            .settle(Api::Native, &req.reservation, req.actual)
             .await
             .map_err(status::from_decide_error)?;
-        let (status, actual) = match settled.status {
-            SettleStatus::AlreadySettled { actual } => (ProtoSettleStatus::AlreadySettled, actual),
-            // The usage as reported (the store applies at most `MAX_COST`,
-            // above every capacity).
-            _ => (ProtoSettleStatus::Settled, req.actual),
+        let status = match settled.status {
+            SettleStatus::AlreadySettled { .. } => ProtoSettleStatus::AlreadySettled,
+            _ => ProtoSettleStatus::Settled,
         };
-        let tightest = settled
-            .tightest
-            .unwrap_or(crate::algorithm::Verdict::admitted());
         Ok(Response::new(SettleResponse {
             status: status as i32,
             estimate: settled.estimate,
-            actual,
-            refunded: settled.estimate.saturating_sub(actual),
-            charged: actual.saturating_sub(settled.estimate),
-            remaining: tightest.remaining,
-            debt: tightest.debt,
+            actual: settled.actual,
+            refunded: settled.refunded,
+            charged: settled.charged,
+            remaining: settled.tightest.remaining,
+            debt: settled.tightest.debt,
             forgiven: settled.forgiven,
         }))
     }
@@ -573,9 +507,9 @@ impl RateLimiter for RateLimiterService {
         &self,
         request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
-        self.acquire_one(request.get_ref(), request.metadata())
+        self.acquire_one(request.get_ref(), request.metadata(), Ttl::Lease)
             .await
-            .map(|(response, _, _)| Response::new(response))
+            .map(|(response, _)| Response::new(response))
     }
 
     async fn release(
@@ -603,15 +537,6 @@ impl RateLimiter for RateLimiterService {
     ) -> Result<Response<Self::HoldStream>, Status> {
         self.hold_stream(request).await.map(Response::new)
     }
-}
-
-/// At most 64 bytes of a caller's string, for an error message.
-fn truncate_for_message(s: &str) -> &str {
-    let mut end = s.len().min(64);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 fn degraded(answer: &ItemAnswer) -> Degraded {

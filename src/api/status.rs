@@ -14,6 +14,7 @@ pub fn from_decide_error(err: DecideError) -> Status {
     match err {
         DecideError::InvalidField(_)
         | DecideError::InvalidBatch(_)
+        | DecideError::InvalidToken(_)
         | DecideError::TooManyBuckets { .. }
         | DecideError::CostExceedsCapacity { .. } => Status::invalid_argument(err.to_string()),
         DecideError::NoRule { .. }

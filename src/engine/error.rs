@@ -16,6 +16,10 @@ pub enum DecideError {
     /// The request has too many or no items.
     #[error("{0}")]
     InvalidBatch(String),
+    /// A reservation's or a lease's token that is not one Tollgate gave
+    /// out. The message names the field and what such tokens look like.
+    #[error("{0}")]
+    InvalidToken(String),
     /// The demand touches more buckets than one store call may.
     #[error(
         "the request touches more than {max} buckets; one decision may touch at most {max}, so split it{}",
@@ -88,4 +92,13 @@ pub enum DecideError {
     /// The store failed and no fallback covered it.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// At most 64 bytes of a caller's string, for an error message.
+pub(super) fn shortened(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::{Answer, DecideError, Demand, Engine};
+use super::{Answer, DecideError, Demand, Engine, Ttl, error, refused};
 use crate::algorithm::Micros;
 use crate::store::Attachment;
 use crate::store::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, lease};
@@ -83,20 +83,42 @@ impl LeaseBook {
     }
 }
 
+/// What an acquire did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquired {
+    /// The decision over the rate rules and the concurrency caps.
+    pub answer: Answer,
+    /// The lease taken, `None` when nothing was: refused, no concurrency
+    /// rule applied, or a store-unavailable policy other than `local`
+    /// answered.
+    pub lease: Option<LeaseId>,
+    /// The lease's time to live.
+    pub ttl: Micros,
+    /// Leases held under the fullest cap (the one with the fewest slots
+    /// left), this one included when granted; 0 when no cap applied.
+    pub in_flight: u64,
+    /// That cap's size; 0 when no cap applied.
+    pub limit: u64,
+}
+
 impl Engine {
-    /// Decides a demand of one item whose op is [`crate::algorithm::Op::Acquire`]
-    /// and, when the store admits it (not a fallback's `allow`), takes a
-    /// lease in every admitting concurrency line. The lease is `None` when
-    /// nothing was taken: refused, no concurrency line applied, or the
-    /// store was unavailable and a policy other than `local` answered.
+    /// Decides a demand of one item over its rate lines and concurrency
+    /// lines and, when the store admits it (not a fallback's `allow`),
+    /// takes a lease in every admitting concurrency line, for the time to
+    /// live `asked` (microseconds as the caller sent it, checked against
+    /// `kind`: [`Ttl::Lease`] or [`Ttl::HeldLease`]; `None`: the default).
+    /// An invalid time to live refuses the demand like any invalid field.
     pub async fn acquire(
         &self,
         demand: &mut Demand<'_>,
-        ttl: Micros,
+        asked: Option<i128>,
+        kind: Ttl,
         span: &tracing::Span,
-    ) -> Result<(Answer, Option<LeaseId>), DecideError> {
+    ) -> Result<Acquired, DecideError> {
+        let ttl = kind.check(asked).inspect_err(|_| {
+            refused(demand.api, 1, span);
+        })?;
         let tenant = demand.items.first().map_or("", |i| i.tenant);
-        let ttl = ttl.min(lease::MAX_TTL);
         let lease = Lease {
             id: super::record_id(demand, tenant),
             ttl,
@@ -145,7 +167,48 @@ impl Engine {
         if let Some(id) = &id {
             self.leases.granted(id, rules, now.saturating_add(ttl));
         }
-        Ok((answer, id))
+        // The fullest cap: the fewest slots left.
+        let fullest = demand
+            .lines
+            .iter()
+            .zip(&answer.lines)
+            .filter_map(|(line, verdict)| line.cap().map(|cap| (cap, verdict.remaining)))
+            .min_by_key(|&(_, remaining)| remaining);
+        let (in_flight, limit) = fullest.map_or((0, 0), |(cap, remaining)| {
+            (cap.saturating_sub(remaining), cap)
+        });
+        Ok(Acquired {
+            answer,
+            lease: id,
+            ttl,
+            in_flight,
+            limit,
+        })
+    }
+
+    /// Releases the lease `token` (as `Acquire` returned it). Idempotent: a
+    /// lease released before, expired or unknown is reported as such. A
+    /// token that is not a lease's is refused and counted as an `invalid`
+    /// release.
+    pub async fn release(&self, token: &str) -> Result<LeaseAnswer, DecideError> {
+        let id = parse_lease(token, "release")?;
+        self.lease(&id, LeaseOp::Release).await
+    }
+
+    /// Holds the lease `token` for the time to live `asked` from now
+    /// (checked against [`Ttl::Lease`]; `None`: the default). A token that
+    /// is not a lease's, or a time to live out of bounds, is refused and
+    /// counted as an `invalid` renew.
+    pub async fn renew(
+        &self,
+        token: &str,
+        asked: Option<i128>,
+    ) -> Result<LeaseAnswer, DecideError> {
+        let id = parse_lease(token, "renew")?;
+        let ttl = Ttl::Lease.check(asked).inspect_err(|_| {
+            metrics::lease_op("renew", "invalid");
+        })?;
+        self.lease(&id, LeaseOp::Renew { ttl }).await
     }
 
     /// Releases or renews a lease. A release always answers (it is
@@ -197,4 +260,16 @@ impl Engine {
     pub fn sweep_leases(&self) {
         self.leases.sweep(self.clock.now());
     }
+}
+
+/// The lease a caller's token names, or an `InvalidToken` counted as an
+/// `invalid` operation `op`.
+fn parse_lease(token: &str, op: &'static str) -> Result<LeaseId, DecideError> {
+    LeaseId::parse(token).ok_or_else(|| {
+        metrics::lease_op(op, "invalid");
+        DecideError::InvalidToken(format!(
+            "lease {:?} is not a token Acquire returned (they start with \"l1.\")",
+            error::shortened(token)
+        ))
+    })
 }

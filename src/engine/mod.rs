@@ -22,13 +22,16 @@ pub mod caps;
 mod error;
 mod leases;
 mod summary;
+mod ttl;
 
 use std::sync::Arc;
 
 use smallvec::SmallVec;
 
 pub use error::DecideError;
+pub use leases::Acquired;
 pub use summary::Headers;
+pub use ttl::Ttl;
 
 use crate::algorithm::{Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
@@ -36,6 +39,27 @@ use crate::limits::OnStoreUnavailable;
 use crate::store::layer::{Applied, Layer};
 use crate::store::{Attachment, Request};
 use crate::store::{BucketKey, Reservation, ReservationId, SettleStatus};
+
+/// What to do with a native request no rule applies to.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Unmatched {
+    /// Admit it, unlimited (the default).
+    #[default]
+    Allow,
+    /// Refuse it with FAILED_PRECONDITION.
+    Deny,
+}
 use crate::telemetry::metrics::{self, Outcome};
 use crate::telemetry::top::TopLimited;
 
@@ -89,27 +113,32 @@ pub enum Allowance {
 }
 
 /// One item asked for: a key of a tenant spending `cost` tokens.
+///
+/// A bucket must hold the item's cost for it to be admitted, except that a
+/// decision of cost 0 (an ask: "may this caller go on?") needs one token of
+/// each bucket that allows debt, so that a caller in debt is refused until
+/// the refill has covered it, and nothing of a bucket without debt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Item<'a> {
     /// The tenant, as the top-limited views show it.
     pub tenant: &'a str,
+    /// The resource asked about (for the error that names an item no rule
+    /// applies to).
+    pub resource: &'a str,
     /// The key, as the top-limited views show it.
     pub key: &'a str,
     /// Tokens to spend (the API has already applied its default).
     pub cost: u64,
-    /// Tokens each bucket must hold for the item to be admitted: at least
-    /// `cost` (more for an ask that spends less than it needs).
-    pub need: u64,
 }
 
 impl<'a> Item<'a> {
-    /// An item that needs what it spends.
-    pub fn new(tenant: &'a str, key: &'a str, cost: u64) -> Self {
+    /// An item of `tenant`'s `key`, on `resource`, spending `cost`.
+    pub fn new(tenant: &'a str, resource: &'a str, key: &'a str, cost: u64) -> Self {
         Self {
             tenant,
+            resource,
             key,
             cost,
-            need: cost,
         }
     }
 }
@@ -163,6 +192,10 @@ pub struct Demand<'a> {
     /// How to treat an enforced cost above a capacity (decisions only: a
     /// charge after the fact is applied whatever its size).
     pub over_capacity: OverCapacity,
+    /// Every line counts and none enforces, as if each rule were in shadow
+    /// mode (a global shadow mode): what would have been refused is
+    /// admitted, answered `shadow` and counted as `shadow_rejected`.
+    pub shadow: bool,
 }
 
 impl<'a> Demand<'a> {
@@ -174,6 +207,7 @@ impl<'a> Demand<'a> {
             lines: SmallVec::new(),
             op,
             over_capacity,
+            shadow: false,
         }
     }
 }
@@ -181,14 +215,34 @@ impl<'a> Demand<'a> {
 /// What a settle did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SettleAnswer {
-    /// What the store found.
+    /// What the store found: settled now, or settled before (a retry).
     pub status: SettleStatus,
     /// The estimate that was reserved (per line).
     pub estimate: u64,
-    /// The tightest bucket after the settle (settled now only).
-    pub tightest: Option<Verdict>,
+    /// The actual cost the reservation is settled at: this call's, or the
+    /// first settle's when it was settled before.
+    pub actual: u64,
+    /// `estimate - actual` when the actual was lower: given back.
+    pub refunded: u64,
+    /// `actual - estimate` when the actual was higher: charged.
+    pub charged: u64,
+    /// The tightest bucket after the settle (an admitting verdict with no
+    /// tokens reported when the settle found nothing to report).
+    pub tightest: Verdict,
     /// Tokens of the excess not charged at debt floors (settled now only).
     pub forgiven: u64,
+}
+
+/// What a reserve did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    /// The decision on the estimate.
+    pub answer: Answer,
+    /// The reservation recorded, `None` when nothing was (refused, no rule
+    /// applied, or a store-unavailable policy answered).
+    pub reservation: Option<ReservationId>,
+    /// Its time to live.
+    pub ttl: Micros,
 }
 
 /// The engine's answer for one item.
@@ -241,18 +295,28 @@ pub struct Engine {
     clock: Arc<dyn Clock>,
     top: Arc<TopLimited>,
     leases: leases::LeaseBook,
+    unmatched: Unmatched,
 }
 
 impl Engine {
     /// An engine over `store` (already wrapped in its layers), counting
-    /// rejections in `top`.
+    /// rejections in `top`, admitting native requests no rule applies to.
     pub fn new(store: Arc<dyn Layer>, clock: Arc<dyn Clock>, top: Arc<TopLimited>) -> Self {
         Self {
             store,
             clock,
             top,
             leases: leases::LeaseBook::default(),
+            unmatched: Unmatched::Allow,
         }
+    }
+
+    /// What to do with a native request no rule applies to. (Envoy's
+    /// protocol answers `OK` for a descriptor without a limit, so its
+    /// demands are never refused for that.)
+    pub fn with_unmatched(mut self, unmatched: Unmatched) -> Self {
+        self.unmatched = unmatched;
+        self
     }
 
     /// Decides a demand: validates it, applies it to the store as one
@@ -275,16 +339,20 @@ impl Engine {
     }
 
     /// Decides a demand of one item and, when admitted with the store's
-    /// answer (not a fallback's), records a reservation of `estimate` per
-    /// line for `ttl`: settle it with [`Engine::settle`]. The reservation
-    /// is `None` when nothing was recorded (no rule applied, or the store
-    /// was unavailable and a policy answered: there is nothing to settle).
+    /// answer (not a fallback's), records a reservation of the item's cost
+    /// per line for the time to live `asked` (microseconds as the caller
+    /// sent it, checked against [`Ttl::Reservation`]; `None`: the default):
+    /// settle it with [`Engine::settle`]. An invalid time to live refuses
+    /// the demand like any invalid field.
     pub async fn reserve(
         &self,
         demand: &mut Demand<'_>,
-        ttl: Micros,
+        asked: Option<i128>,
         span: &tracing::Span,
-    ) -> Result<(Answer, Option<ReservationId>), DecideError> {
+    ) -> Result<Reserved, DecideError> {
+        let ttl = Ttl::Reservation.check(asked).inspect_err(|_| {
+            refused(demand.api, 1, span);
+        })?;
         let tenant = demand.items.first().map_or("", |i| i.tenant).to_owned();
         let estimate = demand.items.first().map_or(0, |i| i.cost);
         let reservation = Reservation {
@@ -296,30 +364,44 @@ impl Engine {
         let (answer, recorded) = self
             .decide_attached(demand, Some(Attachment::Reservation(reservation)), span)
             .await?;
-        match recorded {
+        let reservation = match recorded {
             Some(Attachment::Reservation(r)) => {
                 metrics::reserved(demand.api.label(), r.estimate);
-                Ok((answer, Some(r.id)))
+                Some(r.id)
             }
-            _ => Ok((answer, None)),
-        }
+            _ => None,
+        };
+        Ok(Reserved {
+            answer,
+            reservation,
+            ttl,
+        })
     }
 
-    /// Settles a reservation at `actual` per line (see
-    /// [`crate::store::Store::settle`]).
+    /// Settles the reservation `token` (as `Reserve` returned it) at
+    /// `actual` per line (see [`crate::store::Store::settle`]). A token
+    /// that is not a reservation's is refused and counted as an `invalid`
+    /// settle.
     pub async fn settle(
         &self,
         api: Api,
-        id: &ReservationId,
+        token: &str,
         actual: u64,
     ) -> Result<SettleAnswer, DecideError> {
-        let actual = actual.min(caps::MAX_COST);
-        let settled = self.store.settle(id, actual).await.map_err(|e| {
+        let Some(id) = ReservationId::parse(token) else {
+            metrics::settle_outcome(api.label(), "invalid");
+            return Err(DecideError::InvalidToken(format!(
+                "reservation {:?} is not a token Reserve returned (they start with \"r1.\")",
+                error::shortened(token)
+            )));
+        };
+        let applied = actual.min(caps::MAX_COST);
+        let settled = self.store.settle(&id, applied).await.map_err(|e| {
             metrics::settle_outcome(api.label(), "error");
             DecideError::from(e)
         })?;
         metrics::settle_outcome(api.label(), settled.status_label());
-        match settled.status {
+        let actual = match settled.status {
             SettleStatus::Unknown => return Err(DecideError::UnknownReservation(id.to_string())),
             SettleStatus::Expired => {
                 return Err(DecideError::ExpiredReservation {
@@ -327,22 +409,22 @@ impl Engine {
                     estimate: settled.estimate,
                 });
             }
-            SettleStatus::Settled | SettleStatus::AlreadySettled { .. } => {}
-        }
+            SettleStatus::AlreadySettled { actual } => actual,
+            // The usage as reported (the store applies at most `MAX_COST`,
+            // above every capacity).
+            SettleStatus::Settled => actual,
+        };
         let mut tightest: Option<Verdict> = None;
         for v in &settled.verdicts {
             if tightest.is_none_or(|t| summary::tighter(true, v, true, &t)) {
                 tightest = Some(*v);
             }
         }
+        let refunded = settled.estimate.saturating_sub(actual);
+        let charged = actual.saturating_sub(settled.estimate);
+        let forgiven: u64 = settled.verdicts.iter().map(|v| v.forgiven).sum();
         if settled.status == SettleStatus::Settled {
-            let (refunded, charged) = if actual >= settled.estimate {
-                (0, actual - settled.estimate)
-            } else {
-                (settled.estimate - actual, 0)
-            };
             metrics::settled(api.label(), refunded, charged);
-            let forgiven: u64 = settled.verdicts.iter().map(|v| v.forgiven).sum();
             metrics::forgiven(api.label(), forgiven);
             if let Some(t) = tightest.filter(|t| t.debt > 0) {
                 self.top.record_debt(id.tenant(), "", t.debt);
@@ -351,8 +433,11 @@ impl Engine {
         Ok(SettleAnswer {
             status: settled.status,
             estimate: settled.estimate,
-            tightest,
-            forgiven: settled.verdicts.iter().map(|v| v.forgiven).sum(),
+            actual,
+            refunded,
+            charged,
+            tightest: tightest.unwrap_or(Verdict::admitted()),
+            forgiven,
         })
     }
 
@@ -433,6 +518,22 @@ impl Engine {
     /// Validates the demand and merges its lines into charges.
     fn prepare(&self, demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         caps::check_demand(demand)?;
+        if demand.shadow {
+            for line in &mut demand.lines {
+                line.enforce = false;
+            }
+        }
+        if self.unmatched == Unmatched::Deny && demand.api == Api::Native {
+            let unmatched = (0..demand.items.len())
+                .find(|&i| !demand.lines.iter().any(|l| l.item == i))
+                .map(|i| demand.items[i]);
+            if let Some(item) = unmatched {
+                return Err(DecideError::NoRule {
+                    tenant: item.tenant.into(),
+                    resource: item.resource.into(),
+                });
+            }
+        }
         merge(demand)
     }
 
@@ -625,11 +726,13 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         let (limit, cost, need) = match line.allowance {
             // A concurrency cap: one slot per lease, whatever the tokens.
             Allowance::Limited(limit) if limit.is_concurrency() => (limit, 1, 1),
-            Allowance::Limited(limit) => (
-                limit,
-                item.cost.min(caps::MAX_COST),
-                item.need.max(item.cost).min(caps::MAX_COST),
-            ),
+            Allowance::Limited(limit) => {
+                let cost = item.cost.min(caps::MAX_COST);
+                // An ask (a decision of nothing) needs a token where debt
+                // is allowed: a caller in debt waits for the refill.
+                let ask = deciding && cost == 0 && limit.debt() > 0;
+                (limit, cost, if ask { 1 } else { cost })
+            }
             // A limit of zero is a charge no bucket can hold: the store
             // denies it like any cost above a capacity, so the demand is
             // rejected in the same atomic step and nothing is spent.

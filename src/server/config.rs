@@ -16,7 +16,7 @@ use clap::{ArgAction, Args};
 
 use crate::api::admin::AdminAccess;
 use crate::api::envoy::service::EnvoyOptions;
-use crate::api::native::Unmatched;
+use crate::engine::Unmatched;
 use crate::options::{defaults, parse_duration, parse_duration_or_zero, parse_fraction, text};
 use crate::store::{RedisConfig, breaker, redact, redis};
 

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tollgate::api::native::Unmatched;
 use tollgate::clock::ManualClock;
+use tollgate::engine::Unmatched;
 use tollgate::limits::LimitRow;
 use tollgate::limits::table::LimitsTable;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;

@@ -89,9 +89,8 @@ impl EnvoyRateLimitService {
     }
 }
 
-/// The rule each descriptor matched, after `replaces`, with its hits and
-/// whether they were an explicit 0 (an ask).
-type Matched = Vec<Option<(Match, u64, bool)>>;
+/// The rule each descriptor matched, after `replaces`, with its hits.
+type Matched = Vec<Option<(Match, u64)>>;
 
 #[tonic::async_trait]
 impl RateLimitService for EnvoyRateLimitService {
@@ -120,19 +119,13 @@ impl RateLimitService for EnvoyRateLimitService {
         let tenant = encode_domain(&req.domain);
         let op = if charging { Op::Charge } else { Op::SPEND };
         let mut demand = Demand::new(Api::Envoy, op, OverCapacity::Reject);
+        demand.shadow = self.options.shadow_mode;
         for (i, found) in matched.iter().enumerate() {
-            let cost = found.as_ref().map_or(request_hits, |(_, hits, _)| *hits);
-            let key = found.as_ref().map_or("", |(m, _, _)| m.counter.as_str());
-            let mut item = Item::new(&tenant, truncate(key, caps::MAX_KEY_BYTES), cost);
-            // An ask on a rule with debt needs one token and spends none.
-            if let Some((m, _, true)) = found
-                && !charging
-                && matches!(m.rule.kind, RuleKind::Limited(l) if l.debt() > 0)
-            {
-                item.need = 1;
-            }
-            demand.items.push(item);
-            let Some((m, _, _)) = found else { continue };
+            let cost = found.as_ref().map_or(request_hits, |(_, hits)| *hits);
+            let key = found.as_ref().map_or("", |(m, _)| m.counter.as_str());
+            let key = truncate(key, caps::MAX_KEY_BYTES);
+            demand.items.push(Item::new(&tenant, "", key, cost));
+            let Some((m, _)) = found else { continue };
             let allowance = match m.rule.kind {
                 RuleKind::Unlimited => Allowance::Unlimited,
                 RuleKind::Block => Allowance::Blocked {
@@ -179,14 +172,17 @@ impl RateLimitService for EnvoyRateLimitService {
             .iter()
             .zip(&matched)
             .map(|(a, found)| {
-                let Some((m, _, _)) = found else {
+                let Some((m, _)) = found else {
                     return DescriptorStatus {
                         code: Code::Ok as i32,
                         ..Default::default()
                     };
                 };
                 let rule = &m.rule;
-                let code = if a.allowed { Code::Ok } else { Code::OverLimit };
+                // In global shadow mode every descriptor that would be over
+                // still says so, while the overall answer is OK.
+                let over = !a.allowed || (self.options.shadow_mode && a.shadow);
+                let code = if over { Code::OverLimit } else { Code::Ok };
                 match rule.kind {
                     RuleKind::Unlimited => DescriptorStatus {
                         code: code as i32,
@@ -214,7 +210,7 @@ impl RateLimitService for EnvoyRateLimitService {
                 .collect(),
             _ => Vec::new(),
         };
-        let overall = if answer.allowed || self.options.shadow_mode {
+        let overall = if answer.allowed {
             Code::Ok
         } else {
             Code::OverLimit
@@ -247,7 +243,6 @@ impl EnvoyRateLimitService {
                 .map(|e| (e.key.as_str(), e.value.as_str()))
                 .collect();
             let hits = d.hits_addend.unwrap_or(request_hits);
-            let ask = d.hits_addend == Some(0);
             let found = match &d.limit {
                 Some(over) => Some(override_rule(
                     i,
@@ -257,12 +252,12 @@ impl EnvoyRateLimitService {
                 )?),
                 None => config.find(&req.domain, &entries),
             };
-            matched.push(found.map(|m| (m, hits, ask)));
+            matched.push(found.map(|m| (m, hits)));
         }
         let replaced: Vec<String> = matched
             .iter()
             .flatten()
-            .flat_map(|(m, _, _)| m.rule.replaces.iter().cloned())
+            .flat_map(|(m, _)| m.rule.replaces.iter().cloned())
             .collect();
         if replaced.is_empty() {
             return Ok(matched);
@@ -270,7 +265,7 @@ impl EnvoyRateLimitService {
         for found in &mut matched {
             if found
                 .as_ref()
-                .is_some_and(|(m, _, _)| !m.rule.name.is_empty() && replaced.contains(&m.rule.name))
+                .is_some_and(|(m, _)| !m.rule.name.is_empty() && replaced.contains(&m.rule.name))
             {
                 *found = None;
             }

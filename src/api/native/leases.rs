@@ -10,50 +10,16 @@ use std::time::Duration;
 
 use tonic::{Request, Status};
 
-use super::{Asked, Attach, RateLimiterService, duration, to_response, truncate_for_message};
+use super::{Asked, Decided, LineRules, RateLimiterService, duration, to_response, traced};
 use crate::algorithm::{Micros, Op};
-use crate::api::status;
-use crate::engine::{self, Api};
+use crate::api::{micros, status};
+use crate::engine::{self, Api, Ttl};
 use crate::proto::v1::{
     AcquireRequest, AcquireResponse, HoldResponse, LeaseStatus as ProtoLeaseStatus,
     ReleaseResponse, RenewRequest, RenewResponse,
 };
 use crate::store::{LeaseId, LeaseOp, LeaseStatus};
 use crate::telemetry::traces;
-
-/// A lease's time to live when the request names none.
-pub const DEFAULT_LEASE_TTL: Micros = 60_000_000;
-
-/// The shortest time to live a lease may ask for.
-const MIN_LEASE_TTL: Micros = 1_000;
-
-/// The shortest time to live of a lease held by a stream (renewed every
-/// third of it).
-const MIN_HELD_TTL: Micros = 1_000_000;
-
-/// A lease's requested time to live, checked.
-fn lease_ttl(d: Option<&prost_types::Duration>) -> Result<Micros, Status> {
-    let Some(d) = d else {
-        return Ok(DEFAULT_LEASE_TTL);
-    };
-    let us = i128::from(d.seconds) * 1_000_000 + i128::from(d.nanos) / 1_000;
-    if us < i128::from(MIN_LEASE_TTL) || us > i128::from(crate::store::lease::MAX_TTL) {
-        return Err(Status::invalid_argument(format!(
-            "ttl is {}.{:09} s; a lease lives from 1 ms to one hour (3600 s): renew it for longer work",
-            d.seconds, d.nanos
-        )));
-    }
-    Ok(us as Micros)
-}
-
-fn parse_lease(token: &str) -> Result<LeaseId, Status> {
-    LeaseId::parse(token).ok_or_else(|| {
-        Status::invalid_argument(format!(
-            "lease {:?} is not a token Acquire returned (they start with \"l1.\")",
-            truncate_for_message(token)
-        ))
-    })
-}
 
 fn proto_status(status: LeaseStatus) -> ProtoLeaseStatus {
     match status {
@@ -65,14 +31,14 @@ fn proto_status(status: LeaseStatus) -> ProtoLeaseStatus {
 }
 
 impl RateLimiterService {
-    /// Acquires a lease: the response, the lease taken (if any) and its
-    /// time to live.
+    /// Acquires a lease with a time to live of `kind`: the response, and
+    /// the lease taken (if any) with its time to live.
     pub(super) async fn acquire_one(
         &self,
         req: &AcquireRequest,
         metadata: &tonic::metadata::MetadataMap,
-    ) -> Result<(AcquireResponse, Option<LeaseId>, Micros), Status> {
-        let ttl = lease_ttl(req.ttl.as_ref())?;
+        kind: Ttl,
+    ) -> Result<(AcquireResponse, Option<(LeaseId, Micros)>), Status> {
         let span = traces::decision_span("Acquire", metadata, &req.tenant, req.cost);
         let asked = [Asked {
             key: &req.key,
@@ -80,41 +46,47 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let op = Op::Acquire { ttl };
-        let d = self
-            .decide(&asked, false, op, Attach::Lease(ttl), &span)
-            .await?;
-        // The fullest concurrency cap: the fewest slots left.
-        let fullest = d
-            .answer
-            .lines
-            .iter()
-            .zip(&d.line_rules)
-            .filter(|(_, rule)| rule.limit.is_concurrency())
-            .min_by_key(|(v, _)| v.remaining);
-        let (in_flight, limit) = fullest.map_or((0, 0), |(v, rule)| {
-            let cap = rule.limit.burst();
-            (cap.saturating_sub(v.remaining), cap)
-        });
-        let lease = d.token.as_deref().and_then(LeaseId::parse);
+        let rules = self.limits.snapshot();
+        let mut line_rules = LineRules::new();
+        // The engine makes the demand an acquire (or, without a cap, a
+        // plain decision over the rate rules).
+        let mut demand = self.demand(
+            &rules,
+            &asked,
+            false,
+            Op::SPEND,
+            true,
+            &mut line_rules,
+            &span,
+        )?;
+        let asked_ttl = req.ttl.as_ref().map(micros);
+        let acquired = traced(
+            &span,
+            self.engine.acquire(&mut demand, asked_ttl, kind, &span),
+        )
+        .await
+        .map_err(status::from_decide_error)?;
+        let (ttl, in_flight, limit) = (acquired.ttl, acquired.in_flight, acquired.limit);
+        let d = Decided::new(acquired.answer, &line_rules);
         let response = AcquireResponse {
             granted: d.answer.allowed,
-            lease: d.token.clone().unwrap_or_default(),
-            ttl: lease.as_ref().map(|_| duration(ttl)),
+            lease: acquired
+                .lease
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
+            ttl: acquired.lease.as_ref().map(|_| duration(ttl)),
             in_flight,
             limit,
             decision: Some(to_response(&d.answer.items[0], d.deciders[0].as_deref())),
         };
-        Ok((response, lease, ttl))
+        Ok((response, acquired.lease.map(|id| (id, ttl))))
     }
 
     pub(super) async fn release_one(&self, token: &str) -> Result<ReleaseResponse, Status> {
-        let id = parse_lease(token).inspect_err(|_| {
-            crate::telemetry::metrics::lease_op("release", "invalid");
-        })?;
         let answer = self
             .engine
-            .lease(&id, LeaseOp::Release)
+            .release(token)
             .await
             .map_err(status::from_decide_error)?;
         Ok(ReleaseResponse {
@@ -123,13 +95,9 @@ impl RateLimiterService {
     }
 
     pub(super) async fn renew_one(&self, req: &RenewRequest) -> Result<RenewResponse, Status> {
-        let id = parse_lease(&req.lease).inspect_err(|_| {
-            crate::telemetry::metrics::lease_op("renew", "invalid");
-        })?;
-        let ttl = lease_ttl(req.ttl.as_ref())?;
         let answer = self
             .engine
-            .lease(&id, LeaseOp::Renew { ttl })
+            .renew(&req.lease, req.ttl.as_ref().map(micros))
             .await
             .map_err(status::from_decide_error)?;
         Ok(RenewResponse {
@@ -156,20 +124,13 @@ impl RateLimiterService {
                 ));
             }
         };
-        if lease_ttl(first.ttl.as_ref())? < MIN_HELD_TTL {
-            engine::refused(Api::Native, 1, &tracing::Span::none());
-            return Err(Status::invalid_argument(
-                "ttl of a held lease must be at least 1 s: it is renewed every third of it, and \
-                 it is the backstop that frees the slot if this Tollgate instance dies",
-            ));
-        }
-        let (response, lease, ttl) = self.acquire_one(&first, &metadata).await?;
+        let (response, lease) = self.acquire_one(&first, &metadata, Ttl::HeldLease).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(2);
         let _ = tx.try_send(Ok(HoldResponse {
             acquired: Some(response),
             released: 0,
         }));
-        if let Some(id) = lease {
+        if let Some((id, ttl)) = lease {
             let service = self.clone();
             tokio::spawn(async move {
                 let status = service.hold(&id, ttl, &mut inbound, &tx).await;

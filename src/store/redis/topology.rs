@@ -339,7 +339,14 @@ impl Topology {
         let old = self.map.load_full();
         let changed = differs(&old, &next);
         if changed {
-            let failovers = failovers(&old, &next);
+            let failovers = match &self.mode {
+                // Sentinel changes the primary only by failing over, so a
+                // new one is a promotion even when the old map had not yet
+                // listed that replica (Sentinel learns replicas from the
+                // primary's INFO every 10 s).
+                Mode::Sentinel { .. } => replaced(&old, &next),
+                _ => failovers(&old, &next),
+            };
             if failovers > 0 {
                 tracing::warn!(
                     failovers,
@@ -563,6 +570,18 @@ fn failovers(old: &Map, new: &Map) -> u64 {
         }
     }
     count
+}
+
+/// Primaries of `old` that `new` no longer has.
+fn replaced(old: &Map, new: &Map) -> u64 {
+    old.primaries
+        .iter()
+        .filter(|(primary, _, _)| {
+            !new.primaries
+                .iter()
+                .any(|(n, _, _)| Arc::ptr_eq(n, primary))
+        })
+        .count() as u64
 }
 
 /// A replica's `ip:port` from `SENTINEL replicas` (a flat list of field
