@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tollgate::algorithm::{Algorithm, Charge, Limit, Op, Rate, decide, plan};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::{
+use tollgate_core::store::{
     BucketKey, BucketKind, MemoryStore, RedisConfig, RedisStore, Request, Store,
 };
 

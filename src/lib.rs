@@ -1,32 +1,33 @@
 //! Tollgate: a rate-limit decision service.
 //!
-//! One engine, many surfaces. Dependencies point one way:
+//! One engine, many surfaces. Three crates, and dependencies point one way:
 //!
 //! ```text
-//! api::{native, envoy, admin}    wings side by side; none imports another
+//! tollgate (this crate)
+//!   api::{native, envoy, admin}   wings side by side; none imports another
+//!   server, cli, connections      wiring, the command line, both ports' sockets
 //!            |
-//!          engine                the only caller of the store's decisions
-//!         /      \
-//!     limits    store            store = backend wrapped in layers
-//!                 |
-//!        algorithm, clock        pure functions of (state, limit, cost, now)
+//! tollgate-engine (crates/engine)
+//!   engine                        the one door to the store; backend.rs builds it
+//!   limits                        the limits tables, rules and plans
+//!            |
+//! tollgate-core (crates/core)
+//!   store                         backends wrapped in layers
+//!   algorithm, clock, telemetry   pure functions of (state, limit, cost, now); metrics
 //! ```
 //!
-//! The admin wing reads the store's status (health and figures) and the
-//! limits' status, never a decision. `server` wires them together; `proto` is the wire contract; `telemetry`
-//! holds metrics, traces and the top-limited sketch; `cli` is the command
-//! line of the binary. The load tool lives in its own crate, `bench/`.
+//! This crate depends on the engine only, so no wing (and nothing in the
+//! server) can name the store: a wrong import does not compile. The engine
+//! re-exports the store's vocabulary ([`engine::vocabulary`]) and gives the
+//! admin wing a status handle ([`engine::backend::StoreHandle`]). `proto`
+//! is the wire contract. The load tool lives in its own crate, `bench/`.
 
-pub mod algorithm;
+pub use tollgate_engine::{algorithm, clock, engine, limits, telemetry};
+
 pub mod api;
 pub mod cli;
-pub mod clock;
 pub mod connections;
-pub mod engine;
-pub mod limits;
 pub mod options;
 pub mod proto;
 pub mod runtime;
 pub mod server;
-pub mod store;
-pub mod telemetry;

@@ -22,13 +22,11 @@ use crate::connections::{
     InFlightLayer,
 };
 use crate::engine::Engine;
+use crate::engine::StoreError;
+use crate::engine::backend::{Backend, StoreHandle};
 use crate::limits::table::{LimitsTable, TableError};
 use crate::limits::watch::{LiveLimits, LoadError, spawn_watch};
 use crate::proto;
-use crate::store::fallback::Fallback;
-use crate::store::layer::Layer;
-use crate::store::stack::{self, Layers};
-use crate::store::{MemoryStore, RedisStore, Store, StoreError};
 use crate::telemetry::top::TopLimited;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -39,9 +37,6 @@ pub use config::{
     CONNECTION_OVERHEAD_BYTES, GrpcLimits, MAX_MESSAGE_BYTES, STREAM_OVERHEAD_BYTES, ServeConfig,
     StoreSpec, TlsFiles, TlsOptions,
 };
-
-/// Most tenant-wide buckets one instance holds token slices for at once.
-const MAX_SLICED_BUCKETS: usize = 100_000;
 
 /// Open connections on the admin port at most (each serves one request at a
 /// time); one peer address may hold half.
@@ -126,7 +121,7 @@ pub async fn run(
         .validate(listeners.admin.local_addr()?)
         .map_err(ServeError::Admin)?;
     crate::telemetry::metrics::handle(); // install the recorder before the first count
-    crate::telemetry::metrics::runtime();
+    crate::telemetry::metrics::runtime(crate::runtime::lifo_slot());
     let tls = config
         .tls
         .files()
@@ -140,15 +135,10 @@ pub async fn run(
         Some(dir) => LiveEnvoyConfig::load(dir)?,
         None => LiveEnvoyConfig::empty(),
     });
-    let Stores {
-        memory,
-        redis: redis_store,
-        stack: store,
-    } = build_stores(&config, &clock)?;
+    let backend = Backend::build(&config.backend(), &clock)?;
     let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
-    let engine = Arc::new(
-        Engine::new(store.clone(), clock.clone(), top.clone()).with_unmatched(config.unmatched),
-    );
+    let engine = Arc::new(backend.engine(clock.clone(), top.clone(), config.unmatched));
+    let store = backend.handle();
 
     // Every task stops when `shutdown` completes, or when the gRPC server
     // itself ends.
@@ -178,7 +168,7 @@ pub async fn run(
         config.reload_interval,
         stopped(),
     )?;
-    let sweeper = spawn_sweeper(memory, redis_store, config.sweep_interval, stopped());
+    let sweeper = backend.spawn_sweeper(config.sweep_interval, stopped());
 
     let grpc_addr = listeners.grpc.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
@@ -364,88 +354,6 @@ pub async fn run(
     served.map_err(Into::into)
 }
 
-/// The stores a server decides with.
-struct Stores {
-    /// The in-process store: the store itself, or the fallback for rules
-    /// that decide locally while Redis is down.
-    memory: Arc<MemoryStore>,
-    /// The Redis store, when decisions go to Redis.
-    redis: Option<Arc<RedisStore>>,
-    /// The backend wrapped in its layers: what the engine calls.
-    stack: Arc<dyn Layer>,
-}
-
-/// Builds the backend `config` names and its layers.
-fn build_stores(config: &ServeConfig, clock: &Arc<dyn Clock>) -> Result<Stores, ServeError> {
-    let memory = Arc::new(
-        MemoryStore::new(clock.clone(), config.max_buckets)
-            .with_max_bytes(config.max_bucket_bytes)
-            .with_max_records(config.max_records, config.max_records_per_tenant),
-    );
-    let fallback = Fallback {
-        local: memory.clone(),
-        local_fraction: config.local_fraction,
-        deny_retry_after: config.breaker_cooldown.as_micros() as u64,
-    };
-    let mut redis_store = None;
-    let backend: Arc<dyn Store> = match &config.store {
-        // At its cap the in-process store refuses new buckets, and the
-        // fallback answers by each rule's policy.
-        StoreSpec::Memory => memory.clone(),
-        StoreSpec::Redis(url) => {
-            let redis_config = config.redis(url);
-            let pinned = config.redis_uses_clock.then(|| clock.clone());
-            let redis = Arc::new(RedisStore::new(redis_config, pinned)?);
-            redis_store = Some(redis.clone());
-            redis as Arc<dyn Store>
-        }
-    };
-    let stack = stack::build(
-        backend,
-        Layers {
-            fallback: Some(fallback),
-            deny_cache: config
-                .deny_cache
-                .then_some((config.max_buckets, config.max_bucket_bytes)),
-            slices: config.token_slices.then_some(MAX_SLICED_BUCKETS),
-        },
-        clock.clone(),
-    );
-    Ok(Stores {
-        memory,
-        redis: redis_store,
-        stack,
-    })
-}
-
-/// Drops idle buckets every `every` (and counts reservations and leases
-/// that expired on Redis unsettled) until `stop` completes.
-fn spawn_sweeper(
-    memory: Arc<MemoryStore>,
-    redis_store: Option<Arc<RedisStore>>,
-    every: Duration,
-    stop: impl Future<Output = ()> + Send + 'static,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        tokio::pin!(stop);
-        let mut tick = tokio::time::interval(every);
-        loop {
-            tokio::select! {
-                _ = &mut stop => return,
-                _ = tick.tick() => {
-                    memory.sweep_idle();
-                    if let Some(redis) = &redis_store {
-                        tokio::select! {
-                            _ = &mut stop => return,
-                            _ = redis.count_expired() => {}
-                        }
-                    }
-                }
-            }
-        }
-    })
-}
-
 /// Every second until `stop` completes: samples the decision rates, and
 /// takes leases past their time to live out of this instance's book
 /// (`tollgate_leases_held`).
@@ -473,7 +381,7 @@ fn spawn_sampler(
 /// decision reaches it, then reports the service ready (the admin port's
 /// `/readyz` turns ready with the first answer by itself).
 async fn become_ready(
-    store: Arc<dyn Layer>,
+    store: StoreHandle,
     health: HealthReporter,
     admin: Arc<AdminState>,
     stop: impl Future<Output = ()>,

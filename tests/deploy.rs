@@ -253,6 +253,21 @@ fn compose_file_and_dockerfile_are_consistent() {
             );
         }
     }
+    // Cargo reads the whole workspace: every member's directory is copied.
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let members = manifest
+        .lines()
+        .find(|l| l.starts_with("members = "))
+        .expect("the workspace lists its members");
+    for member in members.split('"').skip(1).step_by(2).filter(|m| *m != ".") {
+        let top = member.split('/').next().unwrap();
+        assert!(
+            dockerfile
+                .lines()
+                .any(|l| l.starts_with(&format!("COPY {top} "))),
+            "the Dockerfile copies the workspace member {member}"
+        );
+    }
     assert!(
         dockerfile.lines().any(|l| l.starts_with("USER 10001")),
         "runs as a non-root user"

@@ -37,7 +37,7 @@ fn documents() -> Vec<PathBuf> {
 
 #[test]
 fn the_operations_page_lists_every_metric() {
-    let code = read(&root().join("src/telemetry/metrics.rs"));
+    let code = read(&root().join("crates/core/src/telemetry/metrics.rs"));
     let page = read(&root().join("docs/operations.md"));
     let declared: Vec<&str> = code
         .lines()
@@ -175,6 +175,7 @@ fn every_link_and_cited_test_in_the_documents_exists() {
             let top = [
                 "tests/",
                 "src/",
+                "crates/",
                 "scripts/",
                 "deploy/",
                 "lua/",

@@ -288,7 +288,7 @@ fn arbitrary_well_formed_lease_calls() {
                         let lease = match (&acquired, how) {
                             (Ok(a), 0) => a.get_ref().lease.clone(),
                             (Ok(a), 1) => format!("{}{garbage}", a.get_ref().lease),
-                            (_, 2) => tollgate::store::LeaseId::new("acme").to_string(),
+                            (_, 2) => tollgate_core::store::LeaseId::new("acme").to_string(),
                             _ => garbage,
                         };
                         let renewed = client

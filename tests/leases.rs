@@ -144,7 +144,7 @@ async fn acquire_release_and_renew_over_grpc() {
         "{}",
         err.message()
     );
-    let unknown = tollgate::store::LeaseId::new("acme").to_string();
+    let unknown = tollgate_core::store::LeaseId::new("acme").to_string();
     let err = client
         .renew(RenewRequest {
             lease: unknown.clone(),

@@ -12,8 +12,8 @@ use common::redis::{RedisCluster, RedisServer, evalsha_calls, redis_cli};
 use redis::AsyncCommands;
 use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Rate, State, plan};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::reservation::{Record, settle_plan};
-use tollgate::store::{
+use tollgate_core::store::reservation::{Record, settle_plan};
+use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, RedisConfig, RedisStore, Request, Reservation,
     ReservationId, SettleStatus, Settled, Store, StoreError,
 };
@@ -206,7 +206,7 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                         (0..n).filter(|&i| expected.verdicts[i].allowed).collect();
                     let record = Record {
                         reserved_at: now,
-                        expires_at: now + ttl.min(tollgate::store::reservation::MAX_TTL),
+                        expires_at: now + ttl.min(tollgate_core::store::reservation::MAX_TTL),
                         estimate,
                         charges: spent.iter().map(|&i| charges[i]).collect(),
                         lines: vec![lines; spent.len()],
@@ -737,7 +737,7 @@ async fn coalesced_decisions_share_script_calls_and_stay_exact() {
 async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
     let server = RedisServer::start();
     let mut conn = connect(&server).await;
-    let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
+    let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
     let args = |inv: &mut redis::ScriptInvocation| {
         inv.key("tollgate:{t}:k::a")
             .key("tollgate:{t}:k::b")
@@ -811,7 +811,7 @@ async fn large_batches_go_out_one_per_call() {
 async fn requests_of_one_call_see_what_earlier_ones_wrote() {
     let server = RedisServer::start();
     let mut conn = connect(&server).await;
-    let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
+    let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
     let now: i64 = 1_700_000_000_000_000;
     let mut inv = script.prepare_invoke();
     inv.arg(now).arg("1s,1d,1s,1s").arg(1000);
@@ -859,7 +859,7 @@ async fn a_call_larger_than_one_mget_reads_every_bucket() {
     for i in [0, 4200] {
         let _: () = conn.set(key(i), &empty).await.unwrap();
     }
-    let script = redis::Script::new(tollgate::store::TOKEN_BUCKET_LUA);
+    let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
     let mut inv = script.prepare_invoke();
     inv.arg(now).arg("4500s").arg(1000);
     for i in 0..4500 {
@@ -1083,7 +1083,7 @@ async fn reservation_records_expire_by_themselves() {
 /// the script. Every verdict and every lease answer must be the same.
 #[tokio::test]
 async fn leases_agree_between_lua_and_rust() {
-    use tollgate::store::{Lease, LeaseId, LeaseOp, MemoryStore};
+    use tollgate_core::store::{Lease, LeaseId, LeaseOp, MemoryStore};
     let server = RedisServer::start();
     for seed in [0x5eed_1ea5_u64, 0xc0ff_ee00, 0x0dd5_1075] {
         let clock = Arc::new(ManualClock::new(T0));
@@ -1171,10 +1171,10 @@ async fn leases_agree_between_lua_and_rust() {
                     let got = redis.lease(&id, op).await.unwrap();
                     assert_eq!(got, want, "seed {seed:#x} step {step}: {op:?}");
                     match want.status {
-                        tollgate::store::LeaseStatus::Done if op == LeaseOp::Release => {
+                        tollgate_core::store::LeaseStatus::Done if op == LeaseOp::Release => {
                             released += 1
                         }
-                        tollgate::store::LeaseStatus::Expired => expired += 1,
+                        tollgate_core::store::LeaseStatus::Expired => expired += 1,
                         _ => {}
                     }
                 }

@@ -21,10 +21,10 @@ use common::redis::{RedisCluster, RedisServer, redis_cli};
 use tollgate::algorithm::{BucketState, Charge, Limit, Micros, Op, Rate, Verdict, decide};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::limits::OnStoreUnavailable;
-use tollgate::store::layer::Layer;
-use tollgate::store::stack::{Layers, build};
-use tollgate::store::{Attachment, BucketKind, Request};
-use tollgate::store::{
+use tollgate_core::store::layer::Layer;
+use tollgate_core::store::stack::{Layers, build};
+use tollgate_core::store::{Attachment, BucketKind, Request};
+use tollgate_core::store::{
     BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
     Reservation, ReservationId, SettleStatus, Store, StoreError,
 };

@@ -12,7 +12,7 @@ use common::T0;
 use common::redis::{RedisCluster, RedisServer};
 use tollgate::algorithm::{Charge, Limit, Op, Rate};
 use tollgate::clock::{Clock, ManualClock};
-use tollgate::store::{
+use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
     RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
 };
@@ -470,7 +470,8 @@ async fn reserve_and_settle_across_instances(h: &Harness) {
         lines: vec![1, 1],
         ttl,
     };
-    let held = |o: &tollgate::store::Verdicts| (o.verdicts[0].remaining, o.verdicts[1].remaining);
+    let held =
+        |o: &tollgate_core::store::Verdicts| (o.verdicts[0].remaining, o.verdicts[1].remaining);
     // Reserve 40 with a minute to live: both buckets are charged 40.
     let r1 = reservation(40, 60_000_000);
     let o = h

@@ -17,6 +17,7 @@ use crate::engine::{
     self, Allowance, Answer, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line,
     OverCapacity, Ttl, caps,
 };
+use crate::engine::{BucketKey, SettleStatus};
 use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
 use crate::proto::v1::rate_limiter_server::RateLimiter;
@@ -29,7 +30,6 @@ use crate::proto::v1::{
     SettleRequest, SettleResponse, SettleStatus as ProtoSettleStatus, ShouldAllowBatchRequest,
     ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
-use crate::store::{BucketKey, SettleStatus};
 use crate::telemetry::traces;
 
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;

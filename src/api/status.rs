@@ -7,7 +7,7 @@
 use tonic::Status;
 
 use crate::engine::DecideError;
-use crate::store::StoreError;
+use crate::engine::StoreError;
 
 /// Converts a decision error into the status the caller sees.
 pub fn from_decide_error(err: DecideError) -> Status {

@@ -237,7 +237,7 @@ mod tests {
         assert_eq!(process.grpc_addr, SocketAddr::from(([127, 0, 0, 1], 50051)));
         assert_eq!(process.trace_sample_ratio, 0.01);
         let d = ServeConfig::default();
-        assert_eq!(d.store_timeout, crate::store::redis::DEFAULT_TIMEOUT);
+        assert_eq!(d.store_timeout, crate::engine::redis::DEFAULT_TIMEOUT);
         assert_eq!(d.breaker_cooldown, Duration::from_secs(1));
         assert_eq!(d.reload_interval, Duration::from_millis(500));
         assert_eq!(d.grpc_limits.keepalive_interval, Duration::ZERO);
@@ -246,7 +246,7 @@ mod tests {
         assert_eq!(GrpcLimits::default(), d.grpc_limits);
         // The Redis store's own defaults are the same declarations.
         let redis = d.redis("redis://127.0.0.1:6379");
-        let plain = crate::store::RedisConfig::new("redis://127.0.0.1:6379");
+        let plain = crate::engine::RedisConfig::new("redis://127.0.0.1:6379");
         assert_eq!(
             (
                 redis.prefix,

@@ -17,8 +17,9 @@ use clap::{ArgAction, Args};
 use crate::api::admin::AdminAccess;
 use crate::api::envoy::service::EnvoyOptions;
 use crate::engine::Unmatched;
+use crate::engine::backend::BackendOptions;
+use crate::engine::{RedisConfig, breaker, redact, redis};
 use crate::options::{defaults, parse_duration, parse_duration_or_zero, parse_fraction, text};
-use crate::store::{RedisConfig, breaker, redact, redis};
 
 /// Largest accepted gRPC message: a full batch of maximal items fits.
 pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
@@ -237,6 +238,25 @@ impl ServeConfig {
             );
         }
         Ok(())
+    }
+
+    /// What the engine's stores are built from.
+    pub fn backend(&self) -> BackendOptions {
+        BackendOptions {
+            redis: match &self.store {
+                StoreSpec::Memory => None,
+                StoreSpec::Redis(url) => Some(self.redis(url)),
+            },
+            redis_uses_clock: self.redis_uses_clock,
+            max_buckets: self.max_buckets,
+            max_bucket_bytes: self.max_bucket_bytes,
+            max_records: self.max_records,
+            max_records_per_tenant: self.max_records_per_tenant,
+            local_fraction: self.local_fraction,
+            deny_retry_after: self.breaker_cooldown.as_micros() as u64,
+            deny_cache: self.deny_cache,
+            token_slices: self.token_slices,
+        }
     }
 
     /// The Redis store's configuration for `url`, from these options.

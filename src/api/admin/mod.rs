@@ -31,10 +31,10 @@ mod limits;
 
 use subtle::ConstantTimeEq;
 
+use crate::engine::BreakerState;
+use crate::engine::backend::StoreHandle;
 use crate::limits::table::LimitsTable;
 use crate::limits::watch::LiveLimits;
-use crate::store::breaker::BreakerState;
-use crate::store::layer::Layer;
 use crate::telemetry::metrics;
 use crate::telemetry::top::TopLimited;
 
@@ -42,8 +42,8 @@ use crate::telemetry::top::TopLimited;
 pub struct AdminState {
     /// The rules in force.
     pub limits: Arc<LiveLimits>,
-    /// The store, for its health and figures.
-    pub store: Arc<dyn Layer>,
+    /// The store's health and figures.
+    pub store: StoreHandle,
     /// Rejections by tenant and key.
     pub top: Arc<TopLimited>,
     /// The Envoy configuration's reload status, as JSON.
@@ -72,7 +72,7 @@ impl Readiness {
 
     /// True when ready; while starting, turns ready as soon as `store`
     /// reports an answer, without waiting for the next readiness ping.
-    pub fn check(&self, store: &dyn Layer) -> bool {
+    pub fn check(&self, store: &StoreHandle) -> bool {
         match self.0.load(Ordering::Acquire) {
             Self::READY => true,
             Self::STARTING if store.status().answered => {
@@ -270,7 +270,7 @@ async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
         })
         .collect();
     Json(json!({
-        "ready": state.ready.check(state.store.as_ref()),
+        "ready": state.ready.check(&state.store),
         "store": {
             "kind": store.kind,
             "breaker": breaker,
@@ -313,7 +313,7 @@ impl Rates {
 }
 
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
-    if state.ready.check(state.store.as_ref()) {
+    if state.ready.check(&state.store) {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response()

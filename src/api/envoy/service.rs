@@ -31,6 +31,7 @@ use crate::api::{duration, status};
 use crate::engine::{
     self, Allowance, Api, DecideError, Demand, Engine, Item, Line, OverCapacity, caps,
 };
+use crate::engine::{BucketKey, BucketKind};
 use crate::limits::OnStoreUnavailable;
 use crate::proto::envoy::config::core::v3::HeaderValue;
 use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -39,7 +40,6 @@ use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use crate::store::{BucketKey, BucketKind};
 use crate::telemetry::traces;
 
 pub use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;

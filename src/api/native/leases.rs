@@ -14,11 +14,11 @@ use super::{Asked, Decided, LineRules, RateLimiterService, duration, to_response
 use crate::algorithm::{Micros, Op};
 use crate::api::{micros, status};
 use crate::engine::{self, Api, Ttl};
+use crate::engine::{LeaseId, LeaseOp, LeaseStatus};
 use crate::proto::v1::{
     AcquireRequest, AcquireResponse, HoldResponse, LeaseStatus as ProtoLeaseStatus,
     ReleaseResponse, RenewRequest, RenewResponse,
 };
-use crate::store::{LeaseId, LeaseOp, LeaseStatus};
 use crate::telemetry::traces;
 
 fn proto_status(status: LeaseStatus) -> ProtoLeaseStatus {

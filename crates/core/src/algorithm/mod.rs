@@ -30,6 +30,10 @@ pub use crate::clock::Micros;
 /// The largest concurrency cap: a million leases held at once.
 pub const MAX_CONCURRENCY: u64 = 1_000_000;
 
+/// Costs are clamped here: above every capacity (a capacity is below 2^53,
+/// see [`MAX_TOLERANCE`]), and exact in Lua's doubles.
+pub const MAX_COST: u64 = 1 << 53;
+
 /// The largest time a bucket may take to refill from empty: about 100 years.
 /// Keeps every instant below 2^53 µs so Lua's doubles hold it exactly.
 pub const MAX_TOLERANCE: Micros = 100 * 365 * 86_400 * 1_000_000;

@@ -16,13 +16,13 @@
 
 use std::sync::Arc;
 
+use super::OnStoreUnavailable;
 use super::layer::{Applied, Layer, LayerFuture, Wrapper};
 use super::{
     Attachment, LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, Request, StoreError,
     StoreStatus, Verdicts,
 };
 use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
-use crate::limits::OnStoreUnavailable;
 use crate::store::BucketKey;
 
 /// How to decide while the shared store is unavailable.

@@ -49,12 +49,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dashmap::DashMap;
 use smallvec::SmallVec;
 
+use super::OnStoreUnavailable;
 use super::layer::{Applied, Layer, LayerFuture, Wrapper};
 use super::{BucketKey, BucketKind, Request, StoreError, Verdicts};
 use crate::algorithm::slice::{Chunk, State, Taken};
 use crate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
-use crate::limits::OnStoreUnavailable;
 
 /// One sliced bucket: its state, and a gate so that one decision at a time
 /// takes a new slice while the others wait for it.

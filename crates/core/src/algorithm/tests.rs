@@ -439,7 +439,7 @@ fn arb_debt_steps(limit: Limit) -> impl Strategy<Value = Vec<(Micros, DebtStep, 
     let depth = limit.burst() + limit.debt();
     let amount = prop_oneof![
         8 => 0..=depth.saturating_mul(2).max(1),
-        1 => Just(crate::engine::caps::MAX_COST),
+        1 => Just(crate::algorithm::MAX_COST),
     ];
     prop::collection::vec((0..=max_step, step, amount), 1..150)
 }

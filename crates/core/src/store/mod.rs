@@ -433,6 +433,34 @@ pub enum OnStoreUnavailable {
     Local,
 }
 
+impl std::str::FromStr for OnStoreUnavailable {
+    type Err = String;
+
+    /// `allow`, `deny` or `local`, as the limits table writes it.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "allow" => Ok(Self::Allow),
+            "deny" => Ok(Self::Deny),
+            "local" => Ok(Self::Local),
+            _ => {
+                // At most 128 bytes of the value, as every row error quotes.
+                let end = (0..=s.len().min(128))
+                    .rev()
+                    .find(|&i| s.is_char_boundary(i))
+                    .unwrap_or(0);
+                let shown = if end < s.len() {
+                    format!("{}... ({} bytes)", &s[..end], s.len())
+                } else {
+                    s.to_owned()
+                };
+                Err(format!(
+                    "on_store_unavailable is {shown:?}; it must be one of allow, deny, local"
+                ))
+            }
+        }
+    }
+}
+
 /// A store's health and figures.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreStatus {

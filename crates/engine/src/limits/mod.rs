@@ -278,21 +278,6 @@ impl std::str::FromStr for Mode {
     }
 }
 
-impl std::str::FromStr for OnStoreUnavailable {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        parse_enum(
-            "on_store_unavailable",
-            s,
-            &[
-                ("allow", Self::Allow),
-                ("deny", Self::Deny),
-                ("local", Self::Local),
-            ],
-        )
-    }
-}
-
 impl Mode {
     /// As written in the table.
     pub fn as_str(self) -> &'static str {

@@ -298,10 +298,10 @@ pub fn memory_store(figures: &crate::store::MemoryFigures) {
 
 /// Publishes how many threads run the service and whether the runtime
 /// keeps its LIFO slot (called once at start, from inside the runtime).
-pub fn runtime() {
+pub fn runtime(lifo_slot: bool) {
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     gauge!(WORKER_THREADS).set(workers as f64);
-    gauge!(RUNTIME_LIFO_SLOT).set(f64::from(u8::from(crate::runtime::lifo_slot())));
+    gauge!(RUNTIME_LIFO_SLOT).set(f64::from(u8::from(lifo_slot)));
 }
 
 /// Store call latency, by `store` and `op`.

@@ -75,7 +75,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
 pub const DEFAULT_COALESCE: usize = 64;
 
 /// The decision script.
-pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../../lua/token_bucket.lua");
 
 /// How to reach Redis and how patient to be.
 #[derive(Debug, Clone, PartialEq, Eq)]

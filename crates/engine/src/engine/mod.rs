@@ -18,6 +18,7 @@
 //! 5. record metrics, the top-limited sketch and the span's outcome;
 //! 6. build the `RateLimit-*` / `Retry-After` header values.
 
+pub mod backend;
 pub mod caps;
 mod error;
 mod leases;
@@ -33,12 +34,26 @@ pub use leases::Acquired;
 pub use summary::Headers;
 pub use ttl::Ttl;
 
+/// The store's vocabulary the APIs and the server speak: bucket names,
+/// lease and reservation ids and statuses, store errors and status, the
+/// Redis options and their defaults. The store itself stays behind the
+/// engine.
+pub mod vocabulary {
+    pub use crate::store::breaker::{self, BreakerState};
+    pub use crate::store::redis::{self, RedisConfig};
+    pub use crate::store::{
+        BucketKey, BucketKind, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus, MemoryFigures,
+        NodeStatus, OnStoreUnavailable, ReservationId, SettleStatus, StoreError, StoreStatus,
+        redact,
+    };
+}
+pub use vocabulary::*;
+
 use crate::algorithm::{Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
-use crate::limits::OnStoreUnavailable;
+use crate::store::Reservation;
 use crate::store::layer::{Applied, Layer};
 use crate::store::{Attachment, Request};
-use crate::store::{BucketKey, Reservation, ReservationId, SettleStatus};
 
 /// What to do with a native request no rule applies to.
 #[derive(

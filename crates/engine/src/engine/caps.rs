@@ -25,9 +25,8 @@ pub const MAX_DOMAIN_BYTES: usize = 128;
 /// Most distinct buckets one decision may touch: one store call (one
 /// Redis script call) never carries more.
 pub const MAX_BUCKETS: usize = 2000;
-/// Costs are clamped here: above every capacity (a capacity is below 2^53,
-/// see [`crate::algorithm::MAX_TOLERANCE`]), and exact in Lua's doubles.
-pub const MAX_COST: u64 = 1 << 53;
+/// Costs are clamped here: above every capacity, and exact in Lua's doubles.
+pub use crate::algorithm::MAX_COST;
 /// Longest bucket name: a tenant, a scope tag, a resource and a key, or an
 /// Envoy domain and a descriptor's entries, each within its cap.
 pub const MAX_BUCKET_BYTES: usize =

@@ -119,7 +119,7 @@ pub fn settle_plan(
     actual: u64,
     now: Micros,
 ) -> (Vec<Verdict>, Vec<Option<State>>) {
-    let max = crate::engine::caps::MAX_COST;
+    let max = crate::algorithm::MAX_COST;
     record
         .charges
         .iter()
