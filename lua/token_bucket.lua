@@ -476,17 +476,18 @@ end
 -- Returns whether it was allowed. (Plain arrays and no
 -- table per key: a batch call decides thousands of keys, and each table is
 -- garbage to collect.)
--- Per bucket of the request being decided, five slots: whether it
--- admits, the value to store and its lifetime (µs), the value it held, its
--- algorithm. One table for every request of the call: each table is an
--- allocation, and garbage to collect.
+-- Per bucket of the request being decided, SLOTS values at these offsets:
+-- whether it admits, the value to store and its lifetime (µs), the value it
+-- held, its algorithm. One table for every request of the call: each table
+-- is an allocation, and garbage to collect.
 local scratch = {}
+local SLOTS, ADMITS, VALUE, TTL, HELD, ALG = 5, 1, 2, 3, 4, 5
 
 local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member)
   local all_allowed = true
   local o = #out
   for i = 1, n do
-    local k, x = first + i - 1, (i - 1) * 5
+    local k, x = first + i - 1, (i - 1) * SLOTS
     -- What an earlier request of the call wrote, else the snapshot.
     local held = written[KEYS[k]]
     if held == nil then
@@ -521,7 +522,8 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     if not ok and enforced then
       all_allowed = false
     end
-    scratch[x + 1], scratch[x + 2], scratch[x + 3], scratch[x + 4], scratch[x + 5] = ok, value, ttl, held, alg
+    scratch[x + ADMITS], scratch[x + VALUE], scratch[x + TTL], scratch[x + HELD], scratch[x + ALG] =
+      ok, value, ttl, held, alg
     -- The reply's three values (push(), inlined: this runs for every
     -- bucket of every decision).
     out[o + 1] = ok and balance * 2 + 1 or balance * 2
@@ -532,17 +534,17 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
 
   if all_allowed and spend then
     for i = 1, n do
-      local x = (i - 1) * 5
-      if scratch[x + 1] then
+      local x = (i - 1) * SLOTS
+      if scratch[x + ADMITS] then
         local key = KEYS[first + i - 1]
-        if scratch[x + 5] == 'l' then
+        if scratch[x + ALG] == 'l' then
           if grant then
             redis.call('ZADD', key, string.format('%d', grant), member)
-            redis.call('PEXPIRE', key, px(scratch[x + 3] - now))
+            redis.call('PEXPIRE', key, px(scratch[x + TTL] - now))
           end
         else
-          store(key, scratch[x + 2], scratch[x + 3])
-          written[key] = scratch[x + 2]
+          store(key, scratch[x + VALUE], scratch[x + TTL])
+          written[key] = scratch[x + VALUE]
         end
       end
     end
@@ -550,8 +552,8 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     -- Nothing is spent: report what the admitting buckets hold now.
     o = #out - 3 * n
     for i = 1, n do
-      local x = (i - 1) * 5
-      if scratch[x + 1] then
+      local x = (i - 1) * SLOTS
+      if scratch[x + ADMITS] then
         local a = 4 + (b + i - 2) * 3
         local alg, _, debt_max = read_rule(ARGV[a])
         local interval, burst = read_limit(ARGV[a + 1])
@@ -559,7 +561,8 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
         if alg == 'l' then
           _, balance, _, reset = apply_leases(KEYS[first + i - 1], burst, 0, nil)
         else
-          _, balance, _, reset = apply(scratch[x + 4], now, alg, interval, burst, debt_max, 0, 0, 'd', 0, ARGV[a + 1])
+          _, balance, _, reset = apply(scratch[x + HELD], now, alg, interval, burst, debt_max, 0, 0, 'd', 0,
+            ARGV[a + 1])
         end
         out[o + 3 * i - 2] = balance * 2 + 1
         out[o + 3 * i] = reset
@@ -567,6 +570,47 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     end
   end
   return all_allowed
+end
+
+-- Writes the record of a reservation admitted at `now` for `ttl` µs:
+-- which of the request's `n` buckets it charged (those that admitted), then
+-- `body` (the charges, as Tollgate wrote them). With `records`, the
+-- tenant's set of records, scored by when each is gone, holds it too.
+-- `written` learns the record, as it learns every value the call stores.
+local function write_reservation(record, n, ttl, body, records, written)
+  local mask = {}
+  for i = 1, n do
+    mask[i] = scratch[(i - 1) * SLOTS + ADMITS] and '1' or '0'
+  end
+  local value = string.format('P %d %d %s\n', now, now + ttl, table.concat(mask)) .. body
+  store(record, value, ttl + EXPIRED_GRACE)
+  written[record] = value
+  if records then
+    redis.call('ZADD', records, now + ttl + EXPIRED_GRACE, record)
+    local ms = math.floor((ttl + EXPIRED_GRACE) / 1000) + margin_ms + 1
+    if redis.call('PTTL', records) < ms then
+      redis.call('PEXPIRE', records, ms)
+    end
+  end
+end
+
+-- Writes the record of a lease granted until `grant` as `member`: the
+-- concurrency sets among the request's `n` buckets (KEYS[first ..]) that
+-- took it. None (every cap was shadow and full): no record.
+local function write_lease(record, first, n, ttl, grant, member, written)
+  local sets = {}
+  for i = 1, n do
+    local key = KEYS[first + i - 1]
+    local x = (i - 1) * SLOTS
+    if scratch[x + ADMITS] and scratch[x + ALG] == 'l' then
+      sets[#sets + 1] = string.format('%d\n', #key) .. key
+    end
+  end
+  if #sets > 0 then
+    local value = string.format('L %d %s\n', grant, member) .. table.concat(sets)
+    store(record, value, ttl + EXPIRED_GRACE)
+    written[record] = value
+  end
 end
 
 -- Settles the reservation whose record is `key` at `actual` per line.
@@ -752,21 +796,7 @@ for q = 0, count - 1 do
     first, b = first + n, b + n
     if mode == 'v' then
       if ok then
-        local mask = {}
-        for i = 1, n do
-          mask[i] = scratch[(i - 1) * 5 + 1] and '1' or '0'
-        end
-        local record = KEYS[first]
-        local value = string.format('P %d %d %s\n', now, now + arg, table.concat(mask)) .. ARGV[extra]
-        store(record, value, arg + EXPIRED_GRACE)
-        written[record] = value
-        if records then
-          redis.call('ZADD', records, now + arg + EXPIRED_GRACE, record)
-          local ms = math.floor((arg + EXPIRED_GRACE) / 1000) + margin_ms + 1
-          if redis.call('PTTL', records) < ms then
-            redis.call('PEXPIRE', records, ms)
-          end
-        end
+        write_reservation(KEYS[first], n, arg, ARGV[extra], records, written)
       end
       first, extra = first + 1, extra + 1
       if records then
@@ -774,20 +804,7 @@ for q = 0, count - 1 do
       end
     elseif mode == 'a' then
       if ok then
-        local sets = {}
-        for i = 1, n do
-          local key = KEYS[first - n + i - 1]
-          if scratch[(i - 1) * 5 + 1] and scratch[(i - 1) * 5 + 5] == 'l' then
-            sets[#sets + 1] = string.format('%d\n', #key) .. key
-          end
-        end
-        -- Held by no set (every cap was shadow and full): no record.
-        if #sets > 0 then
-          local record = KEYS[first]
-          local value = string.format('L %d %s\n', grant, member) .. table.concat(sets)
-          store(record, value, arg + EXPIRED_GRACE)
-          written[record] = value
-        end
+        write_lease(KEYS[first], first - n, n, arg, grant, member, written)
       end
       first, extra = first + 1, extra + 1
     end

@@ -109,151 +109,33 @@ pub enum ServeError {
 }
 
 /// Serves gRPC and admin HTTP until `shutdown` completes, then stops
-/// accepting, lets in-flight requests finish and returns.
+/// accepting, lets in-flight requests finish and returns. The steps, in
+/// order: check the settings against the bound ports, open the limits and
+/// the stores, start the background loops, serve the admin port, become
+/// ready once the store answers, serve gRPC, and shut down within the
+/// grace period.
 pub async fn run(
     config: ServeConfig,
     listeners: Listeners,
     clock: Arc<dyn Clock>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    config
-        .admin_access
-        .validate(listeners.admin.local_addr()?)
-        .map_err(ServeError::Admin)?;
+    let tls = check(&config, &listeners)?;
     crate::telemetry::metrics::handle(); // install the recorder before the first count
     crate::telemetry::metrics::runtime(crate::runtime::lifo_slot());
-    let tls = config
-        .tls
-        .files()
-        .map_err(ServeError::Tls)?
-        .as_ref()
-        .map(TlsFiles::config)
-        .transpose()?;
-    let table = LimitsTable::open(&config.limits).await?;
-    let limits = Arc::new(LiveLimits::load(&table, config.max_limit_rows).await?);
-    let envoy_config = Arc::new(match &config.envoy_config {
-        Some(dir) => LiveEnvoyConfig::load(dir)?,
-        None => LiveEnvoyConfig::empty(),
-    });
-    let backend = Backend::build(&config.backend(), &clock)?;
-    let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
-    let engine = Arc::new(backend.engine(clock.clone(), top.clone(), config.unmatched));
-    let store = backend.handle();
-
-    // Every task stops when `shutdown` completes, or when the gRPC server
-    // itself ends.
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_tx = Arc::new(stop_tx);
-    let streams_stop = stop_rx.clone();
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|stop| *stop).await;
-        }
-    };
-    let trigger = stop_tx.clone();
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = trigger.send(true);
-    });
-
-    let envoy_watcher = tokio::spawn(crate::api::envoy::watch(
-        envoy_config.clone(),
-        config.reload_interval,
-        stopped(),
-    ));
-    let watcher = spawn_watch(
-        limits.clone(),
-        table.clone(),
-        config.reload_interval,
-        stopped(),
-    )?;
-    let sweeper = backend.spawn_sweeper(config.sweep_interval, stopped());
-
+    let parts = Parts::open(&config, &clock).await?;
+    let stop = Stop::on(shutdown);
+    let background = Background::spawn(&config, &parts, &stop)?;
     let grpc_addr = listeners.grpc.local_addr()?;
-    let admin_addr = listeners.admin.local_addr()?;
     let in_flight = InFlightCap::new(config.grpc_limits.max_requests_in_flight);
-    let admin_state = Arc::new(AdminState {
-        limits: limits.clone(),
-        store: store.clone(),
-        top: top.clone(),
-        envoy_status: {
-            let envoy = envoy_config.clone();
-            Box::new(move || serde_json::json!(envoy.status()))
-        },
-        ready: Default::default(),
-        rates: Default::default(),
-        table: table.clone(),
-        access: config.admin_access.clone(),
-        grpc_in_flight: in_flight.clone(),
-    });
-    let sampler = spawn_sampler(admin_state.clone(), engine.clone(), stopped());
-    let limits_of_ports = config.grpc_limits;
-    ensure_file_descriptors(limits_of_ports.max_connections + ADMIN_MAX_CONNECTIONS);
-    let admin_acceptor = Acceptor::new(
-        listeners.admin,
-        "admin",
-        ConnectionLimits {
-            max_connections: ADMIN_MAX_CONNECTIONS,
-            max_per_peer: ADMIN_MAX_CONNECTIONS / 2,
-            handshake: Handshake::Request,
-            handshake_timeout: HANDSHAKE_TIMEOUT,
-            idle_timeout: limits_of_ports.idle_timeout,
-            tcp_keepalive: limits_of_ports.tcp_keepalive(),
-        },
-    );
-    let admin_server = axum::serve(
-        admin_acceptor,
-        admin::router(admin_state.clone())
-            .layer(InFlightLayer::uncapped())
-            .into_make_service_with_connect_info::<ConnectionHandle>(),
-    )
-    .with_graceful_shutdown(stopped());
-    let admin_task = tokio::spawn(async move { admin_server.await });
-
-    // Not ready (health NOT_SERVING, /readyz 503) until the store answers;
-    // a Redis that is down at start-up is retried with backoff meanwhile.
+    let admin = serve_admin(&config, &parts, listeners.admin, in_flight.clone(), &stop)?;
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_service_status("", ServingStatus::NotServing)
-        .await;
-    health
-        .set_not_serving::<RateLimiterServer<RateLimiterService>>()
-        .await;
-    let readiness = tokio::spawn(become_ready(
-        store,
-        health.clone(),
-        admin_state.clone(),
-        stopped(),
-    ));
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("the embedded descriptor sets are valid");
-    let envoy = RateLimitServiceServer::new(EnvoyRateLimitService::new(
-        engine.clone(),
-        envoy_config,
-        config.envoy_options,
-    ))
-    .max_decoding_message_size(config.grpc_limits.max_message_bytes);
-    let admin_grpc = AdminServer::new(AdminService::new(
-        top.clone(),
-        limits.clone(),
-        table.fingerprint(),
-    ));
-    let native = RateLimiterServer::new(
-        RateLimiterService::new(engine, limits.clone())
-            .with_shutdown(streams_stop)
-            .with_first_message_deadline(config.grpc_limits.request_timeout),
-    )
-    .max_decoding_message_size(config.grpc_limits.max_message_bytes);
-
+    let readiness = start_readiness(&parts, &health, &admin.state, &stop).await;
     tracing::info!(
         grpc = %grpc_addr,
-        admin = %admin_addr,
+        admin = %admin.addr,
         store = %config.store.describe(),
-        limits = %table.location(),
+        limits = %parts.table.location(),
         "tollgate listening"
     );
     if !crate::runtime::CAN_TURN_OFF_LIFO_SLOT {
@@ -263,11 +145,310 @@ pub async fn run(
              from the repository, whose .cargo/config.toml sets it, or add it to RUSTFLAGS"
         );
     }
+    let served = serve_grpc(
+        &config,
+        &parts,
+        listeners.grpc,
+        tls,
+        in_flight,
+        health_service,
+        &stop,
+    )?;
+    // At shutdown the server stops accepting, sends GOAWAY and lets calls
+    // in flight finish; what is still open after the grace period (an idle
+    // connection that never sent a request, a request half sent) is closed
+    // by dropping it, so the process always exits. One deadline for both
+    // ports: the grace counts from the moment the shutdown begins.
+    let grace = config.shutdown_grace;
+    let deadline = GraceDeadline::after(stop.stopped(), grace);
+    let grpc_past_grace = deadline.passed();
+    tokio::pin!(served, grpc_past_grace);
+    let served = tokio::select! {
+        served = &mut served => served,
+        () = &mut grpc_past_grace => {
+            tracing::warn!(?grace, "gRPC connections still open after the shutdown grace period; closing them");
+            Ok(())
+        }
+    };
+    admin.state.ready.set_stopping();
+    stop.now();
+    health
+        .set_not_serving::<RateLimiterServer<RateLimiterService>>()
+        .await;
+    // The admin port's connections have what is left of the same grace.
+    let admin_abort = admin.task.abort_handle();
+    tokio::select! {
+        _ = admin.task => {}
+        () = deadline.passed() => {
+            tracing::warn!(
+                ?grace,
+                "admin connections still open after the shutdown grace period; closing them"
+            );
+            admin_abort.abort();
+        }
+    }
+    background.join().await;
+    let _ = readiness.await;
+    let _ = admin.sampler.await;
+    parts.table.close().await;
+    tracing::info!("tollgate stopped");
+    served.map_err(Into::into)
+}
+
+/// Refuses settings that would open the admin port by accident, and reads
+/// the TLS files of the gRPC port.
+fn check(
+    config: &ServeConfig,
+    listeners: &Listeners,
+) -> Result<Option<tonic::transport::ServerTlsConfig>, ServeError> {
+    config
+        .admin_access
+        .validate(listeners.admin.local_addr()?)
+        .map_err(ServeError::Admin)?;
+    config
+        .tls
+        .files()
+        .map_err(ServeError::Tls)?
+        .as_ref()
+        .map(TlsFiles::config)
+        .transpose()
+}
+
+/// What the server is made of: the limits and the Envoy configuration in
+/// force, the stores and the engine deciding with them.
+struct Parts {
+    table: LimitsTable,
+    limits: Arc<LiveLimits>,
+    envoy_config: Arc<LiveEnvoyConfig>,
+    backend: Backend,
+    store: StoreHandle,
+    top: Arc<TopLimited>,
+    engine: Arc<Engine>,
+}
+
+impl Parts {
+    async fn open(config: &ServeConfig, clock: &Arc<dyn Clock>) -> Result<Self, ServeError> {
+        let table = LimitsTable::open(&config.limits).await?;
+        let limits = Arc::new(LiveLimits::load(&table, config.max_limit_rows).await?);
+        let envoy_config = Arc::new(match &config.envoy_config {
+            Some(dir) => LiveEnvoyConfig::load(dir)?,
+            None => LiveEnvoyConfig::empty(),
+        });
+        let backend = Backend::build(&config.backend(), clock)?;
+        let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
+        let engine = Arc::new(backend.engine(clock.clone(), top.clone(), config.unmatched));
+        let store = backend.handle();
+        Ok(Self {
+            table,
+            limits,
+            envoy_config,
+            backend,
+            store,
+            top,
+            engine,
+        })
+    }
+}
+
+/// The shutdown signal every task waits for: set when `shutdown`
+/// completes, or when the gRPC server itself ends.
+#[derive(Clone)]
+struct Stop(Arc<watch::Sender<bool>>);
+
+impl Stop {
+    fn on(shutdown: impl Future<Output = ()> + Send + 'static) -> Self {
+        let stop = Self(Arc::new(watch::channel(false).0));
+        let trigger = stop.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            trigger.now();
+        });
+        stop
+    }
+
+    /// Stops every task now.
+    fn now(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// Completes once stopping has begun.
+    fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.0.subscribe();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    }
+
+    /// The signal as a watch, for services that end their streams.
+    fn watch(&self) -> watch::Receiver<bool> {
+        self.0.subscribe()
+    }
+}
+
+/// The loops that run beside the traffic: the limits watcher, the Envoy
+/// configuration's reloads, and the stores' sweeper.
+struct Background {
+    limits: tokio::sync::oneshot::Receiver<()>,
+    envoy: tokio::task::JoinHandle<()>,
+    sweeper: tokio::task::JoinHandle<()>,
+}
+
+impl Background {
+    fn spawn(config: &ServeConfig, parts: &Parts, stop: &Stop) -> Result<Self, ServeError> {
+        let envoy = tokio::spawn(crate::api::envoy::watch(
+            parts.envoy_config.clone(),
+            config.reload_interval,
+            stop.stopped(),
+        ));
+        let limits = spawn_watch(
+            parts.limits.clone(),
+            parts.table.clone(),
+            config.reload_interval,
+            stop.stopped(),
+        )?;
+        let sweeper = parts
+            .backend
+            .spawn_sweeper(config.sweep_interval, stop.stopped());
+        Ok(Self {
+            limits,
+            envoy,
+            sweeper,
+        })
+    }
+
+    async fn join(self) {
+        let _ = self.limits.await;
+        let _ = self.envoy.await;
+        let _ = self.sweeper.await;
+    }
+}
+
+/// The admin port, served.
+struct Admin {
+    addr: SocketAddr,
+    state: Arc<AdminState>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    sampler: tokio::task::JoinHandle<()>,
+}
+
+/// Serves the admin port (and samples the decision rates it shows).
+fn serve_admin(
+    config: &ServeConfig,
+    parts: &Parts,
+    listener: TcpListener,
+    grpc_in_flight: InFlightCap,
+    stop: &Stop,
+) -> Result<Admin, ServeError> {
+    let addr = listener.local_addr()?;
+    let state = Arc::new(AdminState {
+        limits: parts.limits.clone(),
+        store: parts.store.clone(),
+        top: parts.top.clone(),
+        envoy_status: {
+            let envoy = parts.envoy_config.clone();
+            Box::new(move || serde_json::json!(envoy.status()))
+        },
+        ready: Default::default(),
+        rates: Default::default(),
+        table: parts.table.clone(),
+        access: config.admin_access.clone(),
+        grpc_in_flight,
+    });
+    let sampler = spawn_sampler(state.clone(), parts.engine.clone(), stop.stopped());
+    let ports = config.grpc_limits;
+    ensure_file_descriptors(ports.max_connections + ADMIN_MAX_CONNECTIONS);
+    let acceptor = Acceptor::new(
+        listener,
+        "admin",
+        ConnectionLimits {
+            max_connections: ADMIN_MAX_CONNECTIONS,
+            max_per_peer: ADMIN_MAX_CONNECTIONS / 2,
+            handshake: Handshake::Request,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+            idle_timeout: ports.idle_timeout,
+            tcp_keepalive: ports.tcp_keepalive(),
+        },
+    );
+    let server = axum::serve(
+        acceptor,
+        admin::router(state.clone())
+            .layer(InFlightLayer::uncapped())
+            .into_make_service_with_connect_info::<ConnectionHandle>(),
+    )
+    .with_graceful_shutdown(stop.stopped());
+    let task = tokio::spawn(async move { server.await });
+    Ok(Admin {
+        addr,
+        state,
+        task,
+        sampler,
+    })
+}
+
+/// Reports the service not serving (health NOT_SERVING, /readyz 503) until
+/// the store answers; a Redis that is down at start-up is retried with
+/// backoff meanwhile.
+async fn start_readiness(
+    parts: &Parts,
+    health: &HealthReporter,
+    admin: &Arc<AdminState>,
+    stop: &Stop,
+) -> tokio::task::JoinHandle<()> {
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    health
+        .set_not_serving::<RateLimiterServer<RateLimiterService>>()
+        .await;
+    tokio::spawn(become_ready(
+        parts.store.clone(),
+        health.clone(),
+        admin.clone(),
+        stop.stopped(),
+    ))
+}
+
+/// The gRPC server on `listener`, bounded by `config`'s gRPC limits:
+/// Tollgate's API, Envoy's, the admin service, health and reflection.
+/// Completes when stopping has begun and its calls have finished.
+fn serve_grpc(
+    config: &ServeConfig,
+    parts: &Parts,
+    listener: TcpListener,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    in_flight: InFlightCap,
+    health_service: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    stop: &Stop,
+) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError> {
+    let limits = config.grpc_limits;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the embedded descriptor sets are valid");
+    let envoy = RateLimitServiceServer::new(EnvoyRateLimitService::new(
+        parts.engine.clone(),
+        parts.envoy_config.clone(),
+        config.envoy_options,
+    ))
+    .max_decoding_message_size(limits.max_message_bytes);
+    let admin_grpc = AdminServer::new(AdminService::new(
+        parts.top.clone(),
+        parts.limits.clone(),
+        parts.table.fingerprint(),
+    ));
+    let native = RateLimiterServer::new(
+        RateLimiterService::new(parts.engine.clone(), parts.limits.clone())
+            .with_shutdown(stop.watch())
+            .with_first_message_deadline(limits.request_timeout),
+    )
+    .max_decoding_message_size(limits.max_message_bytes);
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
-    let limits = config.grpc_limits;
     tracing::info!(
         max_connections = limits.max_connections,
         max_requests_in_flight = limits.max_requests_in_flight,
@@ -275,7 +456,7 @@ pub async fn run(
         "gRPC connections and requests bounded"
     );
     let acceptor = Acceptor::new(
-        listeners.grpc,
+        listener,
         "grpc",
         ConnectionLimits {
             max_connections: limits.max_connections,
@@ -286,7 +467,7 @@ pub async fn run(
             tcp_keepalive: limits.tcp_keepalive(),
         },
     );
-    let served = builder
+    Ok(builder
         .tcp_nodelay(true)
         .max_concurrent_streams(limits.max_concurrent_streams)
         .concurrency_limit_per_connection(limits.connection_concurrency)
@@ -304,54 +485,11 @@ pub async fn run(
         .add_service(reflection)
         .add_service(crate::api::frames::SkipOversized::new(
             native,
-            config.grpc_limits.max_message_bytes,
+            limits.max_message_bytes,
         ))
         .add_service(envoy)
         .add_service(admin_grpc)
-        .serve_with_incoming_shutdown(acceptor.into_stream(), stopped());
-    // At shutdown the server stops accepting, sends GOAWAY and lets calls
-    // in flight finish; what is still open after the grace period (an idle
-    // connection that never sent a request, a request half sent) is closed
-    // by dropping it, so the process always exits.
-    // One deadline for both ports: the grace counts from the moment the
-    // shutdown begins.
-    let grace = config.shutdown_grace;
-    let deadline = GraceDeadline::after(stopped(), grace);
-    let grpc_past_grace = deadline.passed();
-    tokio::pin!(served, grpc_past_grace);
-    let served = tokio::select! {
-        served = &mut served => served,
-        () = &mut grpc_past_grace => {
-            tracing::warn!(?grace, "gRPC connections still open after the shutdown grace period; closing them");
-            Ok(())
-        }
-    };
-    admin_state.ready.set_stopping();
-    let _ = stop_tx.send(true);
-    health
-        .set_not_serving::<RateLimiterServer<RateLimiterService>>()
-        .await;
-
-    // The admin port's connections have what is left of the same grace.
-    let admin_abort = admin_task.abort_handle();
-    tokio::select! {
-        _ = admin_task => {}
-        () = deadline.passed() => {
-            tracing::warn!(
-                ?grace,
-                "admin connections still open after the shutdown grace period; closing them"
-            );
-            admin_abort.abort();
-        }
-    }
-    let _ = watcher.await;
-    let _ = envoy_watcher.await;
-    let _ = sweeper.await;
-    let _ = readiness.await;
-    let _ = sampler.await;
-    table.close().await;
-    tracing::info!("tollgate stopped");
-    served.map_err(Into::into)
+        .serve_with_incoming_shutdown(acceptor.into_stream(), stop.stopped()))
 }
 
 /// Every second until `stop` completes: samples the decision rates, and

@@ -124,7 +124,7 @@ impl BucketKind {
 ///
 /// As small as the name alone was (24 bytes): a million buckets in memory
 /// pay for nothing else. Offsets are 16-bit: the engine bounds names to
-/// [`crate::engine::caps::MAX_BUCKET_BYTES`].
+/// `MAX_BUCKET_BYTES` (`tollgate_engine::engine::caps`).
 #[derive(Clone)]
 pub struct BucketKey {
     name: Box<str>,
