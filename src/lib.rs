@@ -21,6 +21,47 @@
 //! re-exports the store's vocabulary ([`engine::vocabulary`]) and gives the
 //! admin wing a status handle ([`engine::backend::StoreHandle`]). `proto`
 //! is the wire contract. The load tool lives in its own crate, `bench/`.
+//!
+//! A server on free loopback ports, with its limits table in a temporary
+//! directory, asked over gRPC the way any caller would:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tollgate::clock::SystemClock;
+//! use tollgate::proto::v1::ShouldAllowRequest;
+//! use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
+//! use tollgate::server::{self, Listeners, ServeConfig};
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let dir = tempfile::tempdir().unwrap();
+//! let config = ServeConfig {
+//!     limits: dir.path().join("limits.db").display().to_string(),
+//!     ..ServeConfig::default()
+//! };
+//! let any = "127.0.0.1:0".parse().unwrap();
+//! let listeners = Listeners::bind(any, any).await.unwrap();
+//! let address = format!("http://{}", listeners.grpc.local_addr().unwrap());
+//! let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+//! let serving = tokio::spawn(server::run(config, listeners, Arc::new(SystemClock), async {
+//!     let _ = stopped.await;
+//! }));
+//! let mut client = loop {
+//!     match RateLimiterClient::connect(address.clone()).await {
+//!         Ok(client) => break client,
+//!         Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+//!     }
+//! };
+//! let ask = ShouldAllowRequest { key: "alice".into(), tenant: "acme".into(), ..Default::default() };
+//! let answer = client.should_allow(ask).await.unwrap().into_inner();
+//! // The seeded default row: 600 a minute per key, bursts of 30.
+//! assert!(answer.allowed);
+//! assert_eq!((answer.remaining, answer.limit), (29, 30));
+//! assert_eq!(answer.limit_name, "default-per-key");
+//! drop(client);
+//! stop.send(()).unwrap();
+//! serving.await.unwrap().unwrap();
+//! # });
+//! ```
 
 pub use tollgate_engine::{algorithm, clock, engine, limits, telemetry};
 

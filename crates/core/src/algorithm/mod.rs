@@ -11,6 +11,28 @@
 //! This file holds the shared vocabulary: rates, limits, verdicts, charges,
 //! and the [`Op`]s a set of charges can be applied with.
 //!
+//! ```
+//! use tollgate_core::algorithm::{Limit, token_bucket};
+//!
+//! // 600 a minute with bursts of 30: one token every 100 ms.
+//! let limit = Limit::new(30, "600/minute".parse().unwrap()).unwrap();
+//! let mut state = None;
+//! for _ in 0..30 {
+//!     let (verdict, next) = token_bucket::decide(state, &limit, 1, 0).unwrap();
+//!     assert!(verdict.allowed);
+//!     state = Some(next);
+//! }
+//! // The 31st at the same instant waits exactly one refill interval...
+//! let (refused, _) = token_bucket::decide(state, &limit, 1, 0).unwrap();
+//! assert!(!refused.allowed);
+//! assert_eq!(refused.retry_after, 100_000);
+//! // ...and is admitted once it has passed, not a microsecond sooner.
+//! let (early, _) = token_bucket::decide(state, &limit, 1, 99_999).unwrap();
+//! assert!(!early.allowed);
+//! let (on_time, _) = token_bucket::decide(state, &limit, 1, 100_000).unwrap();
+//! assert!(on_time.allowed);
+//! ```
+//!
 //! ## Debt
 //!
 //! A limit may allow debt ([`Limit::with_debt`]): usage charged after the

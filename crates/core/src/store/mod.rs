@@ -14,6 +14,35 @@
 //! layers ([`deny_cache`], [`fallback`], [`slices`]; each a
 //! [`layer::Wrapper`] that overrides only what it changes), composed in one
 //! place.
+//!
+//! A decision on two buckets, all or nothing: a key's bucket and its
+//! tenant's ceiling. When the ceiling refuses, the key's bucket is not
+//! spent either.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tollgate_core::algorithm::{Charge, Limit, Op};
+//! use tollgate_core::clock::ManualClock;
+//! use tollgate_core::store::{BucketKey, BucketKind, MemoryStore};
+//!
+//! let store = MemoryStore::new(Arc::new(ManualClock::new(0)), 1_000);
+//! let per_key = Limit::new(10, "10/second".parse().unwrap()).unwrap();
+//! let ceiling = Limit::new(1, "1/second".parse().unwrap()).unwrap();
+//! let buckets = [
+//!     BucketKey::new("acme", BucketKind::KEY, "", "alice"),
+//!     BucketKey::new("acme", BucketKind::TENANT, "", ""),
+//! ];
+//! let charges = [Charge::new(per_key, 1), Charge::new(ceiling, 1)];
+//!
+//! let first = store.apply_now(&buckets, &charges, Op::SPEND).unwrap();
+//! assert!(first.allowed);
+//! assert_eq!(first.verdicts[0].remaining, 9);
+//!
+//! let second = store.apply_now(&buckets, &charges, Op::SPEND).unwrap();
+//! assert!(!second.allowed, "the ceiling holds no token");
+//! // Nothing was spent from the key's bucket: it still holds 9.
+//! assert_eq!(second.verdicts[0].remaining, 9);
+//! ```
 
 pub mod breaker;
 pub mod deny_cache;

@@ -17,6 +17,63 @@
 //! 4. per item, pick the tightest bucket and classify the outcome;
 //! 5. record metrics, the top-limited sketch and the span's outcome;
 //! 6. build the `RateLimit-*` / `Retry-After` header values.
+//!
+//! A wing's whole part, in short: a demand of one item and one line, decided
+//! three times against a bucket of two.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use tollgate_engine::algorithm::{Limit, Op};
+//! use tollgate_engine::clock::{Clock, ManualClock};
+//! use tollgate_engine::engine::backend::{Backend, BackendOptions};
+//! use tollgate_engine::engine::{
+//!     Allowance, Api, BucketKey, BucketKind, Demand, Item, Line, OnStoreUnavailable,
+//!     OverCapacity, Unmatched,
+//! };
+//! use tollgate_engine::telemetry::top::TopLimited;
+//!
+//! let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(0));
+//! let options = BackendOptions {
+//!     redis: None,
+//!     redis_uses_clock: false,
+//!     max_buckets: 1_000,
+//!     max_bucket_bytes: 1 << 20,
+//!     max_records: 1_000,
+//!     max_records_per_tenant: None,
+//!     local_fraction: 1.0,
+//!     deny_retry_after: 1_000_000,
+//!     deny_cache: false,
+//!     token_slices: false,
+//! };
+//! let backend = Backend::build(&options, &clock).unwrap();
+//! let top = Arc::new(TopLimited::new(16, Duration::from_secs(60), clock.clone()));
+//! let engine = backend.engine(clock, top, Unmatched::Allow);
+//! // Two at once, then one a second.
+//! let limit = Limit::new(2, "1/second".parse().unwrap()).unwrap();
+//! let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+//! let mut answers = Vec::new();
+//! for _ in 0..3 {
+//!     let mut demand = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+//!     demand.items.push(Item::new("acme", "", "alice", 1));
+//!     demand.lines.push(Line {
+//!         item: 0,
+//!         bucket: BucketKey::new("acme", BucketKind::KEY, "", "alice"),
+//!         allowance: Allowance::Limited(limit),
+//!         enforce: true,
+//!         on_store_unavailable: OnStoreUnavailable::Allow,
+//!         label: "per-key",
+//!     });
+//!     let span = tracing::Span::none();
+//!     answers.push(runtime.block_on(engine.decide(&mut demand, &span)).unwrap());
+//! }
+//! assert!(answers[0].allowed && answers[1].allowed);
+//! let refused = &answers[2];
+//! assert!(!refused.allowed);
+//! assert_eq!(refused.retry_after, 1_000_000, "exactly one refill interval");
+//! let headers = refused.headers.unwrap();
+//! assert_eq!((headers.limit, headers.remaining, headers.retry_after), (2, 0, Some(1)));
+//! ```
 
 pub mod backend;
 pub mod caps;
