@@ -538,3 +538,131 @@ async fn token_counters_count_what_was_applied_and_settle_echoes_the_actual() {
     assert_eq!(s.actual, u64::MAX);
     assert_eq!(s.status(), SettleStatus::Settled);
 }
+
+/// Reserves and settles racing over three instances on one key: 3 × 4
+/// callers, each reserving on one instance and settling on the next, with
+/// actual costs below, at and above the estimate. The bucket's consumption
+/// is the sum of the actual costs the settles report, exactly (the rule's
+/// refill of two tokens an hour adds less than a token during the test,
+/// and whole tokens are reported). Then one reservation settled by nine callers
+/// at once, three per instance: settled once, the other eight told it was
+/// already settled at the first settle's cost, and the bucket charged once.
+async fn reserves_and_settles_race_over_three_instances(url: String) {
+    // A million tokens refilled at two an hour (a limit must refill within
+    // a century): under a token of refill while the test runs.
+    let mut per_key = row("race-key", "race", "", "key", 1_000_000, "2/hour");
+    per_key.debt = 100_000;
+    let rules = vec![per_key];
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        let url = url.clone();
+        instances.push(
+            TestServer::launch(Some(&rules), move |c| {
+                c.store = StoreSpec::Redis(url);
+                c.store_timeout = Duration::from_secs(2);
+            })
+            .await,
+        );
+    }
+    let mut clients = Vec::new();
+    for i in &instances {
+        clients.push(i.client().await);
+    }
+    let request = |estimate: u64| ReserveRequest {
+        tenant: "race".into(),
+        ..reserve("k", estimate, Some(Duration::from_secs(600)))
+    };
+    let mut tasks = Vec::new();
+    for t in 0..12u64 {
+        let (mut here, mut there) = (
+            clients[t as usize % 3].clone(),
+            clients[(t as usize + 1) % 3].clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut settled = 0u64;
+            for j in 0..20u64 {
+                let estimate = 10 + (t * 7 + j) % 20;
+                // 0 to 39: refunds, exact settles and excesses alike.
+                let actual = (t * 13 + j * 5) % 40;
+                let r = here.reserve(request(estimate)).await.unwrap().into_inner();
+                assert!(
+                    !r.reservation.is_empty(),
+                    "reserve {t}/{j} was recorded: {r:?}"
+                );
+                let s = there
+                    .settle(settle(&r.reservation, actual))
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!(s.status, SettleStatus::Settled as i32);
+                assert_eq!((s.estimate, s.actual), (estimate, actual));
+                assert_eq!(
+                    (s.refunded, s.charged),
+                    (
+                        estimate.saturating_sub(actual),
+                        actual.saturating_sub(estimate)
+                    )
+                );
+                settled += s.actual;
+            }
+            settled
+        }));
+    }
+    let mut consumed = 0;
+    for task in tasks {
+        consumed += task.await.unwrap();
+    }
+    let mut asked = req("race", "k");
+    asked.dry_run = true;
+    // A dry run answers what a request of one token would leave.
+    let left = ask(&mut clients[0], asked.clone()).await.remaining + 1;
+    assert_eq!(
+        1_000_000 - left,
+        consumed,
+        "the bucket spent exactly what the settles reported"
+    );
+
+    let r = clients[1].reserve(request(50)).await.unwrap().into_inner();
+    let mut racers = Vec::new();
+    for n in 0..9 {
+        let mut client = clients[n % 3].clone();
+        let token = r.reservation.clone();
+        racers.push(tokio::spawn(async move {
+            client
+                .settle(settle(&token, 70 + n as u64))
+                .await
+                .unwrap()
+                .into_inner()
+        }));
+    }
+    let mut answers = Vec::new();
+    for racer in racers {
+        answers.push(racer.await.unwrap());
+    }
+    let firsts: Vec<_> = answers
+        .iter()
+        .filter(|s| s.status == SettleStatus::Settled as i32)
+        .collect();
+    assert_eq!(firsts.len(), 1, "settled exactly once: {answers:?}");
+    let first = firsts[0].actual;
+    for s in &answers {
+        assert_eq!(
+            s.actual, first,
+            "every answer gives the first settle's cost"
+        );
+    }
+    let now_left = ask(&mut clients[2], asked).await.remaining + 1;
+    assert_eq!(left - now_left, first, "the bucket was charged once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserves_and_settles_race_over_three_instances_on_redis() {
+    let redis = RedisServer::start();
+    reserves_and_settles_race_over_three_instances(redis.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserves_and_settles_race_over_three_instances_on_a_cluster() {
+    let cluster = common::redis::RedisCluster::start();
+    reserves_and_settles_race_over_three_instances(cluster.url()).await;
+}
