@@ -253,13 +253,31 @@ async fn envoy_charges_reported_usage_exactly_across_three_instances() {
 
     // A user in debt recovers once the refill covers it: 25 tokens on a
     // bucket of 10 leave a debt of 15; one token more (16 at 10 a second)
-    // is 1.6 s away, which Retry-After rounds up to 2.
+    // is 1.6 s after the charge. Retry-After is that wait as of the instant
+    // Tollgate decided (between `before` and `after` on Redis's clock),
+    // rounded up to whole seconds: exactly, not "1 or 2".
     assert_eq!(ask(port, "tiny", 25).await.status, 200);
     charges_landed(&servers, served + 25).await;
+    let before = redis_now(&mut conn);
     let r = ask(port, "tiny", 1).await;
+    let after = redis_now(&mut conn);
     assert_eq!(r.status, 429);
     let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
-    assert!(retry == 1 || retry == 2, "Retry-After {retry}");
+    const TINY_INTERVAL: u64 = 100_000;
+    const TINY_BURST: u64 = 10;
+    let value: String = redis::cmd("GET")
+        .arg("tollgate:{~llm}:e:token_bucket:user_tiny")
+        .query(&mut conn)
+        .unwrap();
+    let full: u64 = value.split(':').next().unwrap().parse().unwrap();
+    let wait_from =
+        |t: u64| (full - t - TINY_BURST * TINY_INTERVAL + TINY_INTERVAL).div_ceil(1_000_000);
+    assert!(
+        (wait_from(after)..=wait_from(before)).contains(&retry),
+        "Retry-After {retry} s, not within {}..={}",
+        wait_from(after),
+        wait_from(before)
+    );
     tokio::time::sleep(Duration::from_secs(retry)).await;
     let r = ask(port, "tiny", 3).await;
     assert_eq!(r.status, 200, "the debt is paid off after Retry-After");
