@@ -25,8 +25,9 @@ use tollgate_core::store::layer::Layer;
 use tollgate_core::store::stack::{Layers, build};
 use tollgate_core::store::{Attachment, BucketKind, Request};
 use tollgate_core::store::{
-    BucketKey, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore, RedisConfig, RedisStore,
-    Reservation, ReservationId, SettleStatus, Store, StoreError,
+    BucketKey, Lease, LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, PingFuture,
+    RedisConfig, RedisStore, Reservation, ReservationId, SettleFuture, SettleStatus, Store,
+    StoreError, StoreFuture, StoreStatus,
 };
 
 /// Instances sharing one backend, each with its own stack.
@@ -56,7 +57,68 @@ fn redis_backend(url: String, clock: &Arc<ManualClock>, spread: bool) -> Arc<dyn
     Arc::new(RedisStore::new(config, Some(clock)).unwrap())
 }
 
+/// A backend whose calls take time, as a round trip to Redis does: the
+/// clock moves `step` on the way to the backend and `step` again on the way
+/// back, so the backend decides between the call's sending and its answer's
+/// arrival. Whatever the slices derive from a take must count from its
+/// sending: counted from the answer, a slice's tokens would be held one
+/// way's `step` longer than the store's bucket allows.
+struct Slow {
+    inner: Arc<dyn Store>,
+    clock: Arc<ManualClock>,
+    step: Duration,
+}
+
+impl Store for Slow {
+    fn apply<'a>(&'a self, request: Request<'a>) -> StoreFuture<'a> {
+        Box::pin(async move {
+            self.clock.advance(self.step);
+            let decided = self.inner.apply(request).await;
+            self.clock.advance(self.step);
+            decided
+        })
+    }
+
+    fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
+        self.inner.settle(id, actual)
+    }
+
+    fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
+        self.inner.lease(id, op)
+    }
+
+    fn ping(&self) -> PingFuture<'_> {
+        self.inner.ping()
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn status(&self) -> StoreStatus {
+        self.inner.status()
+    }
+}
+
 impl Fleet {
+    /// `n` sliced instances on one in-process store whose every call takes
+    /// `step` of the clock.
+    fn slow(n: usize, step: Duration) -> Self {
+        let clock = Arc::new(ManualClock::new(T0));
+        let memory: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 100_000));
+        let store: Arc<dyn Store> = Arc::new(Slow {
+            inner: memory,
+            clock: clock.clone(),
+            step,
+        });
+        Self {
+            instances: (0..n).map(|_| stack(store.clone(), &clock, true)).collect(),
+            clock,
+            _redis: None,
+            _cluster: None,
+        }
+    }
+
     fn memory(n: usize, slices: bool) -> Self {
         let clock = Arc::new(ManualClock::new(T0));
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 100_000));
@@ -424,6 +486,142 @@ async fn admit(
         admitted += u64::from(decide_on(instance, &buckets, &charges).await.unwrap().0);
     }
     admitted
+}
+
+/// What a take leaves usable is counted from when the take was sent, not
+/// from when its answer came: with every store call taking 400 µs of the
+/// clock each way (eight refills of the ceiling), three sliced instances
+/// under the hot tenant's load still admit nothing an exact bucket would
+/// refuse.
+#[tokio::test]
+async fn slices_count_from_when_a_take_was_sent() {
+    let slow = Fleet::slow(3, Duration::from_micros(400));
+    let run = hot_tenant(&slow, STEPS, SEED).await;
+    assert!(
+        run.admitted > CEILING_BURST,
+        "the ceiling refilled and was taken again"
+    );
+}
+
+/// Where it shows: one sliced instance whose store calls take 30 ms each
+/// way (three refills of the ceiling) takes ever larger slices from a
+/// nearly full bucket, where what a slice may still use is bounded by the
+/// take's debt; the moment it has taken one, a second instance, whose calls
+/// take no time, takes everything the store holds; then the first spends
+/// every token it still holds. Replayed against an exact bucket, every
+/// admission passes: held plus stored never exceeded the burst. (Counted
+/// from a take's answer instead of its sending, a slice would be held one
+/// round trip too long: six tokens the bucket does not have.)
+#[tokio::test]
+async fn held_and_stored_never_exceed_the_burst_when_calls_take_time() {
+    let ceiling_limit = limit(3_200, "100/second");
+    let clock = Arc::new(ManualClock::new(T0));
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 100_000));
+    let slow: Arc<dyn Store> = Arc::new(Slow {
+        inner: memory.clone(),
+        clock: clock.clone(),
+        step: Duration::from_millis(30),
+    });
+    let sliced = stack(slow, &clock, true);
+    let direct = stack(memory, &clock, false);
+    // Decisions on the ceiling alone: one answered from a slice makes no
+    // store call, so it takes no time.
+    let spend = |instance: &Arc<dyn Layer>, cost: u64| {
+        let instance = instance.clone();
+        async move {
+            instance
+                .apply(Request {
+                    buckets: &[ceiling("rt")],
+                    charges: &[Charge::new(ceiling_limit, cost)],
+                    policies: &POLICIES[..1],
+                    op: Op::SPEND,
+                    attachment: None,
+                })
+                .await
+                .unwrap()
+                .outcome
+                .allowed
+        }
+    };
+    let mut admitted: Vec<(Micros, u64)> = Vec::new();
+    let mut spent_from_slices = 0;
+    for _ in 0..4 {
+        // The sliced instance decides until its slices have grown.
+        for _ in 0..40 {
+            if spend(&sliced, 1).await {
+                admitted.push((clock.now(), 1));
+            }
+        }
+        // The other instance takes all the store holds, at once.
+        let stored = store_balance(&direct, "rt", ceiling_limit).await;
+        assert!(spend(&direct, stored).await, "the store held {stored}");
+        admitted.push((clock.now(), stored));
+        // The sliced instance spends what it still holds, at this instant.
+        let at = clock.now();
+        for _ in 0..300 {
+            let allowed = spend(&sliced, 1).await;
+            if clock.now() != at {
+                // It asked the store: whatever came after is not held.
+                if allowed {
+                    admitted.push((clock.now(), 1));
+                }
+                break;
+            }
+            if !allowed {
+                break;
+            }
+            admitted.push((at, 1));
+            spent_from_slices += 1;
+        }
+        clock.advance(Duration::from_secs(40)); // the bucket full again
+    }
+    assert!(spent_from_slices > 0, "the slices held tokens to spend");
+    admitted.sort_by_key(|(at, _)| *at);
+    conforms(&ceiling_limit, &admitted).unwrap();
+}
+
+/// A refusal's retry-after is never early through slices: the same request
+/// asked a microsecond before it is refused, asked at it is admitted, on
+/// one instance alone (no other instance can take what the refill brings).
+async fn a_sliced_refusal_is_never_early(fleet: &Fleet) {
+    let ceiling_limit = limit(320, "100/second");
+    let key_limit = limit(1_000, "1000/second");
+    let instance = &fleet.instances[0];
+    let ask = |n: u64| {
+        let buckets = [ceiling("late"), per_key("late", &format!("k{}", n % 7))];
+        let charges = [Charge::new(ceiling_limit, 3), Charge::new(key_limit, 3)];
+        async move { decide_on(instance, &buckets, &charges).await.unwrap() }
+    };
+    let mut n = 0;
+    let retry = loop {
+        let (allowed, verdicts) = ask(n).await;
+        n += 1;
+        if !allowed {
+            break verdicts.iter().map(|v| v.retry_after).max().unwrap();
+        }
+        assert!(n < 1_000, "the ceiling refuses once spent");
+    };
+    assert!(retry > 0);
+    let refused_at = fleet.clock.now();
+    fleet.clock.set(refused_at + retry - 1);
+    let (early, verdicts) = ask(n).await;
+    assert!(!early, "admitted 1 µs before its retry-after: {verdicts:?}");
+    fleet.clock.set(refused_at + retry);
+    let (on_time, verdicts) = ask(n + 1).await;
+    assert!(
+        on_time,
+        "refused at its retry-after ({retry} µs): {verdicts:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_sliced_refusal_is_never_early_in_memory() {
+    a_sliced_refusal_is_never_early(&Fleet::memory(1, true)).await;
+}
+
+#[tokio::test]
+async fn a_sliced_refusal_is_never_early_on_redis() {
+    a_sliced_refusal_is_never_early(&Fleet::redis(1, false)).await;
 }
 
 /// An instance that dies holding a slice costs at most that slice, once:
