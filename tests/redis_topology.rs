@@ -546,6 +546,7 @@ impl Watched {
         let replica =
             RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
         let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary.port)).collect();
+        let mut watching = false;
         for _ in 0..1000 {
             let ready = sentinels.iter().all(|s| {
                 let info = redis_cli(s.port, &["SENTINEL", "MASTER", "mymaster"]);
@@ -559,6 +560,7 @@ impl Watched {
             let synced =
                 redis_cli(replica.port, &["INFO", "replication"]).contains("master_link_status:up");
             if ready && synced {
+                watching = true;
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -566,6 +568,12 @@ impl Watched {
         assert!(
             redis_cli(replica.port, &["INFO", "replication"]).contains("master_link_status:up"),
             "the replica synced with its primary within 20 s"
+        );
+        // A test that went on without it would measure a failover the
+        // Sentinels were not yet ready to make.
+        assert!(
+            watching,
+            "within 20 s every Sentinel sees the replica and the two other Sentinels"
         );
         let hosts: Vec<String> = sentinels
             .iter()
@@ -745,12 +753,18 @@ impl Sentinel {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("redis-server runs in Sentinel mode");
+        let mut answered = false;
         for _ in 0..500 {
             if redis_cli(port, &["PING"]) == "PONG" {
+                answered = true;
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        assert!(
+            answered,
+            "the Sentinel on port {port} answers PING within 5 s"
+        );
         Self {
             port,
             child,

@@ -135,12 +135,18 @@ impl TestServer {
             _dir: dir,
         };
         // Listening as soon as the admin port answers at all.
+        let mut listening = false;
         for _ in 0..500 {
             if server.http_get("/healthz").await.is_ok() {
+                listening = true;
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        assert!(
+            listening,
+            "the server's admin port answers /healthz within 5 s"
+        );
         server
     }
 
