@@ -100,7 +100,21 @@ async fn sigterm_finishes_calls_in_flight_and_refuses_new_ones() {
         let mut client = client.clone();
         async move { client.should_allow(request("in-flight")).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Signalled once the call is in service (the gauge counts it), not
+    // after a sleep that a loaded machine may outlast.
+    let mut reached = false;
+    for _ in 0..1_000 {
+        let metrics = server.admin_get("/metrics").unwrap();
+        if metrics
+            .lines()
+            .any(|l| l == "tollgate_grpc_requests_in_flight 1")
+        {
+            reached = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(reached, "the call reached the server within 10 s");
     assert!(!in_flight.is_finished());
     let pid = server.child.id();
     std::process::Command::new("kill")
