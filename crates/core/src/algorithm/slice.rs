@@ -135,6 +135,29 @@ impl State {
         self.sync(limit, now);
     }
 
+    /// Records the store's answer to a take sent at `sent` (local clock,
+    /// read before the call) and read at `now`: the bucket is full again
+    /// `reset_after` after the store decided, which was no earlier than
+    /// `sent`, so counting from `sent` ends no later than the store's own
+    /// instant. When it admitted, `tokens` more than the decision's own
+    /// cost are held, as far as the take's debt covers them. Returns the
+    /// take's `full_at`.
+    pub(crate) fn answered(
+        &mut self,
+        limit: &Limit,
+        sent: Micros,
+        reset_after: Micros,
+        tokens: u64,
+        now: Micros,
+    ) -> Micros {
+        self.sync(limit, now);
+        let full_at = sent + reset_after;
+        self.full_at = full_at;
+        self.add(Chunk { tokens, full_at });
+        self.sync(limit, now);
+        full_at
+    }
+
     /// Holds the tokens of `chunk` (dropped at the next [`Self::sync`] as
     /// far as its debt no longer covers them).
     pub(crate) fn add(&mut self, chunk: Chunk) {
@@ -374,12 +397,11 @@ mod tests {
                 let s = &mut states[who];
                 s.sync(&l, now);
                 match action {
-                    // A take, sent `latency` before the store applied it.
+                    // A take, sent `latency` before the store applied it
+                    // (and answered at once): recorded as the layer does.
                     0 => if let Some(debt) = store.spend(n, now) {
                         let sent = now.saturating_sub(latency);
-                        s.full_at = sent + debt;
-                        s.add(c(n, sent + debt));
-                        s.sync(&l, now);
+                        s.answered(&l, sent, debt, n, now);
                     },
                     1 => { let _ = s.take(n); }
                     _ => { let _ = store.spend(n, now); }

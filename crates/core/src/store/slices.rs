@@ -230,19 +230,13 @@ impl SlicesLayer {
             }
             let mut state = slot.state.lock();
             let now = clock.now();
-            state.sync(&limit, now);
-            state.full_at = sent + got.reset_after;
+            // This decision's cost was spent in the store, like any
+            // admitted decision's; the rest of the slice is held, as far as
+            // the take's debt covers it.
+            let held = if got.allowed { want - cost } else { 0 };
+            let full_at = state.answered(&limit, sent, got.reset_after, held, now);
             if got.allowed {
                 crate::telemetry::metrics::slice_taken(true);
-                // This decision's cost was spent in the store, like any
-                // admitted decision's; the rest of the slice is held, as
-                // far as the take's debt covers it.
-                let full_at = state.full_at;
-                state.add(Chunk {
-                    tokens: want - cost,
-                    full_at,
-                });
-                state.sync(&limit, now);
                 let taken = Taken::from_elem(
                     Chunk {
                         tokens: cost,
