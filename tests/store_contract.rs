@@ -27,6 +27,20 @@ struct Harness {
 }
 
 impl Harness {
+    /// Applies `charges` to `buckets` as one spending decision.
+    async fn spend(
+        &self,
+        buckets: &[BucketKey],
+        charges: &[Charge],
+    ) -> tollgate_core::store::Verdicts {
+        self.store
+            .apply(Request::new(buckets, charges, Op::SPEND))
+            .await
+            .unwrap()
+    }
+}
+
+impl Harness {
     fn memory() -> Self {
         let clock = Arc::new(ManualClock::new(T0));
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 10_000));
@@ -89,37 +103,19 @@ async fn burst_then_exact_retry_after(h: &Harness) {
     let b = [key("acme", "alice")];
     let c = [charge(5, "1/second", 1)];
     for left in (0..5).rev() {
-        let o = h
-            .store
-            .apply(Request::new(&b, &c, Op::SPEND))
-            .await
-            .unwrap();
+        let o = h.spend(&b, &c).await;
         assert!(o.allowed);
         assert_eq!(o.verdicts[0].remaining, left);
         assert_eq!(o.verdicts[0].reset_after, (5 - left) * 1_000_000);
     }
-    let o = h
-        .store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
+    let o = h.spend(&b, &c).await;
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].retry_after, 1_000_000);
     assert_eq!(o.verdicts[0].reset_after, 5_000_000);
     h.clock.advance(Duration::from_micros(999_999));
-    assert!(
-        !h.store
-            .apply(Request::new(&b, &c, Op::SPEND))
-            .await
-            .unwrap()
-            .allowed
-    );
+    assert!(!h.spend(&b, &c).await.allowed);
     h.clock.advance(Duration::from_micros(1));
-    let o = h
-        .store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
+    let o = h.spend(&b, &c).await;
     assert!(o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
 }
@@ -127,18 +123,8 @@ async fn burst_then_exact_retry_after(h: &Harness) {
 async fn all_or_nothing_across_buckets(h: &Harness) {
     let b = [key("acme", "account"), key("acme", "ip")];
     let c = [charge(10, "1/hour", 1), charge(1, "1/hour", 1)];
-    assert!(
-        h.store
-            .apply(Request::new(&b, &c, Op::SPEND))
-            .await
-            .unwrap()
-            .allowed
-    );
-    let o = h
-        .store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
+    assert!(h.spend(&b, &c).await.allowed);
+    let o = h.spend(&b, &c).await;
     assert!(!o.allowed);
     assert!(o.verdicts[0].allowed, "the account alone would pass");
     assert_eq!(o.verdicts[0].remaining, 9, "and is not charged");
@@ -185,18 +171,8 @@ async fn shadow_charges_never_reject(h: &Harness) {
             ..charge(1, "1/hour", 1)
         },
     ];
-    assert!(
-        h.store
-            .apply(Request::new(&b, &c, Op::SPEND))
-            .await
-            .unwrap()
-            .allowed
-    );
-    let o = h
-        .store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
+    assert!(h.spend(&b, &c).await.allowed);
+    let o = h.spend(&b, &c).await;
     assert!(o.allowed, "the shadow bucket is empty but never rejects");
     assert!(!o.verdicts[1].allowed);
     assert_eq!(o.verdicts[0].remaining, 8);
@@ -229,20 +205,10 @@ async fn limit_change_keeps_debt_and_clamps(h: &Harness) {
 async fn backwards_clock_creates_nothing(h: &Harness) {
     let b = [key("t", "k")];
     let c = [charge(2, "1/second", 1)];
-    h.store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
-    h.store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
+    h.spend(&b, &c).await;
+    h.spend(&b, &c).await;
     h.clock.set(T0 - 10_000_000);
-    let o = h
-        .store
-        .apply(Request::new(&b, &c, Op::SPEND))
-        .await
-        .unwrap();
+    let o = h.spend(&b, &c).await;
     assert!(!o.allowed);
     assert_eq!(o.verdicts[0].remaining, 0);
     assert_eq!(
@@ -250,13 +216,7 @@ async fn backwards_clock_creates_nothing(h: &Harness) {
         "still owed as of T0, plus the 10 s back"
     );
     h.clock.set(T0 + 1_000_000);
-    assert!(
-        h.store
-            .apply(Request::new(&b, &c, Op::SPEND))
-            .await
-            .unwrap()
-            .allowed
-    );
+    assert!(h.spend(&b, &c).await.allowed);
 }
 
 async fn five_hundred_racers_admit_exactly_one_hundred(h: &Harness) {
