@@ -132,31 +132,90 @@ async fn with_refill_never_more_than_burst_plus_rate_times_elapsed(store: &str) 
         store,
         &[&["--tenant", "flow", "--burst", "50", "--rate", "100/second"]],
     );
-    refills_within_bounds(&f, "flow", 50, |_| "hot".into()).await;
+    refills_within_bounds(&f, "flow", 50, 1, |_| "hot".into()).await;
 }
 
 /// Sprays `tenant` (burst `burst`, 100/second) and checks the admissions
-/// against what the refill allows.
-async fn refills_within_bounds(f: &Fleet, tenant: &str, burst: u64, key_of: fn(usize) -> String) {
-    let (admitted, outer, inner) = spray(f, tenant, 4, 250, key_of).await;
+/// against what the refill allows: never more than burst + rate × elapsed,
+/// and, measured where no refill can be lost to a full bucket, the refills
+/// at the full rate, within `slack` tokens.
+async fn refills_within_bounds(
+    f: &Fleet,
+    tenant: &str,
+    burst: u64,
+    slack: u64,
+    key_of: fn(usize) -> String,
+) {
+    let (admitted, outer, _) = spray(f, tenant, 4, 250, key_of).await;
     // Redis decided every request between the first send and the last
     // answer, so at most burst + elapsed / interval can have been admitted.
     let most = burst + outer / 10_000;
-    // And demand went on between the first answer and the last send, so the
-    // refills of that span went out, except while the bucket sat full with
-    // no request in flight (a stall of this shared 2-core machine), or, with
-    // slices, while an instance waited for a whole slice. Half of them is
-    // far below what a working limiter admits, and far above what one
-    // refusing refills would.
-    let least = burst + inner / 10_000 / 2;
-    eprintln!("admitted {admitted}; bounds [{least}, {most}] over {inner}..{outer} µs");
+    eprintln!("admitted {admitted}; at most {most} in {outer} µs");
     assert!(
         admitted <= most,
         "overshoot: {admitted} admitted, at most {most} allowed in {outer} µs"
     );
+    refills_at_the_full_rate(f, tenant, burst, slack, key_of).await;
+}
+
+/// Empties the bucket through one instance, waits 300 ms (30 refills at
+/// 100/second, fewer than the burst, so none is lost to a full bucket),
+/// and empties it again. Between the two refusals that end the drains the
+/// bucket gained one token per 10 ms, and the second drain admitted
+/// exactly those, less what the bucket held at each refusal (under one
+/// token; with slices, under one slice more, since an instance waits for a
+/// whole slice), hence `slack`. Bounds come from the test's own clock: the
+/// span Redis saw lies between (first refusal answered, last request sent)
+/// and (first refusal sent, last request answered). A limiter refilling at
+/// half the rate admits 15 where this asks for 29 or more.
+async fn refills_at_the_full_rate(
+    f: &Fleet,
+    tenant: &str,
+    burst: u64,
+    slack: u64,
+    key_of: fn(usize) -> String,
+) {
+    let url = format!("http://{}", f.instances[0].grpc);
+    let mut client = RateLimiterClient::connect(url).await.unwrap();
+    // (admitted, when the refusing request was sent, when it was answered)
+    let mut drain = async || {
+        let mut admitted = 0u64;
+        for i in 0..10_000 {
+            let request = ShouldAllowRequest {
+                key: key_of(1_000_000 + i),
+                cost: 1,
+                tenant: tenant.into(),
+                resource: String::new(),
+                dry_run: false,
+            };
+            let sent = Instant::now();
+            let r = client.should_allow(request).await.unwrap().into_inner();
+            assert_eq!(r.degraded, 0, "decided by Redis");
+            if !r.allowed {
+                return (admitted, sent, Instant::now());
+            }
+            admitted += 1;
+        }
+        panic!("10,000 admissions in a row from a bucket of {burst} at 100/second");
+    };
+    let (_, first_sent, first_answered) = drain().await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let (refilled, last_sent, last_answered) = drain().await;
+    let inner = last_sent
+        .saturating_duration_since(first_answered)
+        .as_micros() as u64;
+    let outer = last_answered
+        .saturating_duration_since(first_sent)
+        .as_micros() as u64;
+    // A stall longer than the burst's refill time fills the bucket: then
+    // the second drain admits at least the burst, less the slack.
+    let least = (inner / 10_000).min(burst).saturating_sub(slack);
+    let most = outer.div_ceil(10_000) + slack;
+    eprintln!("refilled {refilled}; bounds [{least}, {most}] over {inner}..{outer} µs");
     assert!(
-        admitted >= least,
-        "{admitted} admitted, expected at least {least} in {inner} µs"
+        (least..=most).contains(&refilled),
+        "{refilled} refills between two refusals {inner}..{outer} µs apart, \
+         expected [{least}, {most}] at one per 10 ms"
     );
 }
 
@@ -267,7 +326,8 @@ async fn sliced_ceiling_with_refill(store: &str) {
         ]],
         &["--token-slices", "--redis-spread-keys"],
     );
-    refills_within_bounds(&f, "sf", 64, |i| format!("k{i}")).await;
+    // A slice here is 2 tokens (a thirty-second of the burst).
+    refills_within_bounds(&f, "sf", 64, 3, |i| format!("k{i}")).await;
 }
 
 mod redis {
