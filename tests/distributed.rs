@@ -7,9 +7,11 @@ use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use common::process::{ServeProcess, tollgate};
 use common::redis::{RedisCluster, RedisServer};
+use common::refill;
 use tokio::time::Instant;
 use tollgate::proto::v1::rate_limiter_client::RateLimiterClient;
 use tollgate::proto::v1::{
@@ -159,15 +161,11 @@ async fn refills_within_bounds(
 }
 
 /// Empties the bucket through one instance, waits 300 ms (30 refills at
-/// 100/second, fewer than the burst, so none is lost to a full bucket),
-/// and empties it again. Between the two refusals that end the drains the
-/// bucket gained one token per 10 ms, and the second drain admitted
-/// exactly those, less what the bucket held at each refusal (under one
-/// token; with slices, under one slice more, since an instance waits for a
-/// whole slice), hence `slack`. Bounds come from the test's own clock: the
-/// span Redis saw lies between (first refusal answered, last request sent)
-/// and (first refusal sent, last request answered). A limiter refilling at
-/// half the rate admits 15 where this asks for 29 or more.
+/// 100/second, fewer than the burst), and empties it again: the second
+/// drain admits one token per 10 ms of the span between the refusals,
+/// within `slack` (under one token held at each refusal; with slices, a
+/// slice more, since an instance waits for a whole slice). A limiter
+/// refilling at half the rate admits 15 where this asks for about 30.
 async fn refills_at_the_full_rate(
     f: &Fleet,
     tenant: &str,
@@ -176,47 +174,25 @@ async fn refills_at_the_full_rate(
     key_of: fn(usize) -> String,
 ) {
     let url = format!("http://{}", f.instances[0].grpc);
-    let mut client = RateLimiterClient::connect(url).await.unwrap();
-    // (admitted, when the refusing request was sent, when it was answered)
-    let mut drain = async || {
-        let mut admitted = 0u64;
-        for i in 0..10_000 {
-            let request = ShouldAllowRequest {
-                key: key_of(1_000_000 + i),
-                cost: 1,
-                tenant: tenant.into(),
-                resource: String::new(),
-                dry_run: false,
-            };
-            let sent = Instant::now();
+    let client = RateLimiterClient::connect(url).await.unwrap();
+    let ask = |i: usize| {
+        let mut client = client.clone();
+        let request = ShouldAllowRequest {
+            key: key_of(1_000_000 + i),
+            cost: 1,
+            tenant: tenant.into(),
+            resource: String::new(),
+            dry_run: false,
+        };
+        async move {
             let r = client.should_allow(request).await.unwrap().into_inner();
             assert_eq!(r.degraded, 0, "decided by Redis");
-            if !r.allowed {
-                return (admitted, sent, Instant::now());
-            }
-            admitted += 1;
+            r.allowed
         }
-        panic!("10,000 admissions in a row from a bucket of {burst} at 100/second");
     };
-    let (_, first_sent, first_answered) = drain().await;
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let (refilled, last_sent, last_answered) = drain().await;
-    let inner = last_sent
-        .saturating_duration_since(first_answered)
-        .as_micros() as u64;
-    let outer = last_answered
-        .saturating_duration_since(first_sent)
-        .as_micros() as u64;
-    // A stall longer than the burst's refill time fills the bucket: then
-    // the second drain admits at least the burst, less the slack.
-    let least = (inner / 10_000).min(burst).saturating_sub(slack);
-    let most = outer.div_ceil(10_000) + slack;
-    eprintln!("refilled {refilled}; bounds [{least}, {most}] over {inner}..{outer} µs");
-    assert!(
-        (least..=most).contains(&refilled),
-        "{refilled} refills between two refusals {inner}..{outer} µs apart, \
-         expected [{least}, {most}] at one per 10 ms"
-    );
+    refill::measure(ask, Duration::from_millis(300))
+        .await
+        .assert_rate(10_000, burst, slack);
 }
 
 /// `--token-slices --redis-spread-keys`: the ceiling answered from slices,

@@ -11,6 +11,7 @@ pub mod postgres;
 pub mod process;
 pub mod raw;
 pub mod redis;
+pub mod refill;
 pub mod tls;
 
 use std::net::SocketAddr;

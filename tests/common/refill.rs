@@ -1,0 +1,83 @@
+//! Measuring a bucket's refill from outside, on a machine whose speed the
+//! test does not know: empty the bucket until it refuses, wait, empty it
+//! again. Between the two refusals the bucket gained one token per
+//! interval and the second drain admitted exactly those, less what the
+//! bucket held at each refusal (under one token). No refill is lost to a
+//! full bucket as long as the wait refills fewer tokens than the burst.
+//!
+//! The span the store saw lies between (first refusal answered, last
+//! request sent) and (first refusal sent, last request answered), both
+//! read on the test's clock, so the bounds hold however slow the machine.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// What one [`measure`] saw.
+#[derive(Debug)]
+pub struct Refill {
+    /// Admitted by the second drain.
+    pub admitted: u64,
+    /// µs the store certainly saw between the two refusals.
+    pub inner: u64,
+    /// µs the store at most saw between them.
+    pub outer: u64,
+}
+
+/// Drains with `ask(i)` (true when admitted) until a refusal, waits `wait`,
+/// drains again. Panics after 10,000 admissions in a row.
+pub async fn measure<F, Fut>(mut ask: F, wait: Duration) -> Refill
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let mut n = 0usize;
+    let mut drain = async || {
+        let mut admitted = 0u64;
+        for _ in 0..10_000 {
+            let sent = Instant::now();
+            n += 1;
+            if !ask(n).await {
+                return (admitted, sent, Instant::now());
+            }
+            admitted += 1;
+        }
+        panic!("10,000 admissions in a row: the bucket never emptied");
+    };
+    let (_, first_sent, first_answered) = drain().await;
+    tokio::time::sleep(wait).await;
+    let (admitted, last_sent, last_answered) = drain().await;
+    Refill {
+        admitted,
+        inner: last_sent
+            .saturating_duration_since(first_answered)
+            .as_micros() as u64,
+        outer: last_answered
+            .saturating_duration_since(first_sent)
+            .as_micros() as u64,
+    }
+}
+
+impl Refill {
+    /// Asserts one token per `interval` µs, within `slack` tokens: at
+    /// least the refills of `inner` (at most `burst` of them: a stall
+    /// longer than the burst's refill fills the bucket), at most those of
+    /// `outer`.
+    pub fn assert_rate(&self, interval: u64, burst: u64, slack: u64) {
+        let least = (self.inner / interval).min(burst).saturating_sub(slack);
+        let most = self.outer.div_ceil(interval) + slack;
+        eprintln!(
+            "refilled {}; bounds [{least}, {most}] over {}..{} µs",
+            self.admitted, self.inner, self.outer
+        );
+        assert!(
+            (least..=most).contains(&self.admitted),
+            "{} refills between two refusals {}..{} µs apart, expected [{least}, {most}] \
+             at one per {interval} µs",
+            self.admitted,
+            self.inner,
+            self.outer
+        );
+    }
+}
