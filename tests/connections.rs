@@ -397,7 +397,18 @@ async fn a_stream_flood_stays_under_the_stated_memory_bound_and_memory_comes_bac
         max_message_bytes: 1024 * 1024,
         ..GrpcLimits::default()
     };
-    let bound = limits.worst_case_bytes();
+    // The bound, from the figures docs/operations.md states (64 KiB per
+    // connection, its 256 KiB window, 16 KiB per stream plus its 16 KiB of
+    // headers, a largest message per request in service), not from the
+    // code's own formula: a formula whose overheads grew would pass a
+    // flood check against itself.
+    let per_connection = 64 * 1024 + 256 * 1024 + 64 * (16 * 1024 + 16 * 1024);
+    let bound = 20 * per_connection + 256 * 1024 * 1024;
+    assert_eq!(
+        limits.worst_case_bytes(),
+        bound,
+        "GrpcLimits::worst_case_bytes"
+    );
     let dir = tempfile::tempdir().unwrap();
     let server = ServeProcess::start(
         dir.path(),
@@ -488,13 +499,16 @@ async fn a_stream_flood_stays_under_the_stated_memory_bound_and_memory_comes_bac
     assert!(answer.allowed);
     // Freed memory goes back to the system as the allocator's threads run
     // again: light traffic from four connections (so every worker thread
-    // allocates) until at least half the flood's growth is gone. The bound
-    // on the wait only turns "never" into a failure.
+    // allocates) until four fifths of the flood's growth are gone
+    // (docs/operations.md says about 86 %; what stays is the allocator's
+    // retained segments and the tables' grown capacity). The bound on the
+    // wait only turns "never" into a failure.
     let clients = clients_on_own_connections(&server, 4).await;
     let grown = peak.saturating_sub(before);
+    let kept = grown / 5;
     let mut after = rss(pid);
     for round in 0..300 {
-        if after.saturating_sub(before) <= grown / 2 {
+        if after.saturating_sub(before) <= kept {
             break;
         }
         let calls = clients.iter().cloned().map(|mut c| async move {
@@ -508,9 +522,13 @@ async fn a_stream_flood_stays_under_the_stated_memory_bound_and_memory_comes_bac
         tokio::time::sleep(Duration::from_millis(100)).await;
         after = rss(pid);
     }
-    eprintln!("RSS after the flood ended: {} KiB", after / 1024);
+    eprintln!(
+        "RSS after the flood ended: {} KiB ({} % of the growth returned)",
+        after / 1024,
+        100 - after.saturating_sub(before) * 100 / grown.max(1)
+    );
     assert!(
-        after.saturating_sub(before) <= grown / 2,
+        after.saturating_sub(before) <= kept,
         "of the {} KiB the flood took, {} KiB were still held after 30 s of traffic",
         grown / 1024,
         after.saturating_sub(before) / 1024
