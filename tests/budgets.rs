@@ -273,20 +273,27 @@ async fn a_reservation_settles_on_another_instance() {
 
     // Reservations that reach their time to live unsettled are counted by
     // the instance that made them (a second after, by its own clock); a
-    // settled one is not.
-    let ttl = Some(Duration::from_millis(100));
+    // settled one is not, even once its time to live has passed. The
+    // settled one lives 2 s, so that its settle lands in time on a machine
+    // that stalls for a second.
+    let reserved_at = tokio::time::Instant::now();
     let abandoned = ca
-        .reserve(reserve("erin", 5, ttl))
+        .reserve(reserve("erin", 5, Some(Duration::from_millis(100))))
         .await
         .unwrap()
         .into_inner();
     let finished = ca
-        .reserve(reserve("erin", 5, ttl))
+        .reserve(reserve("erin", 5, Some(Duration::from_secs(2))))
         .await
         .unwrap()
         .into_inner();
     assert!(!abandoned.reservation.is_empty() && !finished.reservation.is_empty());
-    cb.settle(settle(&finished.reservation, 5)).await.unwrap();
+    let settled = cb
+        .settle(settle(&finished.reservation, 5))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(settled.status, SettleStatus::Settled as i32);
     let expired = || async {
         let (_, metrics) = a.http_get("/metrics").await.unwrap();
         sample(&metrics, "tollgate_reservations_expired_total")
@@ -297,8 +304,10 @@ async fn a_reservation_settles_on_another_instance() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Past both checks (each instance sweeps every 50 ms): still one.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(expired().await, 1, "the abandoned reservation");
+    // Past the settled one's check (its ttl, a second, and a sweep every
+    // 50 ms): still one.
+    tokio::time::sleep_until(reserved_at + Duration::from_millis(3_300)).await;
     assert_eq!(expired().await, 1);
 }
 

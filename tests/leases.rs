@@ -655,33 +655,40 @@ async fn expired_leases_are_counted_once_on_redis() {
     let a = start(redis.url()).await;
     let b = start(redis.url()).await;
     let (mut ca, mut cb) = (a.client().await, b.client().await);
-    let short = |key: &str| AcquireRequest {
+    // The abandoned lease lives 200 ms; the two that another instance
+    // releases and renews live 2 s, so that those calls land in time on a
+    // machine that stalls for a second.
+    let abandoned = AcquireRequest {
         ttl: Some(prost_types::Duration {
             seconds: 0,
             nanos: 200_000_000,
         }),
-        ..acquire_req("acme", key, "", 1, 0)
+        ..acquire_req("acme", "abandoned", "", 1, 0)
     };
-    let abandoned = acquire(&mut ca, short("abandoned")).await;
-    let released = acquire(&mut ca, short("released")).await;
-    let renewed = acquire(&mut ca, short("renewed")).await;
+    let granted_at = tokio::time::Instant::now();
+    let abandoned = acquire(&mut ca, abandoned).await;
+    let released = acquire(&mut ca, acquire_req("acme", "released", "", 2, 0)).await;
+    let renewed = acquire(&mut ca, acquire_req("acme", "renewed", "", 2, 0)).await;
     assert!(abandoned.granted && released.granted && renewed.granted);
     assert_eq!(release(&mut cb, &released.lease).await, LeaseStatus::Done);
-    cb.renew(RenewRequest {
-        lease: renewed.lease.clone(),
-        ttl: secs(30),
-    })
-    .await
-    .unwrap();
+    let renewal = cb
+        .renew(RenewRequest {
+            lease: renewed.lease.clone(),
+            ttl: secs(30),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(renewal.ttl, secs(30), "renewed for 30 s");
     assert_eq!(
         wait_sample(&a, "tollgate_leases_expired_total", 1).await,
         1,
         "the abandoned lease, counted by the instance that granted it"
     );
-    // Past every check of the three (each a second after its expiry). The
-    // two servers of this process share one metrics registry: one count in
-    // all.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Past every check of the three (each a second after its expiry, and
+    // a sweep every 50 ms). The two servers of this process share one
+    // metrics registry: one count in all.
+    tokio::time::sleep_until(granted_at + Duration::from_millis(3_300)).await;
     let (_, metrics) = a.http_get("/metrics").await.unwrap();
     assert_eq!(sample(&metrics, "tollgate_leases_expired_total"), 1);
     assert_eq!(release(&mut cb, &renewed.lease).await, LeaseStatus::Done);

@@ -22,6 +22,8 @@ fn rss_bytes() -> u64 {
 
 #[test]
 fn histogram_samples_are_folded_without_scrapes() {
+    // The process's resident set and recorder, measured alone.
+    crate::common::own_process();
     metrics::start_upkeep(Duration::from_millis(20));
     metrics::handle();
     let record = |n: usize| {

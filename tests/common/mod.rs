@@ -32,6 +32,23 @@ use tonic::transport::Channel;
 /// 2023-11-14T22:13:20Z, in microseconds.
 pub const T0: u64 = 1_700_000_000_000_000;
 
+/// Refuses to go on unless this test runs in a process of its own.
+///
+/// Metrics are process-wide (one Prometheus recorder, as in production,
+/// where a process is one instance), so a test that reads exact counts from
+/// an in-process server counts every other test of the same process too.
+/// `cargo nextest` (what `scripts/test` runs) gives each test a process;
+/// `cargo test` runs them as threads of one, where these counts would be
+/// wrong and the test would fail for a reason other than its own.
+pub fn own_process() {
+    let mode = std::env::var("NEXTEST_EXECUTION_MODE").unwrap_or_default();
+    assert!(
+        mode == "process-per-test",
+        "this test reads process-wide metrics and needs a process of its own: \
+         run it with `cargo nextest run` (as scripts/test does), not `cargo test`"
+    );
+}
+
 pub struct TestServer {
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
@@ -200,6 +217,9 @@ impl TestServer {
     /// A GET on the admin port: (status, body).
     pub async fn http_get(&self, path: &str) -> std::io::Result<(u16, String)> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if path.starts_with("/metrics") {
+            own_process();
+        }
         let mut stream = tokio::net::TcpStream::connect(self.admin).await?;
         let request = format!(
             "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
@@ -230,6 +250,9 @@ impl TestServer {
         body: &str,
     ) -> (u16, String) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if path.starts_with("/metrics") {
+            own_process();
+        }
         let mut s = tokio::net::TcpStream::connect(self.admin).await.unwrap();
         let auth = token
             .map(|t| format!("Authorization: Bearer {t}\r\n"))
