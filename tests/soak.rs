@@ -286,13 +286,10 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
     // killed Redis restarts with every bucket as it was.
     let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
     let ports: Vec<(String, String)> = (0..3)
+        // Reserved for this test: instance 0 restarts on its ports.
         .map(|_| {
-            let grpc = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let admin = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            (
-                grpc.local_addr().unwrap().to_string(),
-                admin.local_addr().unwrap().to_string(),
-            )
+            let port = || format!("127.0.0.1:{}", common::ports::free_port(false));
+            (port(), port())
         })
         .collect();
     let mut servers: Vec<ServeProcess> = ports

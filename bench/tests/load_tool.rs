@@ -3,6 +3,8 @@
 //! server runs in this process (`tollgate::server::run`, as the binary runs
 //! it), so `--server-pid` is this process.
 
+#[path = "../../tests/common/ports.rs"]
+mod ports;
 #[path = "../../tests/common/redis.rs"]
 #[allow(dead_code)]
 mod redis;

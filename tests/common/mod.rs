@@ -7,6 +7,7 @@ pub mod envoy;
 pub mod envoy_proxy;
 pub mod hostile;
 pub mod peers;
+pub mod ports;
 pub mod postgres;
 pub mod process;
 pub mod raw;

@@ -2,25 +2,11 @@
 //! cluster. Each picks free ports, runs without persistence, and is killed
 //! when dropped.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-/// A port that was free a moment ago (and, for cluster nodes, whose bus
-/// port, +10000, was too).
-pub fn free_port(with_bus: bool) -> u16 {
-    loop {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if !with_bus || (port < 55535 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok()) {
-            return port;
-        }
-    }
-}
+pub use super::ports::free_port;
 
 pub fn redis_cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
@@ -174,10 +160,20 @@ impl RedisServer {
         }
     }
 
-    /// Starts the server again on the same port.
+    /// Starts the server again on the same port (reserved for this test,
+    /// see [`super::ports`]). A port still held by the killed server's
+    /// sockets for a moment is tried again.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        let mut last = String::new();
+        for _ in 0..20 {
+            match self.try_spawn() {
+                Ok(()) => return,
+                Err(e) => last = e,
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("redis-server did not start again on its port: {last}");
     }
 }
 
