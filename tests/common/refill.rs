@@ -34,14 +34,12 @@ where
 {
     let mut n = 0usize;
     let mut drain = async || {
-        let mut admitted = 0u64;
-        for _ in 0..10_000 {
+        for admitted in 0..10_000u64 {
             let sent = Instant::now();
             n += 1;
             if !ask(n).await {
                 return (admitted, sent, Instant::now());
             }
-            admitted += 1;
         }
         panic!("10,000 admissions in a row: the bucket never emptied");
     };
