@@ -146,6 +146,13 @@ struct Loads {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
+impl Tally {
+    /// Decisions Redis answered so far.
+    fn redis_decided(&self) -> u64 {
+        self.decided.load(Ordering::Relaxed) - self.degraded.load(Ordering::Relaxed)
+    }
+}
+
 impl Loads {
     fn start(server: &TestServer, tenants: &[String], workers: usize, keys: u64) -> Self {
         let (mark, stop) = (Arc::default(), Arc::<AtomicBool>::default());
@@ -348,6 +355,9 @@ const LOST_ANSWERS: i64 = -(FAILOVER_CALLERS as i64);
 struct Failover {
     /// Admitted by Redis, all told.
     admitted: u64,
+    /// The most admissions the kill can have taken with it: those of the
+    /// replication gap at the kill (see [`gap_admissions`]).
+    at_risk: u64,
     /// From the kill to the replica's `ROLE` saying master.
     promoted: Duration,
     /// From the kill to the first decision Redis answered again.
@@ -365,14 +375,26 @@ async fn through_a_failover(
 ) -> Failover {
     let loads = Loads::start(server, &[tenant.to_owned()], FAILOVER_CALLERS, 1);
     let tally = loads.tallies[0].clone();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let from = (
+        repl_offset(master, "master_repl_offset"),
+        tally.redis_decided(),
+    );
     // Redis answers before the kill (a call can still miss the 100 ms
     // timeout while this shared machine stalls).
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         tally.degraded.load(Ordering::Relaxed) * 100 <= tally.decided.load(Ordering::Relaxed),
         "Redis answers before the kill"
     );
-    replicated(master, replica);
+    // Killed under load, replication running as it does: whatever the
+    // replica had not received is lost with the master.
+    let admitted_before = tally.admitted.load(Ordering::Relaxed);
+    let to = (
+        repl_offset(master, "master_repl_offset"),
+        tally.redis_decided(),
+    );
+    let received = repl_offset(replica, "slave_repl_offset");
     kill();
     let killed = Instant::now();
     loads.mark.store(true, Ordering::Relaxed);
@@ -393,6 +415,11 @@ async fn through_a_failover(
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // Admissions answered since the offsets were read (the last of them
+    // from the dead master's socket buffers; the replica is not yet
+    // promoted, so none is a new decision): their writes may be lost too.
+    let late = tally.admitted.load(Ordering::Relaxed) - admitted_before;
+    let at_risk = gap_admissions(from, to, received) + late;
     let mut back = None;
     let mut client = server.client().await;
     while killed.elapsed() < Duration::from_secs(30) {
@@ -408,40 +435,38 @@ async fn through_a_failover(
     let promoted = promotion.await.unwrap().expect("the replica was promoted");
     Failover {
         admitted: tally.admitted.load(Ordering::Relaxed),
+        at_risk,
         promoted,
         back,
         tally,
     }
 }
 
-/// Pauses writes on `master` (its clients' calls wait, unanswered) until
-/// `replica` has all it acknowledged. Replication is asynchronous and, on
-/// this shared machine under a full test run, can lag by hundreds of
-/// milliseconds; after this the killed master takes no admitted decision
-/// with it, so the count of admissions against what the promoted replica
-/// has left is exact up to answers lost in flight.
-fn replicated(master: u16, replica: u16) {
-    let offset = |port: u16, field: &str| -> u64 {
-        redis_cli(port, &["INFO", "replication"])
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(field)?
-                    .strip_prefix(':')?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0)
-    };
-    redis_cli(master, &["CLIENT", "PAUSE", "30000", "WRITE"]);
-    let acknowledged = offset(master, "master_repl_offset");
-    for _ in 0..1500 {
-        if offset(replica, "slave_repl_offset") >= acknowledged {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("the replica did not catch up with its master's {acknowledged} bytes in 15 s");
+/// A replication offset (`INFO replication`) of the server on `port`.
+fn repl_offset(port: u16, field: &str) -> u64 {
+    redis_cli(port, &["INFO", "replication"])
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(field)?
+                .strip_prefix(':')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+/// The admissions a replication gap holds: the bytes the master had
+/// written (`to.0`) and the replica not yet received (`received`), at the
+/// bytes one decision adds to the replication stream, measured on this run
+/// from `from` to `to` (offset, decisions Redis answered). Rounded up, and
+/// one more for a decision written while its bytes were counted.
+fn gap_admissions(from: (u64, u64), to: (u64, u64), received: u64) -> u64 {
+    let decisions = to.1.saturating_sub(from.1).max(1);
+    let bytes_per_decision = (to.0.saturating_sub(from.0) / decisions).max(1);
+    let gap = to.0.saturating_sub(received);
+    eprintln!("replication gap at the kill: {gap} bytes, {bytes_per_decision} bytes per decision");
+    gap.div_ceil(bytes_per_decision) + 1
 }
 
 /// What the bucket has left, by Redis.
@@ -461,7 +486,8 @@ async fn remaining(server: &TestServer, tenant: &str) -> i64 {
 /// A 3-master, 3-replica cluster; a master killed under load; its replica
 /// is promoted and Tollgate follows without a restart. Admissions Redis
 /// acknowledged but had not yet replicated are lost with the master: the
-/// overshoot, measured here on one bucket and bounded.
+/// overshoot, measured here on one bucket, is at most the admissions of
+/// the replication gap at the kill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_promoted_under_load_is_followed() {
     let mut cluster = RedisCluster::start_with(1, &["--cluster-node-timeout", "1000"]);
@@ -488,12 +514,13 @@ async fn a_replica_promoted_under_load_is_followed() {
     let m = metrics(&server).await;
     let s = status(&server).await;
     eprintln!(
-        "replica promotion: promoted after {:?}, Redis again after {:?} ({:?} later); {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot}",
+        "replica promotion: promoted after {:?}, Redis again after {:?} ({:?} later); {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot} (at most {})",
         f.promoted,
         f.back,
         f.back.saturating_sub(f.promoted),
         f.tally.decided.load(Ordering::Relaxed),
         f.tally.degraded.load(Ordering::Relaxed),
+        f.at_risk,
     );
     assert_eq!(
         cluster.owner(cluster.slot_of(&tenant)),
@@ -520,12 +547,13 @@ async fn a_replica_promoted_under_load_is_followed() {
         overshoot >= LOST_ANSWERS,
         "Redis never forgets more than it was told (but answers can be lost): {overshoot}"
     );
-    // The replica had everything the master acknowledged (`replicated`),
-    // so nothing admitted was forgotten: a replica that had lost the
-    // bucket would show every admission before the kill as overshoot.
+    // What the promoted replica forgot is what it had not received: a
+    // follower that lost the bucket (or read another) would show every
+    // admission before the kill as overshoot.
     assert!(
-        overshoot <= 0,
-        "overshoot {overshoot} of {admitted} admissions"
+        overshoot <= f.at_risk as i64,
+        "overshoot {overshoot} of {admitted} admissions, above the {} of the replication gap",
+        f.at_risk
     );
     server.stop().await;
 }
@@ -611,12 +639,13 @@ async fn a_sentinel_failover_is_followed() {
     let left = remaining(&server, tenant).await;
     let overshoot = admitted as i64 + left - PLENTY;
     eprintln!(
-        "Sentinel failover: promoted after {:?}, Redis again after {:?} ({:?} later); {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot}",
+        "Sentinel failover: promoted after {:?}, Redis again after {:?} ({:?} later); {} decisions, {} by policy (deny), {admitted} admitted by Redis, {left} left: overshoot {overshoot} (at most {})",
         f.promoted,
         f.back,
         f.back.saturating_sub(f.promoted),
         f.tally.decided.load(Ordering::Relaxed),
         f.tally.degraded.load(Ordering::Relaxed),
+        f.at_risk,
     );
     let s = status(&server).await;
     let nodes = s["store"]["nodes"].as_array().unwrap();
@@ -627,8 +656,9 @@ async fn a_sentinel_failover_is_followed() {
     assert_eq!(sample(&m, "tollgate_store_failovers_total"), 1, "{m}");
     assert!(overshoot >= LOST_ANSWERS, "{overshoot}");
     assert!(
-        overshoot <= 0,
-        "overshoot {overshoot} of {admitted} admissions"
+        overshoot <= f.at_risk as i64,
+        "overshoot {overshoot} of {admitted} admissions, above the {} of the replication gap",
+        f.at_risk
     );
     server.stop().await;
 }
