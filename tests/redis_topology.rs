@@ -250,13 +250,26 @@ async fn one_master_down(outage: impl FnOnce(&mut RedisServer)) {
     );
     let tenants: Vec<String> = (0..3).map(|n| cluster.tenant_on(n, "t")).collect();
     let rules: Vec<LimitRow> = tenants.iter().map(|t| rule(t, "key", "allow")).collect();
-    let server = serve(rules, cluster.url(), Duration::from_millis(100)).await;
+    // A timeout of a second: long enough that no surviving master's call
+    // misses it while this shared machine stalls, so that every policy
+    // answer and every node error below comes from the outage.
+    let server = serve(rules, cluster.url(), Duration::from_secs(1)).await;
     let loads = Loads::start(&server, &tenants, 2, 50);
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let before: Vec<u64> = loads
-        .tallies
+    // Each tenant's decisions per second before the outage, warmed up.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let decided = |loads: &Loads| -> Vec<u64> {
+        loads
+            .tallies
+            .iter()
+            .map(|t| t.decided.load(Ordering::Relaxed))
+            .collect()
+    };
+    let (from, counted) = (Instant::now(), decided(&loads));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before: Vec<f64> = decided(&loads)
         .iter()
-        .map(|t| t.decided.load(Ordering::Relaxed))
+        .zip(&counted)
+        .map(|(to, from_count)| (to - from_count) as f64 / from.elapsed().as_secs_f64())
         .collect();
     let dead_port = cluster.nodes[2].port;
     outage(&mut cluster.nodes[2]);
@@ -272,8 +285,11 @@ async fn one_master_down(outage: impl FnOnce(&mut RedisServer)) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let opened = opened.expect("the dead master's breaker opened");
+    let errors_at_open = metrics(&server).await;
     loads.mark.store(true, Ordering::Relaxed);
+    let marked = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
+    let marked_for = marked.elapsed().as_secs_f64();
     let tallies = loads.finish().await;
 
     let s = status(&server).await;
@@ -314,29 +330,54 @@ async fn one_master_down(outage: impl FnOnce(&mut RedisServer)) {
         "with its breaker open, the dead master's tenant is answered by its policy"
     );
     assert!(dead.decided_marked.load(Ordering::Relaxed) > 0);
-    for (n, t) in tallies.iter().enumerate().take(2) {
-        let marked = t.decided_marked.load(Ordering::Relaxed);
-        let degraded = t.degraded_marked.load(Ordering::Relaxed);
-        assert!(marked > 0);
-        // A call can miss the 100 ms timeout when this shared machine
-        // stalls, but the healthy shards are not answered by policy.
-        assert!(
-            degraded * 100 <= marked,
-            "tenant on surviving master {n}: {degraded} of {marked} decisions degraded"
-        );
-    }
     eprintln!(
-        "breaker open {:?} after the kill; per tenant decided before/after, degraded after, p99 by Redis / by policy (µs):",
+        "breaker open {:?} after the kill; per tenant decisions per second before / during, degraded during, p99 by Redis / by policy (µs):",
         opened
     );
     for (n, t) in tallies.iter().enumerate() {
         eprintln!(
-            "  master {n}: {} / {}, {} degraded, p99 {} / {}",
+            "  master {n}: {:.0} / {:.0}, {} degraded, p99 {} / {}",
             before[n],
-            t.decided_marked.load(Ordering::Relaxed),
+            t.decided_marked.load(Ordering::Relaxed) as f64 / marked_for,
             t.degraded_marked.load(Ordering::Relaxed),
             p99(&t.latencies.lock()),
             p99(&t.degraded_latencies.lock()),
+        );
+    }
+    for (n, t) in tallies.iter().enumerate().take(2) {
+        // No decision of a surviving master's tenant was answered by
+        // policy, and none of its calls failed, from the start of the
+        // outage on: a call that waited on the dead node (behind it in a
+        // queue, on a shared connection or lock) would have missed the
+        // timeout and shown here.
+        assert_eq!(
+            t.degraded.load(Ordering::Relaxed),
+            0,
+            "tenant on surviving master {n}: decisions answered by policy"
+        );
+        let port = cluster.nodes[n].port;
+        let node = format!("node=\"127.0.0.1:{port}\"");
+        let errors = |m: &str| -> u64 {
+            m.lines()
+                .filter(|l| l.starts_with("tollgate_store_node_errors_total{") && l.contains(&node))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum()
+        };
+        assert_eq!(
+            errors(&errors_at_open),
+            0,
+            "calls to master {n} failed: {errors_at_open}"
+        );
+        assert_eq!(errors(&m), 0, "calls to master {n} failed: {m}");
+        // And the survivors kept their pace: decisions per second during
+        // the outage, against the same run's before it. (The dead shard's
+        // callers, answered by policy at once, now take more of this
+        // machine's two cores; a fifth is what that may cost.)
+        let during = t.decided_marked.load(Ordering::Relaxed) as f64 / marked_for;
+        assert!(
+            during >= 0.8 * before[n],
+            "tenant on surviving master {n}: {during:.0} decisions per second during the outage, {:.0} before",
+            before[n]
         );
     }
     server.stop().await;
