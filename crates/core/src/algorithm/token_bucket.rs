@@ -48,12 +48,6 @@ impl BucketState {
             burst: limit.burst,
         }
     }
-
-    /// True when the bucket is full at `now`: it is then indistinguishable
-    /// from a bucket that was never used and may be dropped.
-    pub fn is_full(&self, now: Micros) -> bool {
-        self.full_at <= now
-    }
 }
 
 /// The bucket's debt at `now` (time until full), carried over from `state`
