@@ -83,6 +83,236 @@ fn cost_above_capacity_is_an_error_not_a_wait() {
 }
 
 #[test]
+fn units_have_their_lengths_and_names_and_parse_every_spelling() {
+    let day = 86_400_000_000;
+    let units = [
+        (
+            RateUnit::Second,
+            1_000_000,
+            "second",
+            &["s", "sec", "second", "seconds"][..],
+        ),
+        (
+            RateUnit::Minute,
+            60_000_000,
+            "minute",
+            &["m", "min", "minute", "minutes"],
+        ),
+        (
+            RateUnit::Hour,
+            3_600_000_000,
+            "hour",
+            &["h", "hour", "hours"],
+        ),
+        (RateUnit::Day, day, "day", &["d", "day", "days"]),
+        (RateUnit::Week, 7 * day, "week", &["w", "week", "weeks"]),
+        (RateUnit::Month, 30 * day, "month", &["month", "months"]),
+        (RateUnit::Year, 365 * day, "year", &["y", "year", "years"]),
+    ];
+    for (unit, micros, name, spellings) in units {
+        assert_eq!(unit.micros(), micros, "{name}");
+        assert_eq!(unit.as_str(), name);
+        assert_eq!(RateUnit::parse(name), Some(unit));
+        for spelling in spellings {
+            assert_eq!(RateUnit::parse(spelling), Some(unit), "{spelling}");
+            assert_eq!(
+                RateUnit::parse(&format!(" {} ", spelling.to_uppercase())),
+                Some(unit)
+            );
+        }
+        // A rate prints as it parses.
+        let rate = Rate { count: 7, unit };
+        assert_eq!(rate.to_string(), format!("7/{name}"));
+        assert_eq!(rate.to_string().parse::<Rate>(), Ok(rate));
+    }
+    assert_eq!(RateUnit::parse("fortnight"), None);
+}
+
+#[test]
+fn algorithms_print_as_they_parse() {
+    for algorithm in [
+        Algorithm::TokenBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::Concurrency,
+    ] {
+        assert_eq!(Algorithm::parse(algorithm.as_str()), Some(algorithm));
+    }
+    assert_eq!(Algorithm::TokenBucket.as_str(), "token_bucket");
+    assert_eq!(Algorithm::FixedWindow.as_str(), "fixed_window");
+    assert_eq!(Algorithm::SlidingWindow.as_str(), "sliding_window");
+    assert_eq!(Algorithm::Concurrency.as_str(), "concurrency");
+    assert_eq!(Algorithm::parse("leaky_bucket"), None);
+    assert_eq!(Algorithm::parse("Token_Bucket"), None);
+}
+
+#[test]
+fn the_largest_cost_is_above_every_capacity_and_exact_in_a_double() {
+    // The largest capacity: MAX_TOLERANCE tokens at one per microsecond.
+    assert!(
+        Limit::new(
+            MAX_TOLERANCE,
+            Rate {
+                count: 1_000_000,
+                unit: RateUnit::Second
+            }
+        )
+        .is_ok()
+    );
+    assert!(MAX_COST > MAX_TOLERANCE);
+    // Lua holds numbers in doubles: the clamp must survive the trip.
+    assert_eq!(MAX_COST as f64 as u64, MAX_COST);
+    assert_ne!((MAX_COST + 1) as f64 as u64, MAX_COST + 1);
+}
+
+#[test]
+fn a_sliding_window_is_refused_only_past_the_weights_exact_range() {
+    // count × window in ms may reach MAX_WEIGHT, not pass it.
+    let per_second = |count| Rate {
+        count,
+        unit: RateUnit::Second,
+    };
+    let at = window::MAX_WEIGHT / 1000;
+    assert!(Limit::window(Algorithm::SlidingWindow, per_second(at)).is_ok());
+    assert!(matches!(
+        Limit::window(Algorithm::SlidingWindow, per_second(at + 1)),
+        Err(LimitError::TooSlow { .. })
+    ));
+    // A fixed window only counts: the same count is fine.
+    assert!(Limit::window(Algorithm::FixedWindow, per_second(at + 1)).is_ok());
+}
+
+#[test]
+fn a_concurrency_cap_is_bounded_and_takes_no_debt() {
+    assert_eq!(Limit::concurrency(0), Err(LimitError::ZeroBurst));
+    let cap = Limit::concurrency(8).unwrap();
+    assert!(cap.is_concurrency());
+    assert_eq!((cap.algorithm(), cap.burst()), (Algorithm::Concurrency, 8));
+    assert_eq!(
+        Limit::concurrency(u64::MAX).unwrap().burst(),
+        MAX_CONCURRENCY
+    );
+    assert!(!limit(8, 1, RateUnit::Second).is_concurrency());
+    assert_eq!(cap.with_debt(0), Ok(cap));
+    assert_eq!(
+        cap.with_debt(1),
+        Err(LimitError::DebtTooLarge { burst: 8, debt: 1 })
+    );
+}
+
+#[test]
+fn debt_is_kept_up_to_what_each_algorithm_can_hold() {
+    // A token bucket: (burst + debt) × interval at most MAX_TOLERANCE.
+    let bucket = limit(10, 1, RateUnit::Second);
+    let debt = bucket.with_debt(5).unwrap();
+    assert_eq!((debt.burst(), debt.debt()), (10, 5));
+    assert_eq!(debt.floor(), 15 * 1_000_000);
+    assert_eq!(debt.tolerance(), 10 * 1_000_000);
+    let most = MAX_TOLERANCE / 1_000_000 - 10;
+    assert_eq!(bucket.with_debt(most).unwrap().debt(), most);
+    assert_eq!(
+        bucket.with_debt(most + 1),
+        Err(LimitError::DebtTooLarge {
+            burst: 10,
+            debt: most + 1
+        })
+    );
+    assert!(bucket.with_debt(u64::MAX).is_err());
+    // A sliding window: (burst + debt) × window in ms at most MAX_WEIGHT.
+    let per_second = Rate {
+        count: 10,
+        unit: RateUnit::Second,
+    };
+    let sliding = Limit::window(Algorithm::SlidingWindow, per_second).unwrap();
+    let most = window::MAX_WEIGHT / 1000 - 10;
+    assert_eq!(sliding.with_debt(most).unwrap().debt(), most);
+    assert!(sliding.with_debt(most + 1).is_err());
+    // A fixed window only counts: up to MAX_TOLERANCE in all.
+    let fixed = Limit::window(Algorithm::FixedWindow, per_second).unwrap();
+    assert_eq!(
+        fixed.with_debt(MAX_TOLERANCE - 10).unwrap().debt(),
+        MAX_TOLERANCE - 10
+    );
+    assert!(fixed.with_debt(MAX_TOLERANCE - 9).is_err());
+    // A window's tolerance is its length.
+    assert_eq!(fixed.tolerance(), 1_000_000);
+}
+
+#[test]
+fn a_scaled_limit_is_its_share_rounded_toward_the_caller() {
+    // A third of 10 tokens at 10/s with a debt of 4: 4 tokens (rounded up)
+    // at a third of the rate (the interval rounded up), a debt of 2.
+    let base = Limit::new(
+        10,
+        Rate {
+            count: 10,
+            unit: RateUnit::Second,
+        },
+    )
+    .unwrap()
+    .with_debt(4)
+    .unwrap();
+    let third = base.scaled(1.0 / 3.0);
+    assert_eq!(
+        (third.burst(), third.interval(), third.debt()),
+        (4, 300_000, 2)
+    );
+    assert_eq!(third.algorithm(), Algorithm::TokenBucket);
+    // A share never goes below one token.
+    assert_eq!(base.scaled(0.001).burst(), 1);
+    // Fractions outside (0, 1) leave the limit as it is.
+    for fraction in [0.0, 1.0, 1.5, -0.5, f64::NAN] {
+        assert_eq!(base.scaled(fraction), base, "{fraction}");
+    }
+    // A window keeps its length and scales its count.
+    let window = Limit::window(
+        Algorithm::FixedWindow,
+        Rate {
+            count: 100,
+            unit: RateUnit::Minute,
+        },
+    )
+    .unwrap()
+    .with_debt(10)
+    .unwrap();
+    let half = window.scaled(0.5);
+    assert_eq!(
+        (half.burst(), half.interval(), half.debt()),
+        (50, 60_000_000, 5)
+    );
+    assert_eq!(half.algorithm(), Algorithm::FixedWindow);
+    // The interval is clamped so the floor stays within MAX_TOLERANCE:
+    // 36 000 a day with a debt of 500 is exactly 100 years from the floor,
+    // and a third of it, rounded up, would pass it.
+    let slow = Limit::new(
+        36_000,
+        Rate {
+            count: 1,
+            unit: RateUnit::Day,
+        },
+    )
+    .unwrap()
+    .with_debt(500)
+    .unwrap();
+    assert_eq!(slow.floor(), MAX_TOLERANCE);
+    let third = slow.scaled(1.0 / 3.0);
+    assert_eq!((third.burst(), third.debt()), (12_000, 167));
+    assert_eq!(third.interval(), MAX_TOLERANCE / 12_167);
+    assert!(third.floor() <= MAX_TOLERANCE, "{third:?}");
+}
+
+#[test]
+fn verdict_durations_are_its_microseconds() {
+    let verdict = Verdict {
+        retry_after: 1_500,
+        reset_after: 2_000_001,
+        ..Verdict::admitted()
+    };
+    assert_eq!(verdict.retry_after(), Duration::from_micros(1_500));
+    assert_eq!(verdict.reset_after(), Duration::from_micros(2_000_001));
+}
+
+#[test]
 fn limit_validation() {
     let r = |count, unit| Rate { count, unit };
     assert_eq!(
