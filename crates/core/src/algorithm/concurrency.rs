@@ -210,6 +210,33 @@ mod tests {
     }
 
     #[test]
+    fn a_need_above_the_cap_never_fits_and_one_equal_to_it_does() {
+        // Nothing held (no set yet): the occupancy is empty at `now`.
+        let (v, occ) = decide(None, 3, 1, None, T0);
+        assert!(v.allowed);
+        assert_eq!(occ, Occupancy::empty(T0));
+        assert_eq!(
+            Occupancy::empty(T0),
+            Occupancy {
+                held: 0,
+                free_at: T0,
+                all_free_at: T0
+            }
+        );
+        let (v, after) = decide(None, 3, 3, Some(T0 + 5), T0);
+        assert!(v.allowed, "a need equal to the cap fits an empty set");
+        assert_eq!(
+            (after.held, after.free_at, after.all_free_at),
+            (1, T0, T0 + 5)
+        );
+        assert_eq!((v.remaining, v.reset_after), (2, 5));
+        // Above the cap no expiry helps: an infinite wait, not the next expiry.
+        let (v, _) = decide(None, 3, 4, None, T0);
+        assert!(!v.allowed);
+        assert_eq!((v.remaining, v.retry_after), (3, Micros::MAX));
+    }
+
+    #[test]
     fn release_and_renew_touch_only_held_leases() {
         let mut set = LeaseSet::default();
         set.insert(7, T0 + 10);

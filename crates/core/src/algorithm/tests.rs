@@ -313,6 +313,25 @@ fn verdict_durations_are_its_microseconds() {
 }
 
 #[test]
+fn ops_say_whether_they_write_decide_and_spend() {
+    // (op, writes, decides, spends)
+    let table = [
+        (Op::SPEND, true, true, true),
+        (Op::DRY, false, true, false),
+        (Op::Charge, true, false, false),
+        (Op::Refund { since: T0 }, true, false, false),
+        (Op::Acquire { ttl: 1 }, true, true, true),
+    ];
+    for (op, writes, decides, spends) in table {
+        assert_eq!(
+            (op.writes(), op.decides(), op.spends()),
+            (writes, decides, spends),
+            "{op:?}"
+        );
+    }
+}
+
+#[test]
 fn limit_validation() {
     let r = |count, unit| Rate { count, unit };
     assert_eq!(
