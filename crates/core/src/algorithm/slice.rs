@@ -311,6 +311,34 @@ mod tests {
         s.add(c(5, 900_000));
         s.sync(&l, 9_999);
         assert!(s.chunks.is_empty(), "the clock stepped back");
+        // A reading equal to the last one is not a step back; and starting
+        // over keeps the slice size learned (at least 1).
+        let mut s = state(l, 10_000);
+        assert_eq!(s.size, 1);
+        s.size = 8;
+        s.add(c(5, 900_000));
+        s.sync(&l, 10_000);
+        assert_eq!(s.chunks.as_slice(), [c(5, 900_000)]);
+        s.sync(&limit(100, "100/second"), 10_000);
+        assert!(s.chunks.is_empty());
+        assert_eq!(s.size, 8);
+    }
+
+    #[test]
+    fn only_tokens_that_ran_out_count_as_lost() {
+        // 100/second, burst 320: the store's debt of 3 s (short: over half
+        // the 3.2 s tolerance) covers the 5 tokens held until 0.85 s.
+        let l = limit(320, "100/second");
+        let mut s = state(l, 0);
+        s.full_at = 3_000_000;
+        s.add(c(5, 900_000));
+        s.sync(&l, 850_000);
+        assert_eq!(s.chunks.as_slice(), [c(5, 900_000)]);
+        assert!(!s.lost, "every token still usable");
+        // At 0.87 s the take's debt covers 3 of them: 2 ran out unused.
+        s.sync(&l, 870_000);
+        assert_eq!(s.chunks.as_slice(), [c(3, 900_000)]);
+        assert!(s.lost);
     }
 
     #[test]

@@ -421,6 +421,53 @@ fn plan_is_all_or_nothing_and_reports_unspent_tokens_on_rejection() {
 }
 
 #[test]
+fn a_plan_reads_a_caps_leases_and_charges_only_buckets() {
+    let bucket = limit(10, 1, RateUnit::Second);
+    let cap = Limit::concurrency(2).unwrap();
+    let full = concurrency::Occupancy {
+        held: 2,
+        free_at: T0 + 5_000_000,
+        all_free_at: T0 + 9_000_000,
+    };
+    let charges = [Charge::new(bucket, 1), Charge::new(cap, 1)];
+    // The cap's occupancy is read from its state: two held of two.
+    let states = [None, Some(State::Leases(full))];
+    let p = plan(&states, &charges, T0, Op::Acquire { ttl: 1_000_000 });
+    assert!(!p.allowed);
+    assert_eq!(p.verdicts[1].retry_after, 5_000_000);
+    assert_eq!(p.verdicts[1].reset_after, 9_000_000);
+    assert!(p.writes.iter().all(Option::is_none));
+    // A charge after the fact writes the bucket and only reports the cap.
+    let p = plan(&states, &charges, T0, Op::Charge);
+    assert!(p.allowed);
+    assert!(p.writes[0].is_some());
+    assert_eq!(p.writes[1], None);
+    assert_eq!(p.verdicts[1].remaining, 0);
+    assert_eq!(
+        plan(&states, &charges, T0, Op::Refund { since: T0 }).writes[1],
+        None
+    );
+}
+
+#[test]
+fn a_need_above_a_capacity_is_refused_for_ever_and_writes_nothing() {
+    let bucket = limit(10, 1, RateUnit::Second);
+    let charges = [Charge {
+        limit: bucket,
+        cost: 0,
+        need: 11,
+        enforce: true,
+    }];
+    let p = plan(&[None], &charges, T0, Op::SPEND);
+    assert!(!p.allowed);
+    assert!(!p.verdicts[0].allowed);
+    assert_eq!(p.verdicts[0].retry_after, Micros::MAX);
+    // The rest of the verdict is what the bucket holds: full.
+    assert_eq!(p.verdicts[0].remaining, 10);
+    assert_eq!(p.writes, vec![None]);
+}
+
+#[test]
 fn shadow_charges_never_reject_and_are_spent_only_when_they_admit() {
     let open = limit(10, 1, RateUnit::Second);
     let empty_shadow = limit(1, 1, RateUnit::Hour);
