@@ -276,6 +276,14 @@ mod tests {
         assert!(s.take(4).is_none(), "all or nothing");
         s.give_back(&taken, &l, 2_000);
         assert_eq!(s.chunks.as_slice(), [c(2, 500_000), c(5, 900_000)]);
+        // A take lists only the chunks it drew from, each by what it drew.
+        let one = s.take(1).unwrap();
+        assert_eq!(one.as_slice(), [c(1, 500_000)]);
+        s.give_back(&one, &l, 2_000);
+        let five = s.take(5).unwrap();
+        assert_eq!(five.as_slice(), [c(2, 500_000), c(3, 900_000)]);
+        s.give_back(&five, &l, 2_000);
+        assert_eq!(s.chunks.as_slice(), [c(2, 500_000), c(5, 900_000)]);
         // 15 ms before its take's debt runs out, the first chunk's debt
         // covers one token.
         s.sync(&l, 485_000);
