@@ -333,6 +333,49 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_is_held_from_its_sending_and_reported_with_the_stores_balance() {
+        // 100/second, burst 320 (3.2 s to fill). A take sent at 1.0 s,
+        // read at 1.001 s: the store is full again 2 s after it decided.
+        let l = limit(320, "100/second");
+        let mut s = state(l, 1_000_000);
+        let full_at = s.answered(&l, 1_000_000, 2_000_000, 5, 1_001_000);
+        assert_eq!(full_at, 3_000_000);
+        assert_eq!(s.full_at, 3_000_000);
+        assert_eq!(s.chunks.as_slice(), [c(5, 3_000_000)]);
+        // At 1.001 s the store holds (3.2 s - 1.999 s) / 10 ms = 120 whole
+        // tokens; with the 5 held here, 125 remain; the reset is the debt.
+        let v = s.verdict(&l, true, 0, 1_001_000);
+        assert_eq!(
+            (v.allowed, v.remaining, v.reset_after),
+            (true, 125, 1_999_000)
+        );
+        let v = s.verdict(&l, false, 7, 1_001_000);
+        assert_eq!((v.allowed, v.retry_after), (false, 7));
+        // Never more than the burst: a full store plus what is held.
+        let v = s.verdict(&l, true, 0, 3_000_000);
+        assert_eq!((v.remaining, v.reset_after), (320, 0));
+        // Nothing to hold adds no chunk.
+        s.add(c(0, 4_000_000));
+        assert_eq!(s.chunks.as_slice(), [c(5, 3_000_000)]);
+    }
+
+    #[test]
+    fn tokens_go_back_only_under_the_same_limit_and_a_clock_that_did_not_step_back() {
+        let l = limit(320, "100/second");
+        let mut s = state(l, 10_000);
+        s.add(c(5, 900_000));
+        let taken = s.take(2).unwrap();
+        // Given back at the very instant of the last reading: back.
+        s.give_back(&taken, &l, 10_000);
+        assert_eq!(s.chunks.as_slice(), [c(5, 900_000)]);
+        // Given back with an earlier reading: ignored, and what is held
+        // stays held (the next decision's reading decides what is kept).
+        let taken = s.take(2).unwrap();
+        s.give_back(&taken, &l, 9_000);
+        assert_eq!(s.chunks.as_slice(), [c(3, 900_000)]);
+    }
+
+    #[test]
     fn only_tokens_that_ran_out_count_as_lost() {
         // 100/second, burst 320: the store's debt of 3 s (short: over half
         // the 3.2 s tolerance) covers the 5 tokens held until 0.85 s.
