@@ -376,6 +376,19 @@ mod tests {
     }
 
     #[test]
+    fn a_slice_is_worth_taking_when_it_lasts_the_minimum_hold() {
+        // Burst 320: slices of 10. At 10 000/second a slice refills in
+        // 10 × 100 µs = MIN_HOLD: worth it even with a full bucket; at
+        // 20 000/second, 500 µs: not.
+        for (rate, worth) in [("10000/second", true), ("20000/second", false)] {
+            let l = limit(320, rate);
+            let mut s = state(l, 10);
+            s.full_at = 1;
+            assert_eq!(s.worth_a_slice(&l, 1, 10), worth, "{rate}");
+        }
+    }
+
+    #[test]
     fn only_tokens_that_ran_out_count_as_lost() {
         // 100/second, burst 320: the store's debt of 3 s (short: over half
         // the 3.2 s tolerance) covers the 5 tokens held until 0.85 s.
