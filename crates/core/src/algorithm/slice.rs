@@ -389,6 +389,23 @@ mod tests {
     }
 
     #[test]
+    fn a_slice_is_never_more_than_the_store_held_at_its_last_answer() {
+        // Burst 320 at 100/second: slices of up to 10. The last answer left
+        // 3.15 s of debt: (3.2 s - 3.15 s) / 10 ms = 5 tokens in the store.
+        let l = limit(320, "100/second");
+        let mut s = state(l, 0);
+        s.full_at = 3_150_000;
+        s.size = 8;
+        assert_eq!(s.want(&l, 1, 0), 5);
+        // With the store full, the slice size rules: doubled to 16, capped
+        // at 10.
+        let mut s = state(l, 0);
+        s.full_at = 1;
+        s.size = 8;
+        assert_eq!(s.want(&l, 1, 10), 10);
+    }
+
+    #[test]
     fn only_tokens_that_ran_out_count_as_lost() {
         // 100/second, burst 320: the store's debt of 3 s (short: over half
         // the 3.2 s tolerance) covers the 5 tokens held until 0.85 s.
