@@ -332,6 +332,23 @@ fn ops_say_whether_they_write_decide_and_spend() {
 }
 
 #[test]
+fn a_refund_gives_back_its_tokens_even_from_a_debt_seen_past_the_floor() {
+    // 10 tokens at 1/second. The clock stepped back 2 s after the bucket
+    // was emptied: a debt of 12 s, past the 10 s floor. A refund of 11
+    // tokens takes 11 s off it.
+    let l = limit(10, 1, RateUnit::Second);
+    let stepped_back = BucketState {
+        full_at: T0 + 12_000_000,
+        ..BucketState::full(&l, T0)
+    };
+    let (v, _) = token_bucket::refund(Some(stepped_back), &l, 11, T0);
+    assert_eq!(v.reset_after, 1_000_000);
+    // Beyond burst + debt + 1 tokens a refund is that many (no overflow).
+    let (v, _) = token_bucket::refund(Some(stepped_back), &l, u64::MAX, T0);
+    assert_eq!(v.reset_after, 1_000_000);
+}
+
+#[test]
 fn limit_validation() {
     let r = |count, unit| Rate { count, unit };
     assert_eq!(

@@ -283,6 +283,19 @@ mod tests {
     }
 
     #[test]
+    fn a_state_means_nothing_once_its_windows_are_over() {
+        // A fixed window's count matters until its window ends; a sliding
+        // window's until the next window ends too (it is weighed there).
+        for (algorithm, idle) in [
+            (Algorithm::FixedWindow, T0 + MIN),
+            (Algorithm::SlidingWindow, T0 + 2 * MIN),
+        ] {
+            let (_, state) = decide(None, &limit(algorithm, 3), 1, T0 + 5).unwrap();
+            assert_eq!((state.start, state.count, state.idle_at), (T0, 1, idle));
+        }
+    }
+
+    #[test]
     fn fixed_window_counts_per_aligned_window() {
         assert_eq!(T0 % MIN, 0);
         let l = limit(Algorithm::FixedWindow, 3);
