@@ -296,6 +296,40 @@ mod tests {
     }
 
     #[test]
+    fn a_charge_is_counted_in_the_state_it_leaves() {
+        let l = limit(Algorithm::FixedWindow, 3);
+        let (v, state) = charge(None, &l, 2, T0 + 5);
+        assert_eq!((v.remaining, state.count), (1, 2));
+        let (v, _) = decide(Some(state), &l, 1, T0 + 6).unwrap();
+        assert!(v.allowed);
+        assert_eq!(v.remaining, 0);
+    }
+
+    #[test]
+    fn a_refund_uncounts_from_the_window_that_charged_it_while_it_counts() {
+        // 10 a minute, sliding. 6 charged in the first window; half-way
+        // through the next one they weigh 3.
+        let l = limit(Algorithm::SlidingWindow, 10);
+        let (_, state) = charge(None, &l, 6, T0 + 5);
+        let half = T0 + MIN + MIN / 2;
+        let (v, _) = charge(Some(state), &l, 0, half);
+        assert_eq!(v.remaining, 7);
+        // Refunding 4 of them leaves 2, weighing 1.
+        let (v, after) = refund(Some(state), &l, 4, T0 + 5, half);
+        assert_eq!((after.previous, v.remaining), (2, 9));
+        // A charge from two windows back is forgotten already: nothing to
+        // take back from the previous window's count.
+        let (v, after) = refund(Some(state), &l, 4, T0 - MIN + 5, half);
+        assert_eq!((after.previous, v.remaining), (6, 7));
+        // A fixed window forgets a window once it is over.
+        let fixed = limit(Algorithm::FixedWindow, 10);
+        let (_, state) = charge(None, &fixed, 6, T0 + 5);
+        let (_, state) = charge(Some(state), &fixed, 1, T0 + MIN + 5);
+        let (v, after) = refund(Some(state), &fixed, 4, T0 + 5, T0 + MIN + 6);
+        assert_eq!((after.count, v.remaining), (1, 9));
+    }
+
+    #[test]
     fn fixed_window_counts_per_aligned_window() {
         assert_eq!(T0 % MIN, 0);
         let l = limit(Algorithm::FixedWindow, 3);
