@@ -965,6 +965,72 @@ mod tests {
         assert_eq!(store.sweep_idle(), admitted);
         assert_eq!(store.bytes(), 0);
     }
+
+    #[test]
+    fn caps_are_at_least_sixteen_buckets() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let small = MemoryStore::new(clock.clone(), 10).with_max_bytes(1);
+        assert_eq!(small.max_buckets(), 16);
+        assert_eq!(small.max_bytes(), 16 * BUCKET_OVERHEAD_BYTES);
+        let large = MemoryStore::new(clock, 5_000).with_max_bytes(1 << 20);
+        assert_eq!((large.max_buckets(), large.max_bytes()), (5_000, 1 << 20));
+    }
+
+    /// The process-wide count of reservations that expired unsettled.
+    fn expired_so_far() -> u64 {
+        crate::telemetry::metrics::handle()
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix("tollgate_reservations_expired_total "))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    }
+
+    #[test]
+    fn an_unsettled_reservation_is_counted_once_at_its_expiry_and_dropped_after_its_grace() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock.clone(), 1000);
+        assert!(store.is_empty());
+        let (b, c) = ([key("k")], [charge(100, "1/day", 5)]);
+        let reserve = || Reservation {
+            id: ReservationId::new("t"),
+            estimate: 5,
+            lines: vec![1],
+            ttl: 1_000_000,
+        };
+        let (abandoned, settled) = (reserve(), reserve());
+        for r in [&abandoned, &settled] {
+            let attached = Attachment::Reservation(r.clone());
+            assert!(store.attach_now(&b, &c, &attached).unwrap().allowed);
+        }
+        assert!(!store.is_empty());
+        assert_eq!(store.reservations(), 2);
+        assert_eq!(
+            store.settle_now(&settled.id, 5).status,
+            SettleStatus::Settled
+        );
+        let before = expired_so_far();
+        // A microsecond before its expiry: held.
+        clock.advance(Duration::from_micros(999_999));
+        store.sweep_idle();
+        assert_eq!(expired_so_far(), before);
+        // At it: counted, the settled one not; and only once.
+        clock.advance(Duration::from_micros(1));
+        store.sweep_idle();
+        assert_eq!(expired_so_far(), before + 1);
+        store.sweep_idle();
+        assert_eq!(expired_so_far(), before + 1);
+        // Both records stay for the grace period (a late settle is told it
+        // expired), then go.
+        assert_eq!(store.reservations(), 2);
+        assert_eq!(
+            store.settle_now(&abandoned.id, 5).status,
+            SettleStatus::Expired
+        );
+        clock.advance(Duration::from_micros(EXPIRED_GRACE));
+        store.sweep_idle();
+        assert_eq!(store.reservations(), 0);
+        assert_eq!(expired_so_far(), before + 1);
+    }
 }
 
 /// What a bucket really takes stays under what the byte cap counts for it
