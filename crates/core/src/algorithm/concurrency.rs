@@ -239,8 +239,10 @@ mod tests {
     #[test]
     fn release_and_renew_touch_only_held_leases() {
         let mut set = LeaseSet::default();
+        assert!(set.is_empty());
         set.insert(7, T0 + 10);
         set.insert(8, T0 + 5);
+        assert!(!set.is_empty());
         assert!(set.renew(8, T0 + 20));
         assert_eq!(set.occupancy(9, T0).all_free_at, T0 + 20);
         assert!(set.remove(8));
