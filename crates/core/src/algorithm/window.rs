@@ -290,8 +290,10 @@ mod tests {
             (Algorithm::FixedWindow, T0 + MIN),
             (Algorithm::SlidingWindow, T0 + 2 * MIN),
         ] {
-            let (_, state) = decide(None, &limit(algorithm, 3), 1, T0 + 5).unwrap();
+            let (v, state) = decide(None, &limit(algorithm, 3), 1, T0 + 5).unwrap();
             assert_eq!((state.start, state.count, state.idle_at), (T0, 1, idle));
+            // Everything counted is forgotten then.
+            assert_eq!(v.reset_after, idle - (T0 + 5));
         }
     }
 
