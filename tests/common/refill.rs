@@ -25,36 +25,48 @@ pub struct Refill {
     pub outer: u64,
 }
 
-/// Drains with `ask(i)` (true when admitted) until a refusal, waits `wait`,
-/// drains again. Panics after 10,000 admissions in a row.
+/// Drains with `ask(i)` until a refusal, waits `wait`, drains again.
+/// `ask` answers `Some(admitted)` for a decision the store made, `None`
+/// for one it did not (a store call that missed its timeout while this
+/// machine stalled, answered by policy): the measurement then starts over,
+/// up to five times. Panics after 10,000 admissions in a row.
 pub async fn measure<F, Fut>(mut ask: F, wait: Duration) -> Refill
 where
     F: FnMut(usize) -> Fut,
-    Fut: Future<Output = bool>,
+    Fut: Future<Output = Option<bool>>,
 {
     let mut n = 0usize;
+    // (admitted, when the refusal was sent, when it was answered), or
+    // None when an answer did not come from the store.
     let mut drain = async || {
         for admitted in 0..10_000u64 {
             let sent = Instant::now();
             n += 1;
-            if !ask(n).await {
-                return (admitted, sent, Instant::now());
+            match ask(n).await {
+                Some(true) => {}
+                Some(false) => return Some((admitted, sent, Instant::now())),
+                None => return None,
             }
         }
         panic!("10,000 admissions in a row: the bucket never emptied");
     };
-    let (_, first_sent, first_answered) = drain().await;
-    tokio::time::sleep(wait).await;
-    let (admitted, last_sent, last_answered) = drain().await;
-    Refill {
-        admitted,
-        inner: last_sent
-            .saturating_duration_since(first_answered)
-            .as_micros() as u64,
-        outer: last_answered
-            .saturating_duration_since(first_sent)
-            .as_micros() as u64,
+    for _ in 0..5 {
+        let Some((_, first_sent, first_answered)) = drain().await else {
+            continue;
+        };
+        tokio::time::sleep(wait).await;
+        let Some((admitted, last_sent, last_answered)) = drain().await else {
+            continue;
+        };
+        let span =
+            |from: Instant, to: Instant| to.saturating_duration_since(from).as_micros() as u64;
+        return Refill {
+            admitted,
+            inner: span(first_answered, last_sent),
+            outer: span(first_sent, last_answered),
+        };
     }
+    panic!("five measurements in a row met an answer the store did not make");
 }
 
 impl Refill {
