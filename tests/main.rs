@@ -47,5 +47,4 @@ mod shutdown;
 mod slices;
 mod soak;
 mod status_page;
-mod store_contract;
 mod traces;

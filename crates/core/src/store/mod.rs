@@ -7,7 +7,7 @@
 //! [`Attachment`] (a reservation's record, a lease) in the same step when it
 //! admits. Buckets are named by [`BucketKey`], built from a typed
 //! [`BucketKind`]. The backend also owns the clock its buckets are measured
-//! by. One contract suite (`tests/store_contract.rs`) runs against every
+//! by. One contract suite (`crates/core/tests/store_contract.rs`) runs against every
 //! backend.
 //!
 //! The engine does not call a backend directly: [`stack`] wraps it in

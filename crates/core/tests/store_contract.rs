@@ -2,20 +2,32 @@
 //! 3-node Redis Cluster (real servers, started per test), the Redis ones
 //! both with each decision in its own script call and with concurrent
 //! decisions coalesced into shared calls.
+//!
+//! It lives beside the stores, in `tollgate-core`, so that mutation testing
+//! of the stores (`scripts/mutants stores`) runs it against each mutant.
 
-use crate::common;
+// The workspace's test helpers for real Redis servers, shared by path with
+// the root crate's integration tests.
+#[allow(dead_code)]
+#[path = "../../../tests/common/ports.rs"]
+mod ports;
+#[allow(dead_code)]
+#[path = "../../../tests/common/redis.rs"]
+mod redis_servers;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::T0;
-use common::redis::{RedisCluster, RedisServer};
-use tollgate::algorithm::{Charge, Limit, Op, Rate};
-use tollgate::clock::{Clock, ManualClock};
+use redis_servers::{RedisCluster, RedisServer};
+use tollgate_core::algorithm::{Charge, Limit, Op, Rate};
+use tollgate_core::clock::{Clock, ManualClock};
 use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
     RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
 };
+
+/// A time well after the epoch, as the root crate's tests use.
+const T0: u64 = 1_700_000_000_000_000;
 
 struct Harness {
     store: Arc<dyn Store>,
@@ -260,7 +272,7 @@ async fn tenants_and_keys_are_separate_buckets(h: &Harness) {
 }
 
 async fn fixed_and_sliding_windows(h: &Harness) {
-    use tollgate::algorithm::Algorithm;
+    use tollgate_core::algorithm::Algorithm;
     let minute = 1_700_000_040_000_000; // on a minute boundary
     h.clock.set(minute + 50_000_000);
     let window = |a| Charge {
