@@ -371,6 +371,75 @@ async fn demands_are_checked_for_items_keys_and_bucket_names() {
     );
 }
 
+#[tokio::test]
+async fn the_caps_hold_at_their_bounds_exactly() {
+    use tollgate_engine::engine::caps;
+    let h = Harness::memory();
+    let l = rate(5, "1/hour");
+    // A thousand items pass.
+    let mut d = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+    for _ in 0..caps::MAX_ITEMS {
+        d.items.push(Item::new("acme", "", "a", 0));
+    }
+    assert!(h.decide(&mut d).await.unwrap().allowed);
+    assert_eq!(
+        caps::check_items("descriptors", 1001)
+            .unwrap_err()
+            .to_string(),
+        "descriptors has 1001 entries; at most 1000 are allowed, so split the request"
+    );
+    assert_eq!(
+        caps::check_items("descriptors", 0).unwrap_err().to_string(),
+        "descriptors is empty; send 1 to 1000 descriptors"
+    );
+    assert!(caps::check_items("descriptors", 1).is_ok());
+    // A bucket name of exactly the longest allowed passes; one byte more
+    // is refused.
+    let base = BucketKey::new("acme", BucketKind::KEY, "", "a")
+        .as_str()
+        .len();
+    let resource = "r".repeat(caps::MAX_BUCKET_BYTES - base);
+    let at = BucketKey::new("acme", BucketKind::KEY, &resource, "a");
+    assert_eq!(at.as_str().len(), caps::MAX_BUCKET_BYTES);
+    let mut d = spend(1, vec![limited(0, at, l)]);
+    assert!(h.decide(&mut d).await.unwrap().allowed);
+    let over = BucketKey::new("acme", BucketKind::KEY, &resource, "ab");
+    let mut d = spend(1, vec![limited(0, over, l)]);
+    assert_eq!(
+        h.decide(&mut d).await.unwrap_err().to_string(),
+        format!(
+            "a bucket name of {} bytes is longer than the {} allowed; shorten the keys",
+            caps::MAX_BUCKET_BYTES + 1,
+            caps::MAX_BUCKET_BYTES
+        )
+    );
+}
+
+#[tokio::test]
+async fn a_bad_token_is_quoted_shortened_on_a_character_boundary() {
+    let h = Harness::memory();
+    // 63 ASCII bytes and then two-byte characters: byte 64 falls inside
+    // one, so the quote stops at 63.
+    let token = format!("{}{}", "a".repeat(63), "é".repeat(10));
+    let e = h.engine.settle(Api::Native, &token, 1).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "reservation {:?} is not a token Reserve returned (they start with \"r1.\")",
+            "a".repeat(63)
+        )
+    );
+    let token = format!("{}{}", "a".repeat(62), "é".repeat(10));
+    let e = h.engine.release(&token).await.unwrap_err();
+    assert!(
+        e.to_string().starts_with(&format!(
+            "lease {:?} is not",
+            format!("{}é", "a".repeat(62))
+        )),
+        "{e}"
+    );
+}
+
 // ---- Rules without a bucket ------------------------------------------
 
 #[tokio::test]
