@@ -675,6 +675,7 @@ mod tests {
     use crate::algorithm::{Limit, Rate};
     use crate::clock::ManualClock;
     use crate::store::BucketKind;
+    use crate::store::Lease;
     use std::time::Duration;
 
     const T0: Micros = 1_700_000_000_000_000;
@@ -974,6 +975,159 @@ mod tests {
         assert_eq!(small.max_bytes(), 16 * BUCKET_OVERHEAD_BYTES);
         let large = MemoryStore::new(clock, 5_000).with_max_bytes(1 << 20);
         assert_eq!((large.max_buckets(), large.max_bytes()), (5_000, 1 << 20));
+    }
+
+    fn reservation(tenant: &str, estimate: u64, ttl: Micros) -> Attachment {
+        Attachment::Reservation(Reservation {
+            id: ReservationId::new(tenant),
+            estimate,
+            lines: vec![1],
+            ttl,
+        })
+    }
+
+    #[test]
+    fn a_refused_decision_records_nothing_and_takes_no_room() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock, 1000).with_max_records(100, Some(1));
+        let (b, c) = ([key("k")], [charge(3, "1/day", 2)]);
+        let first = reservation("t", 2, 60_000_000);
+        assert!(store.attach_now(&b, &c, &first).unwrap().allowed);
+        // The bucket has 1 left: refused, and no record is written.
+        let refused = reservation("t", 2, 60_000_000);
+        assert!(!store.attach_now(&b, &c, &refused).unwrap().allowed);
+        assert_eq!(store.reservations(), 1);
+        let Attachment::Reservation(r) = &refused else {
+            unreachable!()
+        };
+        assert_eq!(store.settle_now(&r.id, 0).status, SettleStatus::Unknown);
+        // The tenant's one record is taken: a third, admissible, is refused
+        // for that, and nothing is charged.
+        let other = [key("other")];
+        let third = reservation("t", 1, 60_000_000);
+        assert!(matches!(
+            store.attach_now(&other, &c, &third),
+            Err(Refused::Records(_))
+        ));
+        assert!(store.state(&key("other")).is_none());
+        // Settling the first frees its room.
+        let Attachment::Reservation(r) = &first else {
+            unreachable!()
+        };
+        assert_eq!(store.settle_now(&r.id, 2).status, SettleStatus::Settled);
+    }
+
+    #[test]
+    fn leases_take_a_record_each_and_a_refused_acquire_none() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock, 1000).with_max_records(100, Some(2));
+        let cap = [Charge::new(Limit::concurrency(1).unwrap(), 1)];
+        let lease = |_: &str| {
+            Attachment::Lease(Lease {
+                id: LeaseId::new("t"),
+                ttl: 60_000_000,
+            })
+        };
+        assert!(
+            store
+                .attach_now(&[key("a")], &cap, &lease("a"))
+                .unwrap()
+                .allowed
+        );
+        // Full cap: refused, taking no record.
+        assert!(
+            !store
+                .attach_now(&[key("a")], &cap, &lease("a"))
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            store
+                .attach_now(&[key("b")], &cap, &lease("b"))
+                .unwrap()
+                .allowed
+        );
+        // Two records held: a third lease is refused for that.
+        assert!(matches!(
+            store.attach_now(&[key("c")], &cap, &lease("c")),
+            Err(Refused::Records(_))
+        ));
+    }
+
+    #[test]
+    fn sweeping_gives_back_only_the_records_it_drops() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock.clone(), 1000).with_max_records(100, Some(2));
+        let c = [charge(100, "1/day", 1)];
+        for k in ["a", "b"] {
+            let r = reservation("t", 1, 1_000_000);
+            assert!(store.attach_now(&[key(k)], &c, &r).unwrap().allowed);
+        }
+        // Live records swept: both stay, and still count.
+        store.sweep_idle();
+        let third = reservation("t", 1, 1_000_000);
+        assert!(matches!(
+            store.attach_now(&[key("c")], &c, &third),
+            Err(Refused::Records(_))
+        ));
+        // Expired and past their grace: dropped, and their room is free.
+        clock.advance(Duration::from_micros(1_000_000 + EXPIRED_GRACE));
+        store.sweep_idle();
+        assert_eq!(store.reservations(), 0);
+        assert!(store.attach_now(&[key("c")], &c, &third).unwrap().allowed);
+    }
+
+    #[test]
+    fn a_charge_of_nothing_stores_no_bucket() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock, 1000);
+        let c = [charge(10, "1/second", 0)];
+        for op in [Op::SPEND, Op::Charge] {
+            assert!(store.apply_now(&[key("new")], &c, op).unwrap().allowed);
+        }
+        assert_eq!(store.len(), 0, "a full bucket is the same as none");
+        assert_eq!(store.bytes(), 0);
+    }
+
+    #[test]
+    fn the_bucket_cap_admits_exactly_its_count_of_refilling_buckets() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock, 16);
+        let c = [charge(10, "1/day", 1)];
+        for i in 0..16 {
+            let k = key(&format!("k{i}"));
+            assert!(store.apply_now(&[k], &c, Op::SPEND).is_ok(), "bucket {i}");
+        }
+        assert_eq!(store.len(), 16);
+        assert!(matches!(
+            store.apply_now(&[key("k16")], &c, Op::SPEND),
+            Err(Refused::Buckets(_))
+        ));
+    }
+
+    #[test]
+    fn two_threads_draining_one_bucket_admit_exactly_its_burst() {
+        // Many decisions from two threads at once on one bucket: each
+        // decision reads and writes the bucket under its stripe's lock, so
+        // no update is lost.
+        const BURST: u64 = 200_000;
+        let store = Arc::new(MemoryStore::new(Arc::new(ManualClock::new(T0)), 1000));
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let c = [charge(BURST, "10/second", 1)];
+                    let b = [key("hot")];
+                    let mut admitted = 0u64;
+                    while store.apply_now(&b, &c, Op::SPEND).unwrap().allowed {
+                        admitted += 1;
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        let admitted: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        assert_eq!(admitted, BURST);
     }
 
     /// The process-wide count of reservations that expired unsettled.
