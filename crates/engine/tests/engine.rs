@@ -1363,3 +1363,169 @@ async fn leases_held_are_counted_per_rule_until_released_or_swept() {
     h.engine.sweep_leases();
     assert_eq!(held(), 0.0);
 }
+
+#[tokio::test]
+async fn items_of_different_rules_are_counted_under_their_own_rule() {
+    own_process();
+    let h = Harness::memory();
+    let mut d = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+    let l = rate(4, "1/hour");
+    for (i, (k, label)) in [("a", "first"), ("b", "second"), ("c", "second")]
+        .into_iter()
+        .enumerate()
+    {
+        d.items.push(Item::new("acme", "", k, 1));
+        d.lines.push(Line {
+            label,
+            ..limited(i, bucket("acme", k), l)
+        });
+    }
+    assert!(h.decide(&mut d).await.unwrap().allowed);
+    let count = |rule: &str| {
+        metric(
+            "tollgate_decisions_total",
+            &[("api", "native"), ("outcome", "allowed"), ("rule", rule)],
+        )
+    };
+    assert_eq!((count("first"), count("second")), (1.0, 2.0));
+}
+
+#[tokio::test]
+async fn debt_seen_stays_in_view_when_a_later_decision_is_out_of_debt() {
+    let h = Harness::memory();
+    let l = rate(4, "1/second").with_debt(10).unwrap();
+    let mut d = spend(7, vec![limited(0, bucket("acme", "alice"), l)]);
+    d.op = Op::Charge;
+    assert_eq!(h.decide(&mut d).await.unwrap().items[0].debt, 3);
+    h.clock.advance(Duration::from_secs(10));
+    let mut d = spend(1, vec![limited(0, bucket("acme", "alice"), l)]);
+    assert_eq!(h.decide(&mut d).await.unwrap().items[0].debt, 0);
+    let mut d = spend(1, vec![limited(0, bucket("acme", "alice"), l)]);
+    d.op = Op::Charge;
+    assert_eq!(h.decide(&mut d).await.unwrap().items[0].debt, 0);
+    let in_debt = h.top.in_debt(10);
+    assert_eq!(in_debt.len(), 1, "{in_debt:?}");
+    assert_eq!(in_debt[0].debt, 3, "the deepest sighting in the window");
+    // The same through settles (recorded per tenant).
+    let h = Harness::memory();
+    let span = tracing::Span::none();
+    let mut d = spend(4, vec![limited(0, bucket("globex", "bob"), l)]);
+    let r = h.engine.reserve(&mut d, None, &span).await.unwrap();
+    let token = r.reservation.unwrap().to_string();
+    let s = h.engine.settle(Api::Native, &token, 6).await.unwrap();
+    assert_eq!(s.tightest.debt, 2);
+    h.clock.advance(Duration::from_secs(10));
+    let mut d = spend(1, vec![limited(0, bucket("globex", "bob"), l)]);
+    let r = h.engine.reserve(&mut d, None, &span).await.unwrap();
+    let token = r.reservation.unwrap().to_string();
+    let s = h.engine.settle(Api::Native, &token, 1).await.unwrap();
+    assert_eq!(s.tightest.debt, 0);
+    let seen: Vec<u64> = h.top.in_debt(10).iter().map(|d| d.debt).collect();
+    assert_eq!(seen, [2]);
+}
+
+// ---- The decision's span ---------------------------------------------
+
+/// Collects the fields recorded on spans.
+struct Fields(Arc<parking_lot::Mutex<Vec<(String, String)>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Fields {
+    fn on_record(
+        &self,
+        _: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        struct Visit<'a>(&'a mut Vec<(String, String)>);
+        impl tracing::field::Visit for Visit<'_> {
+            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                self.0.push((field.name().to_owned(), value.to_owned()));
+            }
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push((field.name().to_owned(), format!("{value:?}")));
+            }
+        }
+        values.record(&mut Visit(&mut self.0.lock()));
+    }
+}
+
+/// Runs `decide` with a span whose `outcome` and `rule` fields are
+/// recorded, and returns what was recorded.
+fn span_fields(decide: impl FnOnce(&tracing::Span)) -> Vec<(String, String)> {
+    use tracing_subscriber::layer::SubscriberExt;
+    let recorded = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Fields(recorded.clone()));
+    tracing::subscriber::with_default(subscriber, || {
+        let span = tracing::info_span!(
+            "decision",
+            outcome = tracing::field::Empty,
+            rule = tracing::field::Empty
+        );
+        decide(&span);
+    });
+    let fields = recorded.lock().clone();
+    fields
+}
+
+fn pairs(fields: &[(&str, &str)]) -> Vec<(String, String)> {
+    fields
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+#[test]
+fn the_span_is_given_the_outcome_and_the_deciding_rule() {
+    let h = Harness::memory();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let l = rate(1, "1/hour");
+    let run = |d: &mut Demand<'_>| {
+        span_fields(|span| {
+            let _ = runtime.block_on(h.engine.decide(d, span));
+        })
+    };
+    // One item: its own outcome, shadow included.
+    let shadow = |k| Line {
+        enforce: false,
+        label: "shadow-rule",
+        ..limited(0, bucket("acme", k), l)
+    };
+    assert_eq!(
+        run(&mut spend(1, vec![shadow("s")])),
+        pairs(&[("outcome", "allowed"), ("rule", "shadow-rule")])
+    );
+    assert_eq!(
+        run(&mut spend(1, vec![shadow("s")])),
+        pairs(&[("outcome", "shadow_rejected"), ("rule", "shadow-rule")])
+    );
+    // A batch: allowed or rejected as a whole; the first item's rule.
+    let batch = |keys: [&'static str; 2]| {
+        let mut d = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+        for (i, k) in keys.into_iter().enumerate() {
+            d.items.push(Item::new("acme", "", k, 1));
+            d.lines.push(Line {
+                label: if i == 0 { "first" } else { "second" },
+                ..limited(i, bucket("acme", k), l)
+            });
+        }
+        d
+    };
+    assert_eq!(
+        run(&mut batch(["a", "b"])),
+        pairs(&[("outcome", "allowed"), ("rule", "first")])
+    );
+    assert_eq!(
+        run(&mut batch(["c", "b"])),
+        pairs(&[("outcome", "rejected"), ("rule", "first")])
+    );
+    // Usage charged after the fact, and a refused demand.
+    let mut charge = spend(1, vec![limited(0, bucket("acme", "z"), l)]);
+    charge.op = Op::Charge;
+    assert_eq!(run(&mut charge), pairs(&[("outcome", "charged")]));
+    assert_eq!(
+        run(&mut spend(2, vec![limited(0, bucket("acme", "y"), l)])),
+        pairs(&[("outcome", "error")])
+    );
+}
