@@ -1463,8 +1463,7 @@ fn span_fields(decide: impl FnOnce(&tracing::Span)) -> Vec<(String, String)> {
         );
         decide(&span);
     });
-    let fields = recorded.lock().clone();
-    fields
+    recorded.lock().clone()
 }
 
 fn pairs(fields: &[(&str, &str)]) -> Vec<(String, String)> {
