@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tollgate_engine::algorithm::{Limit, Micros, Op};
 use tollgate_engine::clock::{Clock, ManualClock};
-use tollgate_engine::engine::backend::{Backend, BackendOptions};
+use tollgate_engine::engine::backend::{Backend, BackendOptions, StoreHandle};
 use tollgate_engine::engine::{
     Allowance, Answer, Api, BucketKey, BucketKind, DecideError, Demand, Engine, Item, LeaseOp,
     LeaseStatus, Line, OnStoreUnavailable, OverCapacity, RedisConfig, SettleStatus, Ttl, Unmatched,
@@ -25,6 +25,7 @@ const SECOND: Micros = 1_000_000;
 
 struct Harness {
     engine: Engine,
+    store: StoreHandle,
     clock: Arc<ManualClock>,
     top: Arc<TopLimited>,
     /// Holds the port of a Redis that never answers (store-unavailable
@@ -58,6 +59,7 @@ impl Harness {
             dyn_clock.clone(),
         ));
         Self {
+            store: backend.handle(),
             engine: backend.engine(dyn_clock, top.clone(), unmatched),
             clock,
             top,
@@ -393,6 +395,17 @@ async fn the_caps_hold_at_their_bounds_exactly() {
         "descriptors is empty; send 1 to 1000 descriptors"
     );
     assert!(caps::check_items("descriptors", 1).is_ok());
+    // A key of exactly 256 bytes passes.
+    let longest = "k".repeat(caps::MAX_KEY_BYTES);
+    let mut d = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+    d.items.push(Item::new("acme", "", &longest, 1));
+    assert!(h.decide(&mut d).await.unwrap().allowed);
+    // The longest bucket name any API can build: three labels of at most
+    // 128 bytes (an Envoy domain, or a tenant and resource), 32 bytes of
+    // tags and separators, and 16 descriptor entries of a 256-byte key and
+    // value and their two separators.
+    assert_eq!(caps::MAX_BUCKET_BYTES, 3 * 128 + 32 + 16 * (2 * 256 + 2));
+    assert_eq!(caps::MAX_BUCKET_BYTES, 8640);
     // A bucket name of exactly the longest allowed passes; one byte more
     // is refused.
     let base = BucketKey::new("acme", BucketKind::KEY, "", "a")
@@ -491,6 +504,12 @@ async fn a_limit_of_zero_refuses_and_spends_nothing_elsewhere() {
     d.op = Op::Charge;
     let a = h.decide(&mut d).await.unwrap();
     assert_eq!(a.lines[1].remaining, 3);
+    // The blocked line charged nothing: raised to a real limit, the
+    // ceiling's bucket is full.
+    let mut d = spend(1, vec![limited(0, ceiling("acme"), l)]);
+    let a = h.decide(&mut d).await.unwrap();
+    assert!(a.allowed);
+    assert_eq!(a.lines[0].remaining, 4);
 }
 
 #[tokio::test]
@@ -799,6 +818,8 @@ async fn with_the_store_unavailable_each_lines_policy_answers() {
             assert_eq!(a.items[0].remaining, 1);
         }
     }
+    assert!(h.store.ping().await.is_err(), "the store does not answer");
+    assert!(Harness::memory().store.ping().await.is_ok());
     // A reservation is not recorded by a fallback.
     let mut d = spend(1, vec![limited(0, bucket("acme", "r"), l)]);
     let r = h
@@ -875,6 +896,30 @@ async fn a_settle_refunds_or_charges_the_difference_once() {
     let s = h.engine.settle(Api::Native, &token, 6).await.unwrap();
     assert_eq!((s.refunded, s.charged), (0, 2));
     assert_eq!(s.tightest.remaining, 1, "7 - 6");
+}
+
+#[tokio::test]
+async fn a_settle_gives_back_per_line_on_a_shared_bucket() {
+    let h = Harness::memory();
+    let l = rate(10, "1/hour");
+    // Two rules on one bucket: the estimate of 3 is charged twice.
+    let mut d = spend(
+        3,
+        vec![
+            limited(0, bucket("acme", "alice"), l),
+            limited(0, bucket("acme", "alice"), l),
+        ],
+    );
+    let r = h
+        .engine
+        .reserve(&mut d, None, &tracing::Span::none())
+        .await
+        .unwrap();
+    assert_eq!(r.answer.items[0].remaining, 4);
+    let token = r.reservation.unwrap().to_string();
+    let s = h.engine.settle(Api::Native, &token, 1).await.unwrap();
+    assert_eq!((s.estimate, s.refunded), (3, 2));
+    assert_eq!(s.tightest.remaining, 8, "2 per line given back: 10 - 2 × 1");
 }
 
 #[tokio::test]
