@@ -504,6 +504,11 @@ async fn a_limit_of_zero_refuses_and_spends_nothing_elsewhere() {
     d.op = Op::Charge;
     let a = h.decide(&mut d).await.unwrap();
     assert_eq!(a.lines[1].remaining, 3);
+    assert_eq!(
+        h.store.status().local.unwrap().buckets,
+        2,
+        "the buckets of keys a and b; none for the limit of zero"
+    );
     // The blocked line charged nothing: raised to a real limit, the
     // ceiling's bucket is full.
     let mut d = spend(1, vec![limited(0, ceiling("acme"), l)]);
