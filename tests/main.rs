@@ -44,7 +44,6 @@ mod redis_store;
 mod redis_topology;
 mod security;
 mod shutdown;
-mod slices;
 mod soak;
 mod status_page;
 mod traces;

@@ -1130,6 +1130,157 @@ mod tests {
         assert_eq!(admitted, BURST);
     }
 
+    /// A store of 16 buckets holding `n` that refill over a day.
+    fn with_slow_buckets(clock: &Arc<ManualClock>, n: usize) -> MemoryStore {
+        let store = MemoryStore::new(clock.clone(), 16);
+        for i in 0..n {
+            let k = key(&format!("slow{i}"));
+            assert!(
+                store
+                    .apply_now(&[k], &[charge(10, "1/day", 1)], Op::SPEND)
+                    .unwrap()
+                    .allowed
+            );
+        }
+        store
+    }
+
+    #[test]
+    fn below_its_cap_the_store_keeps_its_idle_buckets() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = with_slow_buckets(&clock, 14);
+        // Full again 10 ms from now.
+        let fast = [charge(100, "100/second", 1)];
+        store.apply_now(&[key("fast")], &fast, Op::SPEND).unwrap();
+        clock.advance(Duration::from_millis(20));
+        // One existing bucket and one new: 16 held, at the cap, not over.
+        let b = [key("slow0"), key("new")];
+        let c = [charge(10, "1/day", 1), charge(10, "1/day", 1)];
+        assert!(store.apply_now(&b, &c, Op::SPEND).unwrap().allowed);
+        assert_eq!(
+            store.len(),
+            16,
+            "the idle bucket is not swept below the cap"
+        );
+        assert_eq!(store.evictions(), (0, 0));
+    }
+
+    #[test]
+    fn at_its_cap_the_store_sweeps_idle_buckets_once_per_period() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = with_slow_buckets(&clock, 15);
+        // Full again at T0 + 10 ms.
+        let fast = [charge(100, "100/second", 1)];
+        store.apply_now(&[key("fast")], &fast, Op::SPEND).unwrap();
+        let slow = [charge(10, "1/day", 1)];
+        // At T0 + 5 ms: a sweep finds nothing idle, and the new bucket is
+        // refused.
+        clock.advance(Duration::from_millis(5));
+        assert!(matches!(
+            store.apply_now(&[key("n1")], &slow, Op::SPEND),
+            Err(Refused::Buckets(_))
+        ));
+        // One sweep period later exactly, the next sweep drops the idle one.
+        clock.advance(Duration::from_micros(SWEEP_AT_CAP_EVERY));
+        assert!(
+            store
+                .apply_now(&[key("n2")], &slow, Op::SPEND)
+                .unwrap()
+                .allowed
+        );
+        assert!(store.state(&key("fast")).is_none());
+    }
+
+    #[test]
+    fn a_settle_on_a_swept_bucket_keeps_its_charge_and_leaves_a_full_one_out() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock.clone(), 1000);
+        let c = [charge(10, "1/second", 4)];
+        let (x, y) = (
+            reservation("t", 4, 60_000_000),
+            reservation("t", 4, 60_000_000),
+        );
+        assert!(store.attach_now(&[key("x")], &c, &x).unwrap().allowed);
+        assert!(store.attach_now(&[key("y")], &c, &y).unwrap().allowed);
+        // Full again after 4 s, and swept.
+        clock.advance(Duration::from_secs(4));
+        assert_eq!(store.sweep_idle(), 2);
+        let id = |a: &Attachment| match a {
+            Attachment::Reservation(r) => r.id.clone(),
+            Attachment::Lease(_) => unreachable!(),
+        };
+        // 6 over the estimate: charged to the full bucket, which is held
+        // again with 4 tokens.
+        assert_eq!(store.settle_now(&id(&x), 10).status, SettleStatus::Settled);
+        let spend = |n| charge(10, "1/second", n);
+        assert!(
+            !store
+                .apply_now(&[key("x")], &[spend(5)], Op::DRY)
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            store
+                .apply_now(&[key("x")], &[spend(4)], Op::DRY)
+                .unwrap()
+                .allowed
+        );
+        // A refund to a full bucket: nothing to hold.
+        assert_eq!(store.settle_now(&id(&y), 0).status, SettleStatus::Settled);
+        assert_eq!(store.len(), 1);
+        assert!(store.state(&key("y")).is_none());
+    }
+
+    #[test]
+    fn a_decision_adding_no_bucket_passes_while_settles_hold_the_store_over_its_cap() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = with_slow_buckets(&clock, 15);
+        let c = [charge(10, "1/second", 4)];
+        let x = reservation("t", 4, 60_000_000);
+        assert!(store.attach_now(&[key("x")], &c, &x).unwrap().allowed);
+        assert_eq!(store.len(), 16);
+        // x is full again and swept; another bucket takes its room.
+        clock.advance(Duration::from_secs(4));
+        store.sweep_idle();
+        let slow = [charge(10, "1/day", 1)];
+        assert!(
+            store
+                .apply_now(&[key("y")], &slow, Op::SPEND)
+                .unwrap()
+                .allowed
+        );
+        // The settle's charge is held over the cap rather than lost.
+        let Attachment::Reservation(r) = &x else {
+            unreachable!()
+        };
+        assert_eq!(store.settle_now(&r.id, 10).status, SettleStatus::Settled);
+        assert_eq!(store.len(), 17);
+        // Decisions on buckets already held still pass; a new one does not.
+        assert!(
+            store
+                .apply_now(&[key("y")], &slow, Op::SPEND)
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            store
+                .apply_now(&[key("slow3")], &slow, Op::SPEND)
+                .unwrap()
+                .allowed
+        );
+        assert!(matches!(
+            store.apply_now(&[key("z")], &slow, Op::SPEND),
+            Err(Refused::Buckets(_))
+        ));
+    }
+
+    #[test]
+    fn the_store_names_its_kind() {
+        let store = MemoryStore::new(Arc::new(ManualClock::new(T0)), 16);
+        assert_eq!(Store::kind(&store), "memory");
+        assert_eq!(Store::status(&store).kind, "memory");
+    }
+
     /// The process-wide count of reservations that expired unsettled.
     fn expired_so_far() -> u64 {
         crate::telemetry::metrics::handle()

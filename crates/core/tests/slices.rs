@@ -10,17 +10,23 @@
 //!   Rust arithmetic agree, so the layer above them does too);
 //! - refusals come early by at most what the slices hold.
 
-use crate::common;
+// The workspace's test helpers for real Redis servers, shared by path with
+// the root crate's integration tests.
+#[allow(dead_code)]
+#[path = "../../../tests/common/ports.rs"]
+mod ports;
+#[allow(dead_code)]
+#[path = "../../../tests/common/redis.rs"]
+mod redis_servers;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::T0;
-use common::redis::{RedisCluster, RedisServer, redis_cli};
-use tollgate::algorithm::{BucketState, Charge, Limit, Micros, Op, Rate, Verdict, decide};
-use tollgate::clock::{Clock, ManualClock};
-use tollgate::limits::OnStoreUnavailable;
+use redis_servers::{RedisCluster, RedisServer, redis_cli};
+use tollgate_core::algorithm::{BucketState, Charge, Limit, Micros, Op, Rate, Verdict, decide};
+use tollgate_core::clock::{Clock, ManualClock};
+use tollgate_core::store::OnStoreUnavailable;
 use tollgate_core::store::layer::Layer;
 use tollgate_core::store::stack::{Layers, build};
 use tollgate_core::store::{Attachment, BucketKind, Request};
@@ -29,6 +35,9 @@ use tollgate_core::store::{
     RedisConfig, RedisStore, Reservation, ReservationId, SettleFuture, SettleStatus, Store,
     StoreError, StoreFuture, StoreStatus,
 };
+
+/// A time well after the epoch, as the root crate's tests use.
+const T0: u64 = 1_700_000_000_000_000;
 
 /// Instances sharing one backend, each with its own stack.
 struct Fleet {
@@ -336,7 +345,7 @@ async fn a_cluster_answers_exactly_as_memory_does_with_keys_on_every_master() {
     let nodes = &cluster_.nodes;
     let calls: Vec<u64> = nodes
         .iter()
-        .map(|n| common::redis::evalsha_calls(n.port))
+        .map(|n| redis_servers::evalsha_calls(n.port))
         .collect();
     let home = cluster_.owner(cluster_.slot_of("hot")).unwrap();
     eprintln!("script calls per master: {calls:?}; the ceiling is on master {home}");
@@ -389,7 +398,7 @@ async fn a_quiet_tenants_ceiling_is_taken_in_slices_not_per_decision() {
     let calls: Vec<u64> = cluster
         .nodes
         .iter()
-        .map(|n| common::redis::evalsha_calls(n.port))
+        .map(|n| redis_servers::evalsha_calls(n.port))
         .collect();
     // One call per decision for its key; the rest are the slices taken.
     let takes = calls.iter().sum::<u64>() - steps as u64;
