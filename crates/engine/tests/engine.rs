@@ -720,6 +720,17 @@ async fn among_refusing_buckets_the_longest_wait_decides() {
         assert_eq!(a.items[0].line, at);
         assert_eq!(a.retry_after, 60 * SECOND);
     }
+    // Equal waits: the first line is reported.
+    let lines = || {
+        vec![
+            limited(0, bucket("acme", "x"), short),
+            limited(0, bucket("acme", "y"), short),
+        ]
+    };
+    assert!(h.decide(&mut spend(1, lines())).await.unwrap().allowed);
+    let a = h.decide(&mut spend(1, lines())).await.unwrap();
+    assert!(!a.allowed);
+    assert_eq!(a.items[0].line, Some(0));
 }
 
 #[tokio::test]
@@ -1105,6 +1116,36 @@ async fn a_cap_grants_leases_up_to_its_size_and_frees_them_on_release() {
         Err(DecideError::LeaseGone { why, .. }) => assert_eq!(why, "it was released"),
         other => panic!("{other:?}"),
     }
+}
+
+#[tokio::test]
+async fn a_full_shadow_cap_admits_without_a_lease() {
+    let h = Harness::memory();
+    let cap = Limit::concurrency(1).unwrap();
+    let acquire = || {
+        let mut d = spend(
+            1,
+            vec![Line {
+                enforce: false,
+                label: "shadow-cap",
+                ..limited(0, bucket("acme", "a"), cap)
+            }],
+        );
+        let engine = &h.engine;
+        async move {
+            engine
+                .acquire(&mut d, None, Ttl::Lease, &tracing::Span::none())
+                .await
+                .unwrap()
+        }
+    };
+    let first = acquire().await;
+    assert!(first.answer.allowed && first.lease.is_some());
+    let second = acquire().await;
+    assert!(second.answer.allowed, "a shadow cap never refuses");
+    assert!(second.answer.items[0].shadow);
+    assert_eq!(second.lease, None, "it holds no slot, so there is no lease");
+    assert_eq!((second.in_flight, second.limit), (1, 1));
 }
 
 #[tokio::test]
@@ -1576,5 +1617,77 @@ fn the_span_is_given_the_outcome_and_the_deciding_rule() {
     assert_eq!(
         run(&mut spend(2, vec![limited(0, bucket("acme", "y"), l)])),
         pairs(&[("outcome", "error")])
+    );
+}
+
+#[tokio::test]
+async fn a_cap_with_room_in_a_refused_acquire_grants_and_counts_nothing() {
+    own_process();
+    let h = Harness::memory();
+    let cap = Limit::concurrency(5).unwrap();
+    let l = rate(1, "1/hour");
+    let span = tracing::Span::none();
+    for n in 0..2 {
+        let mut d = spend(
+            1,
+            vec![
+                Line {
+                    label: "cap",
+                    ..limited(0, bucket("acme", "a"), cap)
+                },
+                limited(0, ceiling("acme"), l),
+            ],
+        );
+        let a = h
+            .engine
+            .acquire(&mut d, None, Ttl::Lease, &span)
+            .await
+            .unwrap();
+        assert_eq!(a.answer.allowed, n == 0);
+        assert_eq!(a.lease.is_some(), n == 0);
+    }
+    // The second acquire was refused by the rate, not the cap.
+    assert_eq!(
+        metric("tollgate_leases_acquired_total", &[("rule", "cap")]),
+        1.0
+    );
+    assert_eq!(
+        metric("tollgate_leases_refused_total", &[("rule", "cap")]),
+        0.0
+    );
+    assert_eq!(metric("tollgate_leases_held", &[("rule", "cap")]), 1.0);
+}
+
+#[tokio::test]
+async fn the_lease_book_holds_at_most_a_hundred_thousand_leases() {
+    own_process();
+    let options = BackendOptions {
+        max_buckets: 200_000,
+        max_bucket_bytes: 1 << 30,
+        max_records: 400_000,
+        ..options()
+    };
+    let h = Harness::with(options, Unmatched::Allow, None);
+    let cap = Limit::concurrency(1).unwrap();
+    let span = tracing::Span::none();
+    let keys: Vec<String> = (0..100_001).map(|i| format!("k{i}")).collect();
+    for k in &keys {
+        let mut d = spend(1, vec![limited(0, bucket("acme", k), cap)]);
+        let a = h
+            .engine
+            .acquire(&mut d, None, Ttl::Lease, &span)
+            .await
+            .unwrap();
+        assert!(a.lease.is_some(), "{k}: {a:?}");
+    }
+    // Granted all; the instance's book (behind the gauge) stops at its
+    // bound, so a flood of leases cannot grow it without end.
+    assert_eq!(
+        metric("tollgate_leases_acquired_total", &[("rule", "per-key")]),
+        100_001.0
+    );
+    assert_eq!(
+        metric("tollgate_leases_held", &[("rule", "per-key")]),
+        100_000.0
     );
 }
