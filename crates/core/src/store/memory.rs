@@ -1281,6 +1281,67 @@ mod tests {
         assert_eq!(Store::status(&store).kind, "memory");
     }
 
+    /// The process-wide count of leases that expired unreleased.
+    fn leases_expired_so_far() -> u64 {
+        crate::telemetry::metrics::handle()
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix("tollgate_leases_expired_total "))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    }
+
+    #[test]
+    fn an_unreleased_lease_is_counted_once_at_its_expiry_and_its_room_returned_after_its_grace() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock.clone(), 16).with_max_records(100, Some(2));
+        let cap = [Charge::new(Limit::concurrency(2).unwrap(), 1)];
+        let lease = || Lease {
+            id: LeaseId::new("t"),
+            ttl: 1_000_000,
+        };
+        let (kept, released) = (lease(), lease());
+        for l in [&kept, &released] {
+            let attached = Attachment::Lease(l.clone());
+            assert!(
+                store
+                    .attach_now(&[key("a")], &cap, &attached)
+                    .unwrap()
+                    .allowed
+            );
+        }
+        assert_eq!(
+            store.lease_now(&released.id, LeaseOp::Release).status,
+            crate::store::LeaseStatus::Done
+        );
+        let set_bytes = store.bytes();
+        assert!(set_bytes > 0, "the cap's set is held");
+        let before = leases_expired_so_far();
+        // A microsecond before its expiry: held, not counted.
+        clock.advance(Duration::from_micros(999_999));
+        store.sweep_idle();
+        assert_eq!(leases_expired_so_far(), before);
+        assert_eq!(store.bytes(), set_bytes);
+        // At it: counted once (the released one not), and the empty set
+        // is dropped with its bytes.
+        clock.advance(Duration::from_micros(1));
+        store.sweep_idle();
+        assert_eq!(leases_expired_so_far(), before + 1);
+        assert_eq!(store.bytes(), 0);
+        store.sweep_idle();
+        assert_eq!(leases_expired_so_far(), before + 1);
+        // Both records stay for the grace period and take the tenant's
+        // room; then they go, and the room comes back.
+        let third = Attachment::Lease(lease());
+        assert!(matches!(
+            store.attach_now(&[key("b")], &cap, &third),
+            Err(Refused::Records(_))
+        ));
+        clock.advance(Duration::from_micros(EXPIRED_GRACE));
+        store.sweep_idle();
+        assert!(store.attach_now(&[key("b")], &cap, &third).unwrap().allowed);
+        assert_eq!(leases_expired_so_far(), before + 1);
+    }
+
     /// The process-wide count of reservations that expired unsettled.
     fn expired_so_far() -> u64 {
         crate::telemetry::metrics::handle()

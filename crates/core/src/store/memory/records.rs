@@ -184,6 +184,33 @@ mod tests {
     }
 
     #[test]
+    fn a_newcomer_refused_when_all_are_held_is_not_counted_as_a_tenant() {
+        let records = Records::new(100, usize::MAX);
+        // Shares of a half, a third and a quarter: 50 + 33 + 17 fill it.
+        for (tenant, n) in [("a", 50), ("b", 33), ("c", 17)] {
+            for _ in 0..n {
+                records.take(tenant).unwrap();
+            }
+        }
+        let full = records.take("d").unwrap_err();
+        assert!(
+            full.why.contains("all 100 records are held"),
+            "{}",
+            full.why
+        );
+        assert_eq!(records.tenants.load(Ordering::Relaxed), 3);
+        assert_eq!(records.held_by("d"), 0);
+        // A tenant refused while holding some keeps its count.
+        assert!(records.take("c").is_err());
+        assert_eq!(records.held_by("c"), 17);
+        // Room comes back; shares are a quarter among the three that hold
+        // some, so c takes up to 25.
+        records.give_back("a", 10);
+        let taken = (0..50).take_while(|_| records.take("c").is_ok()).count();
+        assert_eq!(taken, 8);
+    }
+
+    #[test]
     fn the_fixed_cap_per_tenant_holds_below_the_share() {
         let records = Records::new(1_000_000, 3);
         for _ in 0..3 {
