@@ -593,6 +593,14 @@ async fn debt_is_reported_and_the_tenant_recorded() {
         ("acme", 3),
         "{in_debt:?}"
     );
+    // A decision on the key while it is still in debt is refused and
+    // records the latest sighting: 1 token below zero, two refills later.
+    h.clock.advance(Duration::from_secs(2 * 3600));
+    let mut d = spend(1, vec![limited(0, bucket("acme", "alice"), l)]);
+    let a = h.decide(&mut d).await.unwrap();
+    assert!(!a.allowed);
+    assert_eq!(a.items[0].debt, 1);
+    assert_eq!(h.top.in_debt(10)[0].debt, 1);
 }
 
 #[tokio::test]
