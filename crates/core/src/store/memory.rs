@@ -1106,6 +1106,23 @@ mod tests {
     }
 
     #[test]
+    fn the_byte_cap_admits_exactly_the_buckets_it_counts() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let each = bucket_bytes(&key("k00"));
+        let store = MemoryStore::new(clock, 1000).with_max_bytes(20 * each);
+        let c = [charge(10, "1/day", 1)];
+        for i in 0..20 {
+            let k = key(&format!("k{i:02}"));
+            assert!(store.apply_now(&[k], &c, Op::SPEND).is_ok(), "bucket {i}");
+        }
+        assert_eq!(store.bytes(), 20 * each);
+        assert!(matches!(
+            store.apply_now(&[key("k20")], &c, Op::SPEND),
+            Err(Refused::Buckets(_))
+        ));
+    }
+
+    #[test]
     fn two_threads_draining_one_bucket_admit_exactly_its_burst() {
         // Many decisions from two threads at once on one bucket: each
         // decision reads and writes the bucket under its stripe's lock, so
