@@ -95,16 +95,6 @@ impl Slices {
         }
     }
 
-    /// Tokens this instance holds for `bucket` now.
-    pub fn held(&self, bucket: &BucketKey) -> u64 {
-        let now = self.clock.now();
-        self.slots.get(bucket).map_or(0, |slot| {
-            let state = slot.state.lock();
-            let interval = state.limit.map_or(1, |l| l.interval());
-            state.chunks.iter().map(|c| c.usable(now, interval)).sum()
-        })
-    }
-
     fn slot(&self, bucket: &BucketKey, now: Micros) -> Arc<Slot> {
         if let Some(slot) = self.slots.get(bucket) {
             return slot.clone();
@@ -160,11 +150,6 @@ pub struct SlicesLayer {
 }
 
 impl SlicesLayer {
-    /// The slices.
-    pub fn slices(&self) -> &Slices {
-        &self.slices
-    }
-
     /// Takes a new slice for a decision of `charge` that the slice held
     /// here could not answer, and answers it from the slice (one decision
     /// at a time per bucket takes; the others wait and use its slice).
@@ -428,7 +413,7 @@ mod tests {
 
     #[test]
     fn slots_are_bounded_and_idle_ones_swept_at_most_once_a_second() {
-        let clock = Arc::new(crate::clock::ManualClock::new(1_000_000));
+        let clock = Arc::new(crate::clock::ManualClock::new(100_000_000));
         let slices = Slices::new(clock.clone(), 16);
         let bucket = |i: usize| BucketKey::new(&format!("t{i}"), BucketKind::TENANT, "", "");
         let now = clock.now();
@@ -442,8 +427,18 @@ mod tests {
         slices.slot(&bucket(17), now);
         assert_eq!(slices.slots.len(), 16);
         assert!(!slices.slots.contains_key(&bucket(16)));
+        // A slot left idle for a minute is not swept within the second
+        // after a sweep, and is at the second's end.
+        slices.slot(&bucket(0), now).state.lock().used_at = now - 60_000_000;
+        slices.slot(&bucket(19), now + 999_999);
+        assert!(slices.slots.contains_key(&bucket(0)));
+        assert!(!slices.slots.contains_key(&bucket(19)));
+        slices.slot(&bucket(20), now + 1_000_000);
+        assert!(!slices.slots.contains_key(&bucket(0)));
+        assert!(slices.slots.contains_key(&bucket(20)));
+        assert_eq!(slices.slots.len(), 16);
         // A minute later the idle slots go at the next sweep.
-        let later = now + 61_000_000;
+        let later = now + 62_000_000;
         slices.slot(&bucket(18), later);
         assert_eq!(slices.slots.len(), 1);
         assert!(slices.slots.contains_key(&bucket(18)));
