@@ -76,10 +76,13 @@ struct Slow {
     inner: Arc<dyn Store>,
     clock: Arc<ManualClock>,
     step: Duration,
+    /// Decisions sent to the backend.
+    calls: AtomicU64,
 }
 
 impl Store for Slow {
     fn apply<'a>(&'a self, request: Request<'a>) -> StoreFuture<'a> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
         Box::pin(async move {
             self.clock.advance(self.step);
             let decided = self.inner.apply(request).await;
@@ -119,6 +122,7 @@ impl Fleet {
             inner: memory,
             clock: clock.clone(),
             step,
+            calls: AtomicU64::new(0),
         });
         Self {
             instances: (0..n).map(|_| stack(store.clone(), &clock, true)).collect(),
@@ -533,6 +537,7 @@ async fn held_and_stored_never_exceed_the_burst_when_calls_take_time() {
         inner: memory.clone(),
         clock: clock.clone(),
         step: Duration::from_millis(30),
+        calls: AtomicU64::new(0),
     });
     let sliced = stack(slow, &clock, true);
     let direct = stack(memory, &clock, false);
@@ -815,4 +820,113 @@ async fn spread_keys_refuse_a_spend_across_keys_and_answer_a_dry_run() {
         .unwrap();
     assert!(!after.allowed);
     assert_eq!(after.verdicts[0].remaining, 2, "6 left, less the 4 asked");
+}
+
+/// Where a whole slice is more than the store holds, a take asks again for
+/// exactly the decision's cost; a take the store refuses answers with the
+/// store's balance and debt, not what this instance holds; a decision of
+/// nothing takes nothing. One sliced instance and one exact one share an
+/// in-process store; the sliced one's takes double (1, 2, 4, 8 tokens) as
+/// it spends them, at decisions 0, 1, 3 and 7.
+#[tokio::test]
+async fn a_take_the_store_cannot_fill_asks_for_the_cost_alone() {
+    let clock = Arc::new(ManualClock::new(T0));
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 100_000));
+    let counted = Arc::new(Slow {
+        inner: memory.clone(),
+        clock: clock.clone(),
+        step: Duration::ZERO,
+        calls: AtomicU64::new(0),
+    });
+    let sliced = stack(counted.clone(), &clock, true);
+    let exact = stack(memory, &clock, false);
+    let ceiling_limit = limit(3_200, "1/hour").with_debt(10).unwrap();
+    let key_limit = limit(1_000, "1/hour");
+    let spend_exactly = |tenant: &'static str, cost: u64, op: Op| {
+        let exact = exact.clone();
+        async move {
+            exact
+                .apply(Request {
+                    buckets: &[ceiling(tenant)],
+                    charges: &[Charge::new(ceiling_limit, cost)],
+                    policies: &POLICIES[..1],
+                    op,
+                    attachment: None,
+                })
+                .await
+                .unwrap()
+                .outcome
+        }
+    };
+    let keys = AtomicU64::new(0);
+    // One decision through the sliced instance: (allowed, the ceiling's
+    // verdict, store calls made).
+    let decide = |tenant: &'static str, cost: u64| {
+        let (sliced, counted) = (sliced.clone(), counted.clone());
+        let key = format!("k{}", keys.fetch_add(1, Ordering::Relaxed));
+        async move {
+            let buckets = [ceiling(tenant), per_key(tenant, &key)];
+            let charges = [
+                Charge::new(ceiling_limit, cost),
+                Charge::new(key_limit, cost),
+            ];
+            let before = counted.calls.load(Ordering::Relaxed);
+            let (allowed, verdicts) = decide_on(&sliced, &buckets, &charges).await.unwrap();
+            (
+                allowed,
+                verdicts[0],
+                counted.calls.load(Ordering::Relaxed) - before,
+            )
+        }
+    };
+    let leave = |tenant: &'static str, n: u64| {
+        let exact = exact.clone();
+        async move {
+            let balance = store_balance(&exact, tenant, ceiling_limit).await;
+            assert!(spend_exactly(tenant, balance - n, Op::SPEND).await.allowed);
+            assert_eq!(store_balance(&exact, tenant, ceiling_limit).await, n);
+        }
+    };
+    // Eight decisions of 1: the last took 8, and holds 7.
+    for tenant in ["a", "e"] {
+        for n in 0..8 {
+            let (allowed, _, calls) = decide(tenant, 1).await;
+            assert!(allowed);
+            let took = [0, 1, 3, 7].contains(&n);
+            assert_eq!(calls, if took { 2 } else { 1 }, "{tenant}: decision {n}");
+        }
+    }
+    // a spends what it holds; 5 are left in the store. A slice of 16 is
+    // refused, and the cost of 3 alone granted.
+    for _ in 0..7 {
+        assert_eq!(decide("a", 1).await.2, 1, "answered from the slice");
+    }
+    leave("a", 5).await;
+    let (allowed, _, calls) = decide("a", 3).await;
+    assert!(allowed);
+    assert_eq!(calls, 3, "the key, the slice, the cost alone");
+    assert_eq!(store_balance(&exact, "a", ceiling_limit).await, 2);
+    // e holds 2 and the store 1: a decision of 3 takes, is refused, and
+    // reports the store's 1.
+    for _ in 0..5 {
+        assert_eq!(decide("e", 1).await.2, 1);
+    }
+    leave("e", 1).await;
+    let (allowed, ceiling_verdict, calls) = decide("e", 3).await;
+    assert!(!allowed);
+    assert_eq!(calls, 2, "the key, then one take");
+    assert_eq!((ceiling_verdict.remaining, ceiling_verdict.debt), (1, 0));
+    // In debt: refused, with the store's debt.
+    assert!(spend_exactly("c", 3_205, Op::Charge).await.allowed);
+    let (allowed, ceiling_verdict, _) = decide("c", 1).await;
+    assert!(!allowed);
+    assert_eq!((ceiling_verdict.remaining, ceiling_verdict.debt), (0, 5));
+    // A decision of nothing takes no slice, even where slices are taken.
+    for tenant in ["a", "d"] {
+        let before = store_balance(&exact, tenant, ceiling_limit).await;
+        let (allowed, _, calls) = decide(tenant, 0).await;
+        assert!(allowed);
+        assert_eq!(calls, 1, "{tenant}: one call, for the key and the ceiling");
+        assert_eq!(store_balance(&exact, tenant, ceiling_limit).await, before);
+    }
 }
