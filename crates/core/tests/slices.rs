@@ -930,3 +930,187 @@ async fn a_take_the_store_cannot_fill_asks_for_the_cost_alone() {
         assert_eq!(store_balance(&exact, tenant, ceiling_limit).await, before);
     }
 }
+
+/// A backend that is down: every call fails as unavailable.
+struct Down;
+
+impl Store for Down {
+    fn apply<'a>(&'a self, _: Request<'a>) -> StoreFuture<'a> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "down".into(),
+        ))))
+    }
+
+    fn settle<'a>(&'a self, _: &'a ReservationId, _: u64) -> SettleFuture<'a> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "down".into(),
+        ))))
+    }
+
+    fn lease<'a>(&'a self, _: &'a LeaseId, _: LeaseOp) -> LeaseFuture<'a> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "down".into(),
+        ))))
+    }
+
+    fn ping(&self) -> PingFuture<'_> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "down".into(),
+        ))))
+    }
+
+    fn kind(&self) -> &'static str {
+        "down"
+    }
+
+    fn status(&self) -> StoreStatus {
+        StoreStatus {
+            kind: "down",
+            breaker: None,
+            nodes: Vec::new(),
+            local: None,
+            answered: false,
+        }
+    }
+}
+
+/// With the store down, a decision answered by the policies says so,
+/// whether its sliced bucket alone or with others was decided by them.
+#[tokio::test]
+async fn a_policys_answer_through_the_slices_is_marked_degraded() {
+    let clock = Arc::new(ManualClock::new(T0));
+    let local = Arc::new(MemoryStore::new(clock.clone(), 1_000));
+    let layers = Layers {
+        fallback: Some(tollgate_core::store::fallback::Fallback {
+            local,
+            local_fraction: 1.0,
+            deny_retry_after: 1_000_000,
+        }),
+        deny_cache: None,
+        slices: Some(1_000),
+    };
+    let layer = build(Arc::new(Down), layers, clock.clone());
+    let ceiling_limit = limit(3_200, "1/hour");
+    let allow = [OnStoreUnavailable::Allow, OnStoreUnavailable::Allow];
+    for with_key in [true, false] {
+        let buckets = [ceiling("acme"), per_key("acme", "k")];
+        let charges = [Charge::new(ceiling_limit, 1), Charge::new(ceiling_limit, 1)];
+        let n = if with_key { 2 } else { 1 };
+        let applied = layer
+            .apply(Request {
+                buckets: &buckets[..n],
+                charges: &charges[..n],
+                policies: &allow[..n],
+                op: Op::SPEND,
+                attachment: None,
+            })
+            .await
+            .unwrap();
+        assert!(applied.outcome.allowed);
+        assert!(applied.degraded, "with the key's bucket: {with_key}");
+    }
+}
+
+/// A decision on two sliced buckets takes from each, and is refused by
+/// the second when the first admits (the first's token goes back to the
+/// instance's slice).
+#[tokio::test]
+async fn every_sliced_bucket_of_a_decision_is_taken_from() {
+    let fleet = Fleet::memory(2, true);
+    let (instance, other) = (&fleet.instances[0], &fleet.instances[1]);
+    let ceiling_limit = limit(10, "1/hour");
+    let buckets = [ceiling("a"), ceiling("b")];
+    // Another instance empties b's ceiling.
+    let applied = other
+        .apply(Request {
+            buckets: &buckets[1..],
+            charges: &[Charge::new(ceiling_limit, 10)],
+            policies: &POLICIES[..1],
+            op: Op::SPEND,
+            attachment: None,
+        })
+        .await
+        .unwrap();
+    assert!(applied.outcome.allowed);
+    let (allowed, verdicts) = decide_on(
+        instance,
+        &buckets,
+        &[Charge::new(ceiling_limit, 1), Charge::new(ceiling_limit, 1)],
+    )
+    .await
+    .unwrap();
+    assert!(!allowed, "{verdicts:?}");
+    assert!(!verdicts[1].allowed);
+    // a's token, taken from the store, went back to this instance's slice:
+    // the next decision on a alone spends it without a store call.
+    assert_eq!(store_balance(instance, "a", ceiling_limit).await, 9);
+    let applied = instance
+        .apply(Request {
+            buckets: &buckets[..1],
+            charges: &[Charge::new(ceiling_limit, 1)],
+            policies: &POLICIES[..1],
+            op: Op::SPEND,
+            attachment: None,
+        })
+        .await
+        .unwrap();
+    assert!(applied.outcome.allowed);
+    assert_eq!(store_balance(instance, "a", ceiling_limit).await, 9);
+}
+
+/// Only spending decisions without a record attached go through the
+/// slices; the rest reach the store as they are, synchronously where the
+/// store answers so, and a reservation on a sliced bucket is recorded.
+#[tokio::test]
+async fn what_is_not_a_plain_spend_passes_the_slices_by() {
+    let fleet = Fleet::memory(1, true);
+    let instance = &fleet.instances[0];
+    let ceiling_limit = limit(100, "1/hour");
+    let on = |bucket: BucketKey, op: Op| (bucket, op);
+    for ((bucket, op), sync) in [
+        (on(ceiling("a"), Op::SPEND), false),
+        (on(ceiling("a"), Op::DRY), true),
+        (on(per_key("a", "k"), Op::SPEND), true),
+    ] {
+        let request = Request {
+            buckets: std::slice::from_ref(&bucket),
+            charges: &[Charge::new(ceiling_limit, 1)],
+            policies: &POLICIES[..1],
+            op,
+            attachment: None,
+        };
+        assert_eq!(
+            instance.apply_now(request).is_some(),
+            sync,
+            "{bucket:?} {op:?}"
+        );
+    }
+    // Two reservations of 5 on the sliced ceiling, one made synchronously
+    // and one awaited; each is recorded, and settles at 2.
+    let reservation = || Reservation {
+        id: ReservationId::new("a"),
+        estimate: 5,
+        lines: vec![1],
+        ttl: 60_000_000,
+    };
+    let (now, later) = (reservation(), reservation());
+    for (r, sync) in [(&now, true), (&later, false)] {
+        let attachment = Attachment::Reservation(r.clone());
+        let request = Request {
+            buckets: &[ceiling("a")],
+            charges: &[Charge::new(ceiling_limit, 5)],
+            policies: &POLICIES[..1],
+            op: Op::SPEND,
+            attachment: Some(&attachment),
+        };
+        let applied = if sync {
+            instance.apply_now(request).unwrap().unwrap()
+        } else {
+            instance.apply(request).await.unwrap()
+        };
+        assert!(applied.outcome.allowed);
+        let settled = instance.settle(&r.id, 2).await.unwrap();
+        assert_eq!(settled.status, SettleStatus::Settled, "sync: {sync}");
+    }
+    assert_eq!(store_balance(instance, "a", ceiling_limit).await, 96);
+}
