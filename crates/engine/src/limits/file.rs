@@ -285,6 +285,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn csv_quotes_open_a_field_and_double_to_escape() {
+        assert_eq!(
+            split_csv(r#"a,"say ""hi""",b"c"#).unwrap(),
+            ["a", r#"say "hi""#, r#"b"c"#]
+        );
+    }
+
+    #[test]
+    fn lines_are_read_up_to_their_cap_exactly() {
+        let header = "name,tenant,burst,rate,rate_unit\n";
+        let line = |len: usize| {
+            let row = "a,acme,10,100,minute,";
+            format!("{header}{row}{}\n", "x".repeat(len - row.len()))
+        };
+        let at = read_rows(line(MAX_LINE).as_bytes(), Format::Csv).unwrap_err();
+        assert!(!at.contains("bytes; at most"), "{at}");
+        let over = read_rows(line(MAX_LINE + 1).as_bytes(), Format::Csv).unwrap_err();
+        assert_eq!(over, "line 2 is 65537 bytes; at most 65536 are allowed");
+    }
+
+    #[test]
     fn csv_and_jsonl_round_trip_and_bad_lines_are_named() {
         let csv = "name,tenant,burst,rate,rate_unit\n\
                    a,acme,10,100,minute\n\

@@ -481,6 +481,311 @@ fn plan_assignments_count_against_the_bound() {
     assert_eq!(loader.rejected(10).1, 1);
 }
 
+#[test]
+fn labels_are_checked_at_their_exact_length() {
+    assert!(check_label("tenant", &"t".repeat(MAX_LABEL_LEN)).is_ok());
+    assert_eq!(
+        check_label("tenant", &"t".repeat(MAX_LABEL_LEN + 1)).unwrap_err(),
+        "tenant is 129 bytes; at most 128 are allowed"
+    );
+}
+
+#[test]
+fn kinds_parse_and_a_bad_one_names_the_choices() {
+    assert_eq!("rate".parse::<Kind>(), Ok(Kind::Rate));
+    assert_eq!("concurrency".parse::<Kind>(), Ok(Kind::Concurrency));
+    let err = "leases".parse::<Kind>().unwrap_err();
+    assert!(err.starts_with("kind is \"leases\""), "{err}");
+}
+
+fn requested(
+    tenant: &str,
+    resource: &str,
+    scope: &str,
+    rate: &str,
+    mode: &str,
+    kind: &str,
+) -> LimitRow {
+    LimitRow::from_request(
+        tenant.into(),
+        resource.into(),
+        scope,
+        5,
+        rate,
+        mode,
+        "allow",
+        0,
+        kind,
+        None,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_requested_row_is_named_by_its_owner_resource_scope_kind_and_mode() {
+    let cases = [
+        (
+            requested("", "", "key", "1/second", "enforce", "rate"),
+            "default-any-key",
+        ),
+        (
+            requested("acme", "exports", "tenant", "1/second", "shadow", "rate"),
+            "acme-exports-tenant-shadow",
+        ),
+        // A concurrency row needs no rate.
+        (
+            requested("acme", "", "key", "", "enforce", "concurrency"),
+            "acme-any-key-concurrency",
+        ),
+        (
+            requested("acme", "", "tenant", "", "shadow", "concurrency"),
+            "acme-any-tenant-concurrency-shadow",
+        ),
+    ];
+    for (row, name) in cases {
+        assert_eq!(row.name, name);
+    }
+    let err = LimitRow::from_request(
+        "acme".into(),
+        String::new(),
+        "key",
+        5,
+        "",
+        "enforce",
+        "allow",
+        0,
+        "rate",
+        None,
+    )
+    .unwrap_err();
+    assert!(!err.is_empty(), "a rate row needs its rate");
+    // For a plan: renamed after the plan unless a name was given, and an
+    // empty plan changes nothing.
+    let row = requested("", "", "key", "1/second", "enforce", "rate");
+    assert_eq!(
+        row.clone().for_plan("pro".into(), false).name,
+        "plan-pro-any-key"
+    );
+    assert_eq!(
+        row.clone().for_plan("pro".into(), true).name,
+        "default-any-key"
+    );
+    let unchanged = row.clone().for_plan(String::new(), false);
+    assert_eq!(
+        (unchanged.name.as_str(), unchanged.plan.as_str()),
+        ("default-any-key", "")
+    );
+    assert_eq!(row.for_plan("pro".into(), true).plan, "pro");
+}
+
+#[test]
+fn a_concurrency_row_takes_no_debt_and_at_most_its_cap() {
+    let cap = |burst: i64, debt: i64| StoredRow {
+        kind: "concurrency".into(),
+        debt,
+        ..row("c", "acme", "", "key", burst, "1/second")
+    };
+    let most = crate::algorithm::MAX_CONCURRENCY as i64;
+    assert!(cap(most, 0).validate().is_ok());
+    let err = cap(most + 1, 0).validate().unwrap_err().to_string();
+    assert!(
+        err.ends_with(&format!(
+            "burst is {}; a concurrency rule allows at most {most} leases at once",
+            most + 1
+        )),
+        "{err}"
+    );
+    let err = cap(3, 1).validate().unwrap_err().to_string();
+    assert!(
+        err.contains("debt must be 0 for a concurrency rule"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rules_buckets_are_tagged_by_scope_kind_and_mode() {
+    use crate::store::BucketKind;
+    let shape = |scope: &str, mode: &str, kind: &str| {
+        StoredRow {
+            mode: mode.into(),
+            kind: kind.into(),
+            ..row("r", "", "", scope, 3, "1/second")
+        }
+        .shape()
+        .unwrap()
+        .bucket_kind()
+    };
+    let kind = |per_key, concurrency, shadow| BucketKind::Rule {
+        per_key,
+        concurrency,
+        shadow,
+    };
+    assert_eq!(shape("key", "enforce", "rate"), kind(true, false, false));
+    assert_eq!(
+        shape("tenant", "shadow", "concurrency"),
+        kind(false, true, true)
+    );
+    assert_eq!(
+        shape("tenant", "enforce", "rate"),
+        kind(false, false, false)
+    );
+}
+
+#[test]
+fn a_rule_shows_its_limit() {
+    let shown = |r: StoredRow| r.validate().unwrap().to_string();
+    assert_eq!(
+        shown(row("r", "", "", "key", 5, "10/second")),
+        "r (burst 5, 10/second)"
+    );
+    assert_eq!(
+        shown(StoredRow {
+            debt: 3,
+            ..row("r", "", "", "key", 5, "10/second")
+        }),
+        "r (burst 5, 10/second, debt 3)"
+    );
+    assert_eq!(
+        shown(StoredRow {
+            kind: "concurrency".into(),
+            ..row("c", "", "", "key", 4, "1/second")
+        }),
+        "c (at most 4 in flight)"
+    );
+}
+
+#[test]
+fn owners_are_described_for_messages() {
+    assert_eq!(Owner::Tenant("".into()).describe(), "the default rows");
+    assert_eq!(Owner::Tenant("acme".into()).describe(), "tenant \"acme\"");
+    assert_eq!(Owner::Plan("pro".into()).describe(), "plan \"pro\"");
+}
+
+#[test]
+fn every_slot_is_its_own_scope_resource_and_mode() {
+    let shadow = |r: StoredRow| StoredRow {
+        mode: "shadow".into(),
+        ..r
+    };
+    let set = RuleSet::from_rules_for_test(&[
+        row("key", "", "", "key", 1, "1/second"),
+        shadow(row("key-shadow", "", "", "key", 1, "1/second")),
+        row("key-exports", "", "exports", "key", 1, "1/second"),
+        shadow(row(
+            "key-exports-shadow",
+            "",
+            "exports",
+            "key",
+            1,
+            "1/second",
+        )),
+        row("tenant", "", "", "tenant", 1, "1/second"),
+        shadow(row("tenant-shadow", "", "", "tenant", 1, "1/second")),
+        row("tenant-exports", "", "exports", "tenant", 1, "1/second"),
+        shadow(row(
+            "tenant-exports-shadow",
+            "",
+            "exports",
+            "tenant",
+            1,
+            "1/second",
+        )),
+    ]);
+    assert_eq!(
+        names(&set, "acme", "exports"),
+        [
+            "key",
+            "key-shadow",
+            "key-exports",
+            "key-exports-shadow",
+            "tenant",
+            "tenant-shadow",
+            "tenant-exports",
+            "tenant-exports-shadow"
+        ]
+    );
+    assert!(!set.is_empty());
+    assert!(RuleSet::default().is_empty());
+}
+
+#[test]
+fn concurrency_rules_are_chosen_apart_from_rate_rules() {
+    let cap = StoredRow {
+        kind: "concurrency".into(),
+        ..row("cap", "", "", "key", 4, "1/second")
+    };
+    let set = RuleSet::from_rules_for_test(&[row("rate", "", "", "key", 1, "1/second"), cap]);
+    let caps: Vec<&str> = set.concurrency("acme", "").map(|r| &*r.name).collect();
+    assert_eq!(caps, ["cap"]);
+    assert_eq!(names(&set, "acme", ""), ["rate"]);
+}
+
+#[test]
+fn plans_are_named_by_id_and_rows_of_plans_found_in_rows() {
+    let rows = [
+        row("default-key", "", "", "key", 30, "600/minute"),
+        plan_row("pro-key", "pro", "key", 300),
+    ];
+    // A plan named by a row exists.
+    let (set, errors) = RuleSet::from_rows(&rows);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(set.len(), 2);
+    let mut loader = rules::Loader::new(7);
+    assert_eq!(loader.max_rules(), 7);
+    let base = RuleSet::default();
+    let mut update = loader.begin(&base, true, Vec::new());
+    update.plan("pro");
+    update.plan("free");
+    for (i, r) in rows.iter().enumerate() {
+        update.row(with_id(i as i64 + 1, r.clone()));
+    }
+    update.assignment("acme", "pro");
+    update.assignment("initech", "free");
+    update.assignment("hooli", "gone");
+    let (set, _) = update.finish();
+    let (acme, initech) = (
+        set.plan_of("acme").unwrap(),
+        set.plan_of("initech").unwrap(),
+    );
+    assert_ne!(acme, initech);
+    assert_eq!(loader.plan_name(acme), Some("pro"));
+    assert_eq!(loader.plan_name(initech), Some("free"));
+    assert_eq!(set.plan_of("nobody"), None);
+    assert_eq!(loader.plan_name(u32::MAX), None);
+    // Only plans with tenants on them and no existence are missing.
+    assert_eq!(loader.missing_plans(&set), [("gone".to_owned(), 1)]);
+    // Its one tenant moves off it: nothing is missing.
+    let (set, _) = apply(
+        &mut loader,
+        &set,
+        &[Owner::Tenant("hooli".into())],
+        &[],
+        &[],
+        &[],
+    );
+    assert_eq!(loader.missing_plans(&set), []);
+}
+
+#[test]
+fn a_batch_naming_the_default_rows_changes_them() {
+    let mut loader = rules::Loader::new(usize::MAX);
+    let base = RuleSet::default();
+    let mut update = loader.begin(&base, true, Vec::new());
+    update.row(with_id(1, row("d", "", "", "key", 30, "600/minute")));
+    let (v1, _) = update.finish();
+    let (v2, _) = apply(
+        &mut loader,
+        &v1,
+        &[Owner::Tenant("".into())],
+        &[],
+        &[with_id(1, row("d", "", "", "key", 31, "600/minute"))],
+        &[],
+    );
+    assert_eq!(v2.applicable("acme", "").next().unwrap().limit.burst(), 31);
+    let (v3, _) = apply(&mut loader, &v2, &[Owner::Tenant("".into())], &[], &[], &[]);
+    assert!(v3.is_empty(), "the default rows deleted");
+}
+
 impl RuleSet {
     fn from_rules_for_test(rows: &[StoredRow]) -> Self {
         let (set, errors) = Self::from_rows(rows);
