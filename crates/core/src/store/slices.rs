@@ -437,7 +437,28 @@ mod tests {
         assert!(!slices.slots.contains_key(&bucket(0)));
         assert!(slices.slots.contains_key(&bucket(20)));
         assert_eq!(slices.slots.len(), 16);
-        // A minute later the idle slots go at the next sweep.
+        // At the next sweep, a second on: a slot last used exactly a minute
+        // before goes; one holding tokens still refilling stays; one whose
+        // tokens are full just then goes.
+        let sweep = now + 2_000_000;
+        slices.slot(&bucket(1), now).state.lock().used_at = sweep - 60_000_000;
+        for (i, full_at) in [(2, sweep + 1), (3, sweep)] {
+            let slot = slices.slot(&bucket(i), now);
+            let mut state = slot.state.lock();
+            state.used_at = 0;
+            state.chunks.push(Chunk { tokens: 1, full_at });
+        }
+        slices.slot(&bucket(21), sweep);
+        let held: Vec<bool> = [1, 2, 3, 21]
+            .iter()
+            .map(|&i| slices.slots.contains_key(&bucket(i)))
+            .collect();
+        assert_eq!(held, [false, true, false, true]);
+        // Back at the cap; a minute later the idle slots go at the next
+        // sweep.
+        slices.slot(&bucket(22), sweep);
+        slices.slot(&bucket(23), sweep);
+        assert_eq!(slices.slots.len(), 16);
         let later = now + 62_000_000;
         slices.slot(&bucket(18), later);
         assert_eq!(slices.slots.len(), 1);
