@@ -1359,6 +1359,32 @@ mod tests {
         assert_eq!(leases_expired_so_far(), before + 1);
     }
 
+    #[test]
+    fn expired_lease_sets_give_their_room_back() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = MemoryStore::new(clock.clone(), 16);
+        let cap = [Charge::new(Limit::concurrency(1).unwrap(), 1)];
+        for i in 0..16 {
+            let lease = Attachment::Lease(Lease {
+                id: LeaseId::new("t"),
+                ttl: 1_000_000,
+            });
+            let b = [key(&format!("cap{i}"))];
+            assert!(store.attach_now(&b, &cap, &lease).unwrap().allowed);
+        }
+        let slow = [charge(10, "1/day", 1)];
+        assert!(matches!(
+            store.apply_now(&[key("new")], &slow, Op::SPEND),
+            Err(Refused::Buckets(_))
+        ));
+        clock.advance(Duration::from_secs(1));
+        store.sweep_idle();
+        for i in 0..16 {
+            let b = [key(&format!("new{i}"))];
+            assert!(store.apply_now(&b, &slow, Op::SPEND).is_ok(), "bucket {i}");
+        }
+    }
+
     /// The process-wide count of reservations that expired unsettled.
     fn expired_so_far() -> u64 {
         crate::telemetry::metrics::handle()
