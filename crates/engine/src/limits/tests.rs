@@ -786,6 +786,160 @@ fn a_batch_naming_the_default_rows_changes_them() {
     assert!(v3.is_empty(), "the default rows deleted");
 }
 
+#[test]
+fn a_full_reload_keeps_a_bad_rows_last_good_version_and_reports_it_once() {
+    let mut loader = rules::Loader::new(usize::MAX);
+    let full = |loader: &mut rules::Loader, base: &RuleSet, burst: i64| {
+        let mut update = loader.begin(base, true, Vec::new());
+        update.row(with_id(1, row("d", "", "", "key", 30, "600/minute")));
+        update.row(with_id(3, row("g", "globex", "", "key", burst, "1/second")));
+        update.row(with_id(
+            4,
+            row("g2", "globex", "", "tenant", 90, "1/second"),
+        ));
+        update.finish()
+    };
+    let (v1, _) = full(&mut loader, &RuleSet::default(), 80);
+    let (v2, applied) = full(&mut loader, &v1, 0);
+    assert_eq!(applied.newly_rejected.len(), 1);
+    assert!(applied.newly_rejected[0].row.starts_with("row \"g\""));
+    assert_eq!(names(&v2, "globex", ""), ["g", "g2"]);
+    assert_eq!(
+        v2.applicable("globex", "").next().unwrap().limit.burst(),
+        80
+    );
+    assert_eq!(v2.len(), 3);
+    let (v3, applied) = full(&mut loader, &v2, 0);
+    assert!(applied.newly_rejected.is_empty(), "reported once");
+    assert_eq!(v3.len(), 3);
+    assert_eq!(
+        v3.applicable("globex", "").next().unwrap().limit.burst(),
+        80
+    );
+    assert_eq!(loader.rejected(10).1, 1);
+}
+
+#[test]
+fn a_full_load_counts_a_tenants_rules_slot_by_slot() {
+    let cap = StoredRow {
+        kind: "concurrency".into(),
+        ..row("cap", "acme", "", "key", 4, "1/second")
+    };
+    let shadow = StoredRow {
+        mode: "shadow".into(),
+        ..row("shadow", "acme", "", "key", 4, "1/second")
+    };
+    let (set, errors) = RuleSet::from_rows(&[
+        row("d", "", "", "key", 30, "600/minute"),
+        cap,
+        shadow,
+        row("key", "acme", "", "key", 5, "1/second"),
+        row("again", "acme", "", "key", 6, "1/second"),
+    ]);
+    // The shadow rate rule and the cap are in slots of their own; the
+    // second enforced key row is a duplicate.
+    assert_eq!(names(&set, "acme", ""), ["key", "shadow"]);
+    let caps: Vec<&str> = set.concurrency("acme", "").map(|r| &*r.name).collect();
+    assert_eq!(caps, ["cap"]);
+    assert_eq!(set.len(), 4);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].row.starts_with("row \"again\""), "{errors:?}");
+}
+
+#[test]
+fn batches_of_many_tenants_each_find_their_own_rows() {
+    let mut loader = rules::Loader::new(usize::MAX);
+    let empty = RuleSet::default();
+    let mut update = loader.begin(&empty, true, Vec::new());
+    update.plan("pro");
+    update.row(with_id(1, row("d", "", "", "key", 30, "600/minute")));
+    update.row(with_id(2, plan_row("pro-key", "pro", "key", 300)));
+    let (mut set, _) = update.finish();
+    let mut id = 10;
+    // Five batches of 200 tenants, each tenant with two rows; every
+    // second tenant also on the plan.
+    for batch in 0..5 {
+        let tenants: Vec<String> = (0..200).map(|i| format!("t{batch}-{i}")).collect();
+        let owners: Vec<Owner> = tenants
+            .iter()
+            .map(|t| Owner::Tenant(t.as_str().into()))
+            .collect();
+        let mut rows = Vec::new();
+        for t in &tenants {
+            id += 2;
+            rows.push(with_id(
+                id,
+                row(&format!("{t}-ceiling"), t, "", "tenant", 9, "1/second"),
+            ));
+            rows.push(with_id(
+                id + 1,
+                row(&format!("{t}-exports"), t, "exports", "key", 8, "1/second"),
+            ));
+        }
+        let assignments: Vec<(&str, &str)> = tenants
+            .iter()
+            .step_by(2)
+            .map(|t| (t.as_str(), "pro"))
+            .collect();
+        let (next, rejected) = apply(&mut loader, &set, &owners, &[], &rows, &assignments);
+        assert!(rejected.is_empty(), "{rejected:?}");
+        set = next;
+    }
+    for batch in 0..5 {
+        for i in 0..200 {
+            let t = format!("t{batch}-{i}");
+            let key = if i % 2 == 0 { "pro-key" } else { "d" };
+            assert_eq!(
+                names(&set, &t, "exports"),
+                [
+                    key.to_owned(),
+                    format!("{t}-exports"),
+                    format!("{t}-ceiling")
+                ],
+                "{t}"
+            );
+        }
+    }
+    assert_eq!(set.tenants(), 1000);
+    // An assignment for no tenant, or for a name past the label bound, is
+    // ignored.
+    let long = "t".repeat(200);
+    let (next, _) = apply(
+        &mut loader,
+        &set,
+        &[],
+        &[],
+        &[],
+        &[("", "pro"), (&long, "pro")],
+    );
+    assert_eq!(next.tenants(), 1000);
+}
+
+#[test]
+fn over_the_bound_a_full_reload_keeps_no_old_version() {
+    let mut loader = rules::Loader::new(1);
+    let empty = RuleSet::default();
+    let mut update = loader.begin(&empty, true, Vec::new());
+    update.row(with_id(3, row("g", "globex", "", "key", 80, "1/second")));
+    let (v1, _) = update.finish();
+    assert_eq!(names(&v1, "globex", ""), ["g"]);
+    // A new row read first takes the room; g's row, read over the bound,
+    // is rejected and its old version is not kept either.
+    let mut update = loader.begin(&v1, true, Vec::new());
+    update.row(with_id(2, row("a", "alpha", "", "key", 5, "1/second")));
+    update.row(with_id(3, row("g", "globex", "", "key", 80, "1/second")));
+    // Nor are assignments of no tenant, or of a name past the bound.
+    update.plan("pro");
+    update.assignment("", "pro");
+    update.assignment(&"t".repeat(200), "pro");
+    let (v2, applied) = update.finish();
+    assert_eq!(v2.len(), 1);
+    assert!(names(&v2, "globex", "").is_empty());
+    assert_eq!(names(&v2, "alpha", ""), ["a"]);
+    assert_eq!(applied.newly_rejected.len(), 1);
+    assert_eq!(v2.tenants(), 1);
+}
+
 impl RuleSet {
     fn from_rules_for_test(rows: &[StoredRow]) -> Self {
         let (set, errors) = Self::from_rows(rows);
