@@ -486,6 +486,22 @@ async fn store_balance(instance: &Arc<dyn Layer>, tenant: &str, ceiling_limit: L
     if v.allowed { v.remaining + 1 } else { 0 }
 }
 
+/// One spending decision on `bucket` alone: whether it was admitted.
+async fn spend_alone(instance: &Arc<dyn Layer>, bucket: &BucketKey, charge: Charge) -> bool {
+    instance
+        .apply(Request {
+            buckets: std::slice::from_ref(bucket),
+            charges: &[charge],
+            policies: &POLICIES[..1],
+            op: Op::SPEND,
+            attachment: None,
+        })
+        .await
+        .unwrap()
+        .outcome
+        .allowed
+}
+
 /// `n` decisions of cost 1 on `tenant`'s ceiling, each with a key of its
 /// own; returns how many were admitted.
 async fn admit(
@@ -1021,17 +1037,7 @@ async fn every_sliced_bucket_of_a_decision_is_taken_from() {
     let ceiling_limit = limit(10, "1/hour");
     let buckets = [ceiling("a"), ceiling("b")];
     // Another instance empties b's ceiling.
-    let applied = other
-        .apply(Request {
-            buckets: &buckets[1..],
-            charges: &[Charge::new(ceiling_limit, 10)],
-            policies: &POLICIES[..1],
-            op: Op::SPEND,
-            attachment: None,
-        })
-        .await
-        .unwrap();
-    assert!(applied.outcome.allowed);
+    assert!(spend_alone(other, &buckets[1], Charge::new(ceiling_limit, 10)).await);
     let (allowed, verdicts) = decide_on(
         instance,
         &buckets,
@@ -1044,17 +1050,7 @@ async fn every_sliced_bucket_of_a_decision_is_taken_from() {
     // a's token, taken from the store, went back to this instance's slice:
     // the next decision on a alone spends it without a store call.
     assert_eq!(store_balance(instance, "a", ceiling_limit).await, 9);
-    let applied = instance
-        .apply(Request {
-            buckets: &buckets[..1],
-            charges: &[Charge::new(ceiling_limit, 1)],
-            policies: &POLICIES[..1],
-            op: Op::SPEND,
-            attachment: None,
-        })
-        .await
-        .unwrap();
-    assert!(applied.outcome.allowed);
+    assert!(spend_alone(instance, &buckets[0], Charge::new(ceiling_limit, 1)).await);
     assert_eq!(store_balance(instance, "a", ceiling_limit).await, 9);
 }
 

@@ -744,8 +744,7 @@ async fn among_refusing_buckets_the_longest_wait_decides() {
 #[tokio::test]
 async fn an_enforced_bucket_decides_over_a_tighter_shadow_one() {
     let h = Harness::memory();
-    let mut d = spend(
-        1,
+    let lines = || {
         vec![
             Line {
                 enforce: false,
@@ -753,21 +752,12 @@ async fn an_enforced_bucket_decides_over_a_tighter_shadow_one() {
                 ..limited(0, bucket("acme", "s"), rate(1, "1/hour"))
             },
             limited(0, bucket("acme", "e"), rate(9, "1/hour")),
-        ],
-    );
+        ]
+    };
+    let mut d = spend(1, lines());
     let a = h.decide(&mut d).await.unwrap();
     assert_eq!(a.items[0].line, Some(1));
-    let mut d = spend(
-        1,
-        vec![
-            Line {
-                enforce: false,
-                label: "shadow",
-                ..limited(0, bucket("acme", "s"), rate(1, "1/hour"))
-            },
-            limited(0, bucket("acme", "e"), rate(9, "1/hour")),
-        ],
-    );
+    let mut d = spend(1, lines());
     let a = h.decide(&mut d).await.unwrap();
     assert!(a.allowed, "the shadow line never refuses");
     assert!(a.items[0].shadow);
