@@ -248,7 +248,7 @@ impl LimitsTable {
     /// its low-priority thread). An in-memory SQLite database exists only
     /// in its own connections, so its handle is shared instead.
     pub async fn reopen(&self) -> Result<Self, TableError> {
-        if self.location.contains(":memory:") || self.location.contains("mode=memory") {
+        if !self.is_postgres() && sqlite_file(&self.location).is_none() {
             return Ok(self.clone());
         }
         Ok(Self {
