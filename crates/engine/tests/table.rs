@@ -102,7 +102,10 @@ impl Recorded {
 
 async fn read(table: &LimitsTable, since: i64, held: usize) -> (Option<i64>, Recorded) {
     let mut sink = Recorded::default();
-    let version = table.read_changes(since, held, &mut sink).await.unwrap();
+    let version = table
+        .read_changes(since, held, u64::MAX, &mut sink)
+        .await
+        .unwrap();
     (version, sink)
 }
 
@@ -409,6 +412,14 @@ mod checks {
             .collect();
         t.import(&rows, |_| {}).await.unwrap();
         assert_eq!(t.pending(v1).await.unwrap(), 1000);
+        // At most 1000 asked: 1000 are read.
+        let mut sink = Recorded::default();
+        assert!(
+            t.read_changes(v1, 10, 1000, &mut sink)
+                .await
+                .unwrap()
+                .is_some()
+        );
         // 1000 changes: the owners alone (1000 is the floor).
         let (_, some) = read(t, v1, 10).await;
         assert!(!some.begins[0].0);
@@ -417,6 +428,16 @@ mod checks {
         let (_, some) = read(t, v1, 2001).await;
         assert!(!some.begins[0].0);
         t.upsert(&row("one-more", "t-more", "", 1)).await.unwrap();
+        // At most 1000 asked of 1001 waiting, or of the whole table: none.
+        let mut sink = Recorded::default();
+        let err = t.read_changes(v1, 10, 1000, &mut sink).await.unwrap_err();
+        assert!(matches!(err, TableError::TooManyChanges(1001)), "{err:?}");
+        let err = t.read_changes(0, 10, 1000, &mut sink).await.unwrap_err();
+        assert!(
+            matches!(err, TableError::TooManyChanges(u64::MAX)),
+            "{err:?}"
+        );
+        assert!(sink.begins.is_empty() && sink.rows.is_empty());
         // 1001 changes: everything.
         let (_, all) = read(t, v1, 10).await;
         assert!(all.begins[0].0);

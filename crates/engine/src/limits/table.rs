@@ -84,6 +84,10 @@ pub enum TableError {
     /// [`LimitsTable::read_changes`]).
     #[error("limits table: unreadable rows at {0:?}")]
     Chunk(String),
+    /// More changes wait than [`LimitsTable::read_changes`] was asked to
+    /// read at most (`u64::MAX`: the whole table); nothing was read.
+    #[error("limits table: {0} changes wait, more than asked to read")]
+    TooManyChanges(u64),
 }
 
 /// A handle on the limits table.
@@ -560,11 +564,15 @@ impl LimitsTable {
     /// snapshot, and returns the version read up to; `None` (and nothing
     /// fed) when nothing changed. Reads everything when `since` is 0, when
     /// the change log no longer reaches back to `since`, or when more
-    /// changed than `held / 2` (the rules the caller holds).
+    /// changed than `held / 2` (the rules the caller holds). When more than
+    /// `most` changes wait in that snapshot (a read of everything counts as
+    /// `u64::MAX`), reads nothing and answers
+    /// [`TableError::TooManyChanges`].
     pub async fn read_changes(
         &self,
         since: i64,
         held: usize,
+        most: u64,
         sink: &mut (dyn ChangeSink + Send),
     ) -> Result<Option<i64>, TableError> {
         with_pool!(self, pool => {
@@ -583,15 +591,21 @@ impl LimitsTable {
                 return Ok(None);
             }
             let mut full = since == 0 || since < pruned || since > version;
+            let mut logged = u64::MAX;
             if !full {
-                let logged: i64 = bound!(
+                let count: i64 = bound!(
                     sqlx::query(self.sql("SELECT count(*) FROM limits_changes WHERE version > ?")),
                     &[Bind::Int(since)]
                 )
                 .fetch_one(&mut *tx)
                 .await?
                 .try_get(0)?;
-                full = logged as u64 > (held / FULL_READ_FRACTION).max(1000) as u64;
+                logged = count.max(0) as u64;
+                full = logged > (held / FULL_READ_FRACTION).max(1000) as u64;
+            }
+            if logged > most {
+                tx.commit().await?;
+                return Err(TableError::TooManyChanges(logged));
             }
             let since_bind = [Bind::Int(since)];
             if full {

@@ -209,6 +209,12 @@ impl LiveLimits {
     /// it. Returns whether the rules changed. On error the rules in force
     /// are untouched (and the next call reads from the same version).
     pub async fn catch_up(&self, table: &LimitsTable) -> Result<bool, LoadError> {
+        self.catch_up_at_most(table, u64::MAX).await
+    }
+
+    /// [`LiveLimits::catch_up`] when at most `most` changes wait; when more
+    /// do, reads nothing and answers [`TableError::TooManyChanges`].
+    async fn catch_up_at_most(&self, table: &LimitsTable, most: u64) -> Result<bool, LoadError> {
         let mut guard = self.catchup.lock().await;
         let Catchup {
             loader,
@@ -223,10 +229,13 @@ impl LiveLimits {
             base: &base,
             update: None,
         };
-        let read = table.read_changes(*version, base.len(), &mut sink).await;
+        let read = table
+            .read_changes(*version, base.len(), most, &mut sink)
+            .await;
         let update = sink.update.take();
         let read = match read {
             Ok(read) => read,
+            Err(err @ TableError::TooManyChanges(_)) => return Err(err.into()),
             Err(err) => {
                 metrics::limits_reload(false, base.len(), self.status.lock().rejected_rows);
                 self.status.lock().last_error = Some(err.to_string());
@@ -506,17 +515,19 @@ async fn watch_with(
 }
 
 /// Catches up, keeping the rules in force when the table cannot be read:
-/// on the bulk thread when more than [`BULK_CHANGES`] changes wait.
+/// on the bulk thread when more than [`BULK_CHANGES`] changes wait (as the
+/// snapshot read here counts them, so an edit committed while deciding
+/// cannot slip onto this thread).
 async fn catch_up(limits: &LiveLimits, table: &LimitsTable, bulk: Option<&Bulk>) {
-    let since = limits.status.lock().version;
     let result = match bulk {
-        Some(bulk) if table.pending(since).await.is_ok_and(|n| n > BULK_CHANGES) => {
-            match bulk.catch_up().await {
+        Some(bulk) => match limits.catch_up_at_most(table, BULK_CHANGES).await {
+            Err(LoadError::Table(TableError::TooManyChanges(_))) => match bulk.catch_up().await {
                 Some(result) => result,
                 None => limits.catch_up(table).await,
-            }
-        }
-        _ => limits.catch_up(table).await,
+            },
+            result => result,
+        },
+        None => limits.catch_up(table).await,
     };
     if let Err(err) = result {
         tracing::warn!(error = %err, "cannot read the limits table; the rules in force stay");
