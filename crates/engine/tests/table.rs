@@ -1198,3 +1198,110 @@ impl Warnings {
         self.0.lock().len()
     }
 }
+
+/// A default row edited into an invalid one keeps its last valid version
+/// in force, like a tenant's.
+#[tokio::test]
+async fn a_bad_edit_of_a_default_row_keeps_its_last_valid_version() {
+    let (_dir, table) = sqlite_table().await;
+    let live = LiveLimits::load(&table, 100).await.unwrap();
+    assert_eq!(
+        bursts(&live, "anyone", ""),
+        [("default-per-key".into(), 30)]
+    );
+    table
+        .execute_sql("UPDATE limits SET burst = 0 WHERE name = 'default-per-key'")
+        .await
+        .unwrap();
+    assert!(live.catch_up(&table).await.unwrap());
+    assert_eq!(
+        bursts(&live, "anyone", ""),
+        [("default-per-key".into(), 30)]
+    );
+    let status = live.status();
+    assert_eq!(status.rejected_rows, 1);
+    assert!(status.rejected[0].contains("default-per-key"), "{status:?}");
+}
+
+/// Of a tenant's rows, the one edited into an invalid row keeps its own
+/// last valid version, not another row's.
+#[tokio::test]
+async fn a_bad_edit_keeps_that_rows_last_version_among_several() {
+    let (_dir, table) = sqlite_table().await;
+    table.upsert(&row("acme-any", "acme", "", 5)).await.unwrap();
+    table.upsert(&row("acme-x", "acme", "x", 6)).await.unwrap();
+    let live = LiveLimits::load(&table, 100).await.unwrap();
+    let both = [("acme-any".to_owned(), 5), ("acme-x".to_owned(), 6)];
+    assert_eq!(bursts(&live, "acme", "x"), both);
+    table
+        .execute_sql("UPDATE limits SET rate = 0 WHERE name = 'acme-x'")
+        .await
+        .unwrap();
+    assert!(live.catch_up(&table).await.unwrap());
+    assert_eq!(bursts(&live, "acme", "x"), both);
+    assert_eq!(live.status().rejected_rows, 1);
+}
+
+/// A tenant whose new rows would pass the bound keeps what it had, and
+/// each row left out is reported.
+#[tokio::test]
+async fn rows_past_the_bound_are_each_reported() {
+    let (_dir, table) = sqlite_table().await;
+    let live = LiveLimits::load(&table, 3).await.unwrap();
+    table.upsert(&row("acme-any", "acme", "", 5)).await.unwrap();
+    assert!(live.catch_up(&table).await.unwrap());
+    table
+        .upsert(&row("globex-any", "globex", "", 1))
+        .await
+        .unwrap();
+    table
+        .upsert(&row("globex-x", "globex", "x", 1))
+        .await
+        .unwrap();
+    live.catch_up(&table).await.unwrap();
+    let status = live.status();
+    assert_eq!((status.rules, status.rejected_rows), (2, 2), "{status:?}");
+    for (listed, name) in status.rejected.iter().zip(["globex-any", "globex-x"]) {
+        assert!(listed.contains(name), "{listed}");
+        assert!(
+            listed.ends_with(
+                "the limits table holds more rules than this instance keeps in memory \
+                 (--max-limit-rows 3); the row is not in force"
+            ),
+            "{listed}"
+        );
+    }
+    assert_eq!(
+        bursts(&live, "globex", "x"),
+        [("default-per-key".into(), 30)]
+    );
+}
+
+/// Plan assignments count against the bound within one batch: of three
+/// tenants assigned at once where two fit, the third is reported.
+#[tokio::test]
+async fn assignments_in_one_batch_count_against_the_bound() {
+    let (_dir, table) = sqlite_table().await;
+    table.create_plan("gold", "").await.unwrap();
+    table
+        .upsert(&plan_row("gold-any", "gold", 9))
+        .await
+        .unwrap();
+    // The default row and the plan's: room for two assignments.
+    let live = LiveLimits::load(&table, 4).await.unwrap();
+    for tenant in ["t1", "t2", "t3"] {
+        table.assign(tenant, Some("gold")).await.unwrap();
+    }
+    assert!(live.catch_up(&table).await.unwrap());
+    let status = live.status();
+    assert_eq!(status.rejected_rows, 1, "{status:?}");
+    assert!(
+        status.rejected[0].contains("plan assignments"),
+        "{status:?}"
+    );
+    let on_gold = ["t1", "t2", "t3"]
+        .iter()
+        .filter(|t| bursts(&live, t, "") == [("gold-any".to_owned(), 9)])
+        .count();
+    assert_eq!(on_gold, 2);
+}
