@@ -579,6 +579,7 @@ impl Op {
     }
 }
 
+pub mod calendar;
 pub mod concurrency;
 pub mod plan;
 pub mod slice;
