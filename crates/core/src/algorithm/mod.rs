@@ -191,6 +191,10 @@ pub enum LimitError {
         /// The debt asked for.
         debt: u64,
     },
+    /// A quota above [`MAX_TOLERANCE`] per period (counts stay exact in
+    /// Lua).
+    #[error("a quota of {0} per period is above the largest, {max}; lower it", max = MAX_TOLERANCE)]
+    QuotaTooLarge(u64),
 }
 
 /// How a limit counts.
@@ -207,6 +211,10 @@ pub enum Algorithm {
     /// A concurrency cap: at most `burst` leases held at once
     /// ([`concurrency`]).
     Concurrency,
+    /// A quota: a count per calendar period of a tenant's billing cycle
+    /// ([`calendar`]), counted like a fixed window over the period the
+    /// caller names ([`Limit::quota`]).
+    Quota,
 }
 
 impl Algorithm {
@@ -217,16 +225,19 @@ impl Algorithm {
             Self::FixedWindow => "fixed_window",
             Self::SlidingWindow => "sliding_window",
             Self::Concurrency => "concurrency",
+            Self::Quota => "quota",
         }
     }
 
-    /// Parses `token_bucket`, `fixed_window` or `sliding_window`.
+    /// Parses `token_bucket`, `fixed_window`, `sliding_window`,
+    /// `concurrency` or `quota`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "token_bucket" => Self::TokenBucket,
             "fixed_window" => Self::FixedWindow,
             "sliding_window" => Self::SlidingWindow,
             "concurrency" => Self::Concurrency,
+            "quota" => Self::Quota,
             _ => return None,
         })
     }
@@ -240,10 +251,13 @@ pub struct Limit {
     /// Token bucket: capacity. Windows: requests per window.
     burst: u64,
     /// Token bucket: time to refill one token. Windows: the window length.
+    /// Quotas: the period's length.
     interval: Micros,
     /// How many tokens the balance may go below zero through charges made
     /// after the fact (0: none).
     debt: u64,
+    /// Quotas: the period's first instant (0 for every other algorithm).
+    start: Micros,
 }
 
 impl Limit {
@@ -265,6 +279,7 @@ impl Limit {
                 burst,
                 interval,
                 debt: 0,
+                start: 0,
             }),
             _ => Err(LimitError::TooSlow { burst, rate }),
         }
@@ -296,7 +311,39 @@ impl Limit {
             burst: rate.count,
             interval: rate.unit.micros(),
             debt: 0,
+            start: 0,
         })
+    }
+
+    /// A quota of `count` per period, for the period `bounds` (from
+    /// [`calendar::Cycle::bounds`]): counted like a fixed window that starts
+    /// and ends where the period does.
+    pub fn quota(count: u64, bounds: calendar::Bounds) -> Result<Self, LimitError> {
+        if count == 0 {
+            return Err(LimitError::ZeroRate);
+        }
+        if count > MAX_TOLERANCE {
+            return Err(LimitError::QuotaTooLarge(count));
+        }
+        Ok(Self {
+            algorithm: Algorithm::Quota,
+            burst: count,
+            interval: bounds.end.saturating_sub(bounds.start).max(1),
+            debt: 0,
+            start: bounds.start,
+        })
+    }
+
+    /// This quota for the period `bounds` (any other limit unchanged).
+    pub fn in_period(self, bounds: calendar::Bounds) -> Self {
+        if self.algorithm != Algorithm::Quota {
+            return self;
+        }
+        Self {
+            interval: bounds.end.saturating_sub(bounds.start).max(1),
+            start: bounds.start,
+            ..self
+        }
     }
 
     /// A concurrency cap: at most `cap` leases held at once.
@@ -309,6 +356,7 @@ impl Limit {
             burst: cap.min(MAX_CONCURRENCY),
             interval: 1,
             debt: 0,
+            start: 0,
         })
     }
 
@@ -334,7 +382,7 @@ impl Limit {
             Algorithm::SlidingWindow => {
                 depth.saturating_mul(self.interval / 1000) <= window::MAX_WEIGHT
             }
-            Algorithm::FixedWindow => depth <= MAX_TOLERANCE,
+            Algorithm::FixedWindow | Algorithm::Quota => depth <= MAX_TOLERANCE,
             Algorithm::Concurrency => debt == 0,
         };
         if !fits {
@@ -351,6 +399,7 @@ impl Limit {
             burst: 1,
             interval: window.clamp(1_000_000, MAX_TOLERANCE),
             debt: 0,
+            start: 0,
         }
     }
 
@@ -372,6 +421,15 @@ impl Limit {
     /// Tokens the balance may go below zero (0: no debt).
     pub fn debt(&self) -> u64 {
         self.debt
+    }
+
+    /// A quota's period: its first instant and the first of the next one
+    /// (`None` for every other algorithm).
+    pub fn period(&self) -> Option<calendar::Bounds> {
+        (self.algorithm == Algorithm::Quota).then_some(calendar::Bounds {
+            start: self.start,
+            end: self.start + self.interval,
+        })
     }
 
     /// The largest time a token bucket may take to be full again: from
@@ -412,6 +470,7 @@ impl Limit {
             burst,
             interval,
             debt,
+            start: self.start,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Fixed and sliding windows: pure functions of (state, limit, cost, now).
+//! Fixed and sliding windows, and quotas: pure functions of (state, limit,
+//! cost, now).
 //!
 //! Windows are aligned to the Unix epoch (a minute window starts on the
 //! minute), as envoyproxy/ratelimit aligns them, so every instance agrees on
@@ -11,6 +12,15 @@
 //!   still inside the sliding window (in whole milliseconds, rounded so the
 //!   estimate is never low). It avoids the fixed window's double burst at a
 //!   window boundary.
+//!
+//! - Quota: a fixed window over a calendar period of a tenant's billing
+//!   cycle ([`super::calendar`]), which the limit names
+//!   ([`Limit::quota`]): the caller computes the period, the store counts in
+//!   it. A stored period that began after the caller's is counted in
+//!   instead (an instance whose clock runs ahead turned it already), so no
+//!   period is counted twice; `now` outside the period counted is taken as
+//!   its nearest instant, so a refusal waits exactly until that period
+//!   ends.
 //!
 //! Like the token bucket, a rejected request spends nothing, `retry_after`
 //! is exact and never early, and a clock that steps back never resets a
@@ -38,16 +48,34 @@ pub struct WindowState {
 }
 
 /// The counts that apply at `now`: the stored ones rolled forward to the
-/// window `now` falls in. Returns (window start, count, previous, now),
-/// where `now` is moved up to the stored window's start if the clock went
-/// back before it.
-fn rolled(state: Option<WindowState>, window: Micros, now: Micros) -> (Micros, u64, u64, Micros) {
+/// window `now` falls in (a quota: to the period the limit names). Returns
+/// (window start, window end, count, previous, now), where `now` is moved
+/// up to the stored window's start if the clock went back before it (a
+/// quota: into the period counted).
+fn rolled(
+    state: Option<WindowState>,
+    limit: &Limit,
+    now: Micros,
+) -> (Micros, Micros, u64, u64, Micros) {
+    if let Some(period) = limit.period() {
+        // The period is the caller's; a stored one that began later (an
+        // instance whose clock is ahead turned it already) is counted in
+        // instead, so a period is never counted twice.
+        let (start, end, count) = match state {
+            Some(s) if s.start > period.start => (s.start, s.idle_at, s.count),
+            Some(s) if s.start == period.start => (period.start, period.end, s.count),
+            _ => (period.start, period.end, 0),
+        };
+        return (start, end, count, 0, now.clamp(start, end - 1));
+    }
+    let window = limit.interval();
     let start = now - now % window;
+    let end = start + window;
     match state {
-        Some(s) if s.start > start => (s.start, s.count, s.previous, s.start),
-        Some(s) if s.start == start => (start, s.count, s.previous, now),
-        Some(s) if s.start + window == start => (start, 0, s.count, now),
-        _ => (start, 0, 0, now),
+        Some(s) if s.start > start => (s.start, s.start + window, s.count, s.previous, s.start),
+        Some(s) if s.start == start => (start, end, s.count, s.previous, now),
+        Some(s) if s.start + window == start => (start, end, 0, s.count, now),
+        _ => (start, end, 0, 0, now),
     }
 }
 
@@ -65,6 +93,8 @@ pub fn decide(
 /// The counts at `now` and what they add up to.
 struct Counts {
     start: Micros,
+    /// Where the window (the period) ends.
+    end: Micros,
     count: u64,
     previous: u64,
     /// `now`, moved up to the stored window's start if the clock went back.
@@ -78,7 +108,7 @@ struct Counts {
 impl Counts {
     fn at(state: Option<WindowState>, limit: &Limit, now: Micros) -> Self {
         let window = limit.interval();
-        let (start, count, previous, now) = rolled(state, window, now);
+        let (start, end, count, previous, now) = rolled(state, limit, now);
         let sliding = limit.algorithm() == Algorithm::SlidingWindow;
         let (previous, weighted) = if sliding {
             (previous, weigh(previous, window, now - start))
@@ -87,6 +117,7 @@ impl Counts {
         };
         Self {
             start,
+            end,
             count,
             previous,
             now,
@@ -101,12 +132,11 @@ impl Counts {
             start: self.start,
             count: self.count,
             previous: self.previous,
-            idle_at: self.start
-                + if self.sliding {
-                    2 * self.window
-                } else {
-                    self.window
-                },
+            idle_at: if self.sliding {
+                self.end + self.window
+            } else {
+                self.end
+            },
         }
     }
 
@@ -125,7 +155,7 @@ impl Counts {
     fn reset_after(&self) -> Micros {
         reset_after(
             self.sliding,
-            self.start,
+            self.end,
             self.window,
             self.count,
             self.previous,
@@ -161,7 +191,7 @@ pub fn decide_need(
     let retry_at = if c.sliding {
         sliding_retry_at(c.start, c.window, c.count, c.previous, max - need)
     } else {
-        c.start + c.window
+        c.end
     };
     let verdict = Verdict {
         allowed: false,
@@ -203,10 +233,9 @@ pub fn refund(
     now: Micros,
 ) -> (Verdict, WindowState) {
     let mut c = Counts::at(state, limit, now);
-    let charged_in = since - since % c.window;
-    if charged_in == c.start {
+    if (c.start..c.end).contains(&since) {
         c.count = c.count.saturating_sub(tokens);
-    } else if c.sliding && charged_in + c.window == c.start {
+    } else if c.sliding && since < c.start && since + c.window >= c.start {
         c.previous = c.previous.saturating_sub(tokens);
     }
     // Recount from what is left.
@@ -244,16 +273,16 @@ fn sliding_retry_at(
     }
 }
 
-/// Time until the window forgets everything counted so far.
+/// Time until the window (ending at `end`) forgets everything counted so
+/// far.
 fn reset_after(
     sliding: bool,
-    start: Micros,
+    end: Micros,
     window: Micros,
     count: u64,
     previous: u64,
     now: Micros,
 ) -> Micros {
-    let end = start + window;
     match (sliding, count, previous) {
         (false, 0, _) | (true, 0, 0) => 0,
         (false, _, _) | (true, 0, _) => end - now,
@@ -379,6 +408,79 @@ mod tests {
         assert!(!early.allowed);
     }
 
+    /// A quota of 3 over the period [P0, P1), then [P1, P2).
+    const P0: Micros = 1_700_000_000_000_000;
+    const P1: Micros = P0 + 31 * 86_400_000_000;
+    const P2: Micros = P1 + 30 * 86_400_000_000;
+
+    fn quota(count: u64, start: Micros, end: Micros) -> Limit {
+        Limit::quota(count, super::super::calendar::Bounds { start, end }).unwrap()
+    }
+
+    #[test]
+    fn a_quota_counts_in_its_period_and_refuses_until_the_next() {
+        let march = quota(3, P0, P1);
+        let (v, s) = decide(None, &march, 2, P0 + 5).unwrap();
+        assert_eq!(
+            (v.allowed, v.remaining, v.reset_after),
+            (true, 1, P1 - P0 - 5)
+        );
+        assert_eq!((s.start, s.count, s.idle_at), (P0, 2, P1));
+        let (v, s) = decide(Some(s), &march, 1, P1 - 10).unwrap();
+        assert_eq!((v.allowed, v.remaining), (true, 0));
+        // Refused: exactly until the period ends, spending nothing.
+        let (v, same) = decide(Some(s), &march, 1, P1 - 10).unwrap();
+        assert_eq!((v.allowed, v.retry_after, v.reset_after), (false, 10, 10));
+        assert_eq!(same, s);
+        // The next period starts over, at its first instant.
+        let april = quota(3, P1, P2);
+        let (v, s) = decide(Some(s), &april, 3, P1).unwrap();
+        assert_eq!((v.allowed, v.remaining), (true, 0));
+        assert_eq!((s.start, s.idle_at), (P1, P2));
+    }
+
+    #[test]
+    fn a_later_period_already_stored_is_counted_in_and_never_reset() {
+        let (_, april_state) = decide(None, &quota(3, P1, P2), 3, P1 + 1).unwrap();
+        // An instance whose clock is behind still names March: counted in
+        // April, refused until April ends.
+        let (v, s) = decide(Some(april_state), &quota(3, P0, P1), 1, P1 - 5).unwrap();
+        assert!(!v.allowed);
+        assert_eq!(v.retry_after, P2 - P1);
+        assert_eq!(s, april_state);
+    }
+
+    #[test]
+    fn a_quota_takes_an_instant_outside_its_period_as_the_nearest_inside() {
+        let march = quota(1, P0, P1);
+        let (_, s) = decide(None, &march, 1, P0).unwrap();
+        // The store's clock behind the period: the wait is the whole period.
+        let (v, _) = decide(Some(s), &march, 1, P0 - 7).unwrap();
+        assert_eq!(v.retry_after, P1 - P0);
+        // Ahead of it: one microsecond, never zero.
+        let (v, _) = decide(Some(s), &march, 1, P1 + 7).unwrap();
+        assert_eq!((v.allowed, v.retry_after), (false, 1));
+    }
+
+    #[test]
+    fn a_quota_refund_uncounts_only_in_the_period_that_charged_it() {
+        let march = quota(10, P0, P1);
+        let (_, s) = charge(None, &march, 6, P0 + 5);
+        let (v, after) = refund(Some(s), &march, 4, P0 + 5, P0 + 9);
+        assert_eq!((after.count, v.remaining), (2, 8));
+        // Charged in March, refunded in April: April's count stays.
+        let april = quota(10, P1, P2);
+        let (_, s) = charge(Some(after), &april, 5, P1 + 1);
+        let (v, after) = refund(Some(s), &april, 4, P0 + 5, P1 + 2);
+        assert_eq!((after.count, v.remaining), (5, 5));
+        // With debt, a charge past the quota is counted up to the floor.
+        let deep = quota(10, P0, P1).with_debt(5).unwrap();
+        let (v, s) = charge(None, &deep, 17, P0 + 1);
+        assert_eq!((s.count, v.forgiven, v.debt, v.remaining), (15, 2, 5, 0));
+        let (v, _) = decide(Some(s), &deep, 1, P0 + 2).unwrap();
+        assert_eq!((v.allowed, v.retry_after), (false, P1 - P0 - 2));
+    }
+
     #[test]
     fn window_limits_validate() {
         let r = |count, unit| Rate { count, unit };
@@ -398,6 +500,43 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Over the days of a billing cycle in New York (a DST change
+        /// among them): never more than the quota admitted in a day, a
+        /// refusal's wait ends exactly where the next day starts, and the
+        /// same request is admitted there.
+        #[test]
+        fn a_quota_admits_at_most_its_count_per_period(
+            count in 1u64..8,
+            steps in prop::collection::vec((0u64..7_200_000_000, 1u64..4), 1..200),
+        ) {
+            use super::super::calendar::{Cycle, Period};
+            let cycle = Cycle::new("America/New_York", 1, 1, "monday").unwrap();
+            // 2026-03-06T00:00Z: the spring change is two days on.
+            let mut now: Micros = 1_772_755_200_000_000;
+            let mut state: Option<WindowState> = None;
+            let mut admitted: Vec<(Micros, u64)> = Vec::new();
+            for (dt, cost) in steps {
+                now += dt;
+                let cost = cost.min(count);
+                let bounds = cycle.bounds(Period::Day, now);
+                let limit = quota(count, bounds.start, bounds.end);
+                let (v, s) = decide(state, &limit, cost, now).unwrap();
+                if v.allowed {
+                    state = Some(s);
+                    admitted.push((bounds.start, cost));
+                } else {
+                    prop_assert_eq!(now + v.retry_after, bounds.end);
+                    let next = cycle.bounds(Period::Day, bounds.end);
+                    let (later, _) = decide(state, &quota(count, next.start, next.end), cost, bounds.end).unwrap();
+                    prop_assert!(later.allowed);
+                }
+            }
+            for &(start, _) in &admitted {
+                let in_period: u64 = admitted.iter().filter(|(s, _)| *s == start).map(|(_, c)| c).sum();
+                prop_assert!(in_period <= count);
+            }
+        }
 
         /// Retry-after is exact: at `retry_after` the same request passes, a
         /// millisecond earlier it does not (whole-ms weighting).

@@ -100,6 +100,7 @@ fn algorithm_letter(algorithm: Algorithm) -> &'static str {
         Algorithm::FixedWindow => "f",
         Algorithm::SlidingWindow => "s",
         Algorithm::Concurrency => "l",
+        Algorithm::Quota => "q",
     }
 }
 
