@@ -56,15 +56,17 @@ ARGV[3]   "MARGIN[:CAP]": the expiry margin in milliseconds added to each
 then three per bucket, for the i-th bucket of the call (record keys do
 not count) at ARGV[4 + 3(i-1)] ...:
           rule      the algorithm: "t" token bucket, "f" fixed window, "s"
-                    sliding window, "l" concurrency cap (a sorted set of
-                    leases); then "1" for an enforced rule, "0" for a shadow
+                    sliding window, "q" quota, "l" concurrency cap (a sorted
+                    set of leases); then "1" for an enforced rule, "0" for a shadow
                     rule; then ":DEBT" when charges after the fact may take
                     the balance DEBT tokens below zero ("t1", "l0", "t1:500")
           limit     "INTERVAL:BURST": interval, for a token bucket µs to
                     refill one token, for a window its length in µs (a whole
                     number of milliseconds); burst, a token bucket's
                     capacity, a window's requests per window, a concurrency
-                    cap's most leases held at once
+                    cap's most leases held at once; a quota's is
+                    "LENGTH:COUNT:START", its period's length and first
+                    instant (µs) and its count per period
           cost      tokens to spend, or "COST/NEED" when the bucket must
                     hold more than the request spends (an ask: "0/1")
           (The limit is also the stored value's suffix, so it is passed
@@ -72,13 +74,14 @@ not count) at ARGV[4 + 3(i-1)] ...:
           it once.)
 then one extra argument per reserve or acquire, in request order: a
 reserve's record body, per bucket "ALG INTERVAL BURST DEBT COST LINES
-KEYLEN\nKEY" (the charge it spends and how many lines it merges); an
+KEYLEN[ START]\nKEY" (the charge it spends and how many lines it merges; a
+quota's period start last); an
 acquire's lease member (32 hex digits).
 
 Stored value per bucket: for a token bucket "FULL_AT:INTERVAL:BURST", the
 instant (µs) the bucket is full again and the limit it was written under;
 for a window "w:START:COUNT:PREVIOUS", the window's start, its count and the
-previous window's count. A missing key is a full bucket or an empty window; a
+previous window's count; for a quota "q:START:COUNT:END", the period counted. A missing key is a full bucket or an empty window; a
 value of the other kind (the rule changed algorithm) counts as missing. Each
 key expires (PSETEX) when its state no longer matters (the bucket is full,
 the window is over), plus the margin, so Redis holds only active buckets.
@@ -225,33 +228,56 @@ local function apply_tokens(stored, now, interval, burst, debt_max, cost, need, 
     string.format('%d:%s', now + after, limit), after
 end
 
--- Fixed (sliding = false) or sliding window counter, with the same ops; a
--- refund uncounts tokens charged at `since` while that window still counts.
-local function apply_window(stored, now, sliding, window, max, debt_max, cost, need, op, since)
-  local start = floor_div(now, window) * window
+-- Fixed (alg "f") or sliding ("s") window counter, or a quota ("q": a
+-- fixed window over the period [pstart, pstart + window) the caller names),
+-- with the same ops; a refund uncounts tokens charged at `since` while that
+-- window still counts.
+local function apply_window(stored, now, alg, window, max, debt_max, cost, need, op, since, pstart)
+  local sliding = alg == 's'
+  local start, stop
   local count, prev = 0, 0
-  if stored then
-    local s, c, p = string.match(stored, '^w:(%d+):(%d+):(%d+)$')
-    if s then
-      s, c, p = tonumber(s), tonumber(c), tonumber(p)
-      if s > start then
-        -- The clock went back: keep the stored window.
-        start, count, prev, now = s, c, p, s
-      elseif s == start then
-        count, prev = c, p
-      elseif s + window == start then
-        count, prev = 0, c
+  if alg == 'q' then
+    -- A period stored that began later is counted in instead (an instance
+    -- whose clock runs ahead turned it already); `now` outside the period
+    -- counted is taken as its nearest instant.
+    start, stop = pstart, pstart + window
+    if stored then
+      local s, c, e = string.match(stored, '^q:(%d+):(%d+):(%d+)$')
+      if s then
+        s, c, e = tonumber(s), tonumber(c), tonumber(e)
+        if s > start then
+          start, count, stop = s, c, e
+        elseif s == start then
+          count = c
+        end
       end
     end
+    now = math.min(math.max(now, start), stop - 1)
+  else
+    start = floor_div(now, window) * window
+    if stored then
+      local s, c, p = string.match(stored, '^w:(%d+):(%d+):(%d+)$')
+      if s then
+        s, c, p = tonumber(s), tonumber(c), tonumber(p)
+        if s > start then
+          -- The clock went back: keep the stored window.
+          start, count, prev, now = s, c, p, s
+        elseif s == start then
+          count, prev = c, p
+        elseif s + window == start then
+          count, prev = 0, c
+        end
+      end
+    end
+    stop = start + window
   end
   if not sliding then
     prev = 0
   end
   if op == 'r' then
-    local charged_in = floor_div(since, window) * window
-    if charged_in == start then
+    if since >= start and since < stop then
       count = math.max(count - cost, 0)
-    elseif sliding and charged_in + window == start then
+    elseif sliding and since < start and since + window >= start then
       prev = math.max(prev - cost, 0)
     end
   end
@@ -261,19 +287,19 @@ local function apply_window(stored, now, sliding, window, max, debt_max, cost, n
     weighted = ceil_div(prev * (w - floor_div(now - start, 1000)), w)
   end
   local used = count + weighted
-  local idle = start + (sliding and 2 * window or window)
+  local idle = sliding and stop + window or stop
   local function reset(c)
     if c == 0 and (not sliding or prev == 0) then
       return 0
     elseif not sliding or c == 0 then
-      return start + window - now
+      return stop - now
     end
-    return start + 2 * window - now
+    return stop + window - now
   end
   local third = 0
   if op == 'd' then
     if used + need > max then
-      local retry_at = start + window
+      local retry_at = stop
       if sliding then
         local avail = max - need
         if count <= avail then
@@ -289,17 +315,20 @@ local function apply_window(stored, now, sliding, window, max, debt_max, cost, n
     local applied = math.min(cost, math.max(max + debt_max - used, 0))
     count, used, third = count + applied, used + applied, cost - applied
   end
+  if alg == 'q' then
+    return true, max - used, third, reset(count), string.format('q:%d:%d:%d', start, count, stop), idle - now
+  end
   return true, max - used, third, reset(count), string.format('w:%d:%d:%d', start, count, prev), idle - now
 end
 
 -- Applies `op` to a bucket of algorithm `alg` ("t", "f" or "s"). `limit`
 -- is "INTERVAL:BURST" as written by the caller (never a number formatted
 -- by Lua, which would print 1.5768e+15).
-local function apply(stored, now, alg, interval, burst, debt_max, cost, need, op, since, limit)
+local function apply(stored, now, alg, interval, burst, debt_max, cost, need, op, since, limit, pstart)
   if alg == 't' then
     return apply_tokens(stored, now, interval, burst, debt_max, cost, need, limit, op)
   end
-  return apply_window(stored, now, alg == 's', interval, burst, debt_max, cost, need, op, since)
+  return apply_window(stored, now, alg, interval, burst, debt_max, cost, need, op, since, pstart)
 end
 
 -- A bucket's rule field: its algorithm's letter, then "1" (enforced) or
@@ -312,28 +341,31 @@ local function read_rule(s)
     return 't', true, 0
   end
   local alg = string.sub(s, 1, 1)
-  if #s == 2 and string.find('tfsl', alg, 1, true) then
+  if #s == 2 and string.find('tfslq', alg, 1, true) then
     return alg, string.byte(s, 2) == 49, 0
   end
-  local e, d = string.match(s, '^[tfsl]([01]):(%d+)$')
+  local e, d = string.match(s, '^[tfslq]([01]):(%d+)$')
   if not e then
     error('token_bucket.lua: unreadable rule field ' .. s)
   end
   return alg, e == '1', tonumber(d)
 end
 
--- A bucket's limit field, "INTERVAL:BURST", as two numbers. The last one
--- read is kept: the decisions of a call mostly repeat the same rule.
-local last_limit, last_interval, last_burst
+-- A bucket's limit field, "INTERVAL:BURST" (a quota's "LENGTH:COUNT:START"),
+-- as numbers: the interval, the burst and the period's start (0 but for a
+-- quota). The last one read is kept: the decisions of a call mostly repeat
+-- the same rule.
+local last_limit, last_interval, last_burst, last_start
 local function read_limit(s)
   if s ~= last_limit then
-    local interval, burst = string.match(s, '^(%d+):(%d+)$')
+    local interval, burst, start = string.match(s, '^(%d+):(%d+):?(%d*)$')
     if not interval then
       error('token_bucket.lua: unreadable limit field ' .. s)
     end
     last_limit, last_interval, last_burst = s, tonumber(interval), tonumber(burst)
+    last_start = tonumber(start) or 0
   end
-  return last_interval, last_burst
+  return last_interval, last_burst, last_start
 end
 
 -- A cost from ARGV, "COST" or "COST/NEED": "1" is by far the most common,
@@ -497,7 +529,7 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     local a = 4 + (b + i - 2) * 3
     local alg, enforced, debt_max = read_rule(ARGV[a])
     local limit = ARGV[a + 1]
-    local interval, burst = read_limit(limit)
+    local interval, burst, pstart = read_limit(limit)
     local cost, need = read_cost(ARGV[a + 2])
     local ok, balance, third, reset, value, ttl
     if alg == 'l' then
@@ -510,14 +542,14 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     elseif op == 'd' and need > burst then
       -- It can never pass: report what the bucket holds, and "never".
       local _
-      _, balance, _, reset = apply(held, now, alg, interval, burst, debt_max, 0, 0, 'd', 0, limit)
+      _, balance, _, reset = apply(held, now, alg, interval, burst, debt_max, 0, 0, 'd', 0, limit, pstart)
       ok, third = false, -1
     elseif alg == 't' then
       ok, balance, third, reset, value, ttl = apply_tokens(held, now, interval, burst, debt_max, cost, need, limit,
         op)
     else
       ok, balance, third, reset, value, ttl = apply(held, now, alg, interval, burst, debt_max, cost, need, op, 0,
-        limit)
+        limit, pstart)
     end
     if not ok and enforced then
       all_allowed = false
@@ -556,13 +588,13 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
       if scratch[x + ADMITS] then
         local a = 4 + (b + i - 2) * 3
         local alg, _, debt_max = read_rule(ARGV[a])
-        local interval, burst = read_limit(ARGV[a + 1])
+        local interval, burst, pstart = read_limit(ARGV[a + 1])
         local balance, reset
         if alg == 'l' then
           _, balance, _, reset = apply_leases(KEYS[first + i - 1], burst, 0, nil)
         else
           _, balance, _, reset = apply(scratch[x + HELD], now, alg, interval, burst, debt_max, 0, 0, 'd', 0,
-            ARGV[a + 1])
+            ARGV[a + 1], pstart)
         end
         out[o + 3 * i - 2] = balance * 2 + 1
         out[o + 3 * i] = reset
@@ -643,8 +675,8 @@ local function settle(key, actual, out, written)
   -- Parse every entry before changing anything.
   local entries = {}
   for i = 1, #mask do
-    local alg, interval, burst, debt_max, cost, lines, len, at = string.match(record,
-      '^([tfs]) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)\n()', pos)
+    local alg, interval, burst, debt_max, cost, lines, len, pstart, at = string.match(record,
+      '^([tfsq]) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*)\n()', pos)
     if not alg then
       return unreadable
     end
@@ -652,23 +684,24 @@ local function settle(key, actual, out, written)
     pos = at + len
     if string.sub(mask, i, i) == '1' then
       entries[#entries + 1] = { alg, tonumber(interval), tonumber(burst), tonumber(debt_max), tonumber(cost),
-        tonumber(lines), string.sub(record, at, at + len - 1), interval .. ':' .. burst }
+        tonumber(lines), string.sub(record, at, at + len - 1), interval .. ':' .. burst, tonumber(pstart) or 0 }
     end
   end
   out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 1, actual, estimate, #entries
   for _, e in ipairs(entries) do
     local alg, interval, burst, debt_max, cost, lines, bucket, limit = e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8]
+    local pstart = e[9]
     local target = math.min(lines * actual, 9007199254740992)
     local stored = current(bucket, nil, nil, written)
     local ok, bal, third, rst, value, ttl
     if target > cost then
       ok, bal, third, rst, value, ttl = apply(stored, now, alg, interval, burst, debt_max, target - cost, 0, 'c', 0,
-        limit)
+        limit, pstart)
     elseif target < cost then
       ok, bal, third, rst, value, ttl = apply(stored, now, alg, interval, burst, debt_max, cost - target, 0, 'r',
-        reserved_at, limit)
+        reserved_at, limit, pstart)
     else
-      ok, bal, third, rst = apply(stored, now, alg, interval, burst, debt_max, 0, 0, 'd', 0, limit)
+      ok, bal, third, rst = apply(stored, now, alg, interval, burst, debt_max, 0, 0, 'd', 0, limit, pstart)
     end
     if value then
       store(bucket, value, ttl)

@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::T0;
 use common::redis::{RedisCluster, RedisServer, evalsha_calls, redis_cli};
 use redis::AsyncCommands;
+use tollgate::algorithm::calendar::{Cycle, Period};
 use tollgate::algorithm::{Algorithm, Charge, Limit, Micros, Op, Rate, State, plan};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate_core::store::reservation::{Record, settle_plan};
@@ -48,6 +49,10 @@ impl Rng {
 struct Sequence {
     seed: u64,
     limits: Vec<Limit>,
+    /// Quotas, drawn like `limits`: each a quota's count and debt, and the
+    /// period of `cycle` it counts in (at the step's instant).
+    quotas: Vec<(Limit, Period)>,
+    cycle: Cycle,
     /// The largest forward step of the clock, in µs.
     max_step: u64,
     /// One step in `jump_one_in` may move the clock by up to `max_jump` µs.
@@ -75,6 +80,9 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
         .map(|i| BucketKey::new("diff", BucketKind::KEY, "", &format!("key{i}")))
         .collect();
     let mut states: HashMap<BucketKey, State> = HashMap::new();
+    // Each bucket's algorithm when last written: how its state is stored.
+    let mut written_as: HashMap<BucketKey, Algorithm> = HashMap::new();
+    let quotas = &sequence.quotas;
     let mut rng = Rng(sequence.seed);
     let mut now: Micros = T0;
     let (mut allowed_steps, mut denied_steps, mut backwards_steps) = (0, 0, 0);
@@ -112,7 +120,14 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
         let charges: Vec<Charge> = buckets
             .iter()
             .map(|_| {
-                let limit = limits[rng.below(limits.len() as u64) as usize];
+                let pick = rng.below((limits.len() + quotas.len()) as u64) as usize;
+                let limit = match pick.checked_sub(limits.len()) {
+                    None => limits[pick],
+                    Some(q) => {
+                        let (quota, period) = quotas[q];
+                        quota.in_period(sequence.cycle.bounds(period, now))
+                    }
+                };
                 let mut cost = if rng.below(sequence.zero_cost_one_in) == 0 {
                     0
                 } else {
@@ -160,6 +175,12 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                     (expected.allowed, &expected.verdicts),
                     "seed {seed:#x} step {step}: {op:?} of {charges:?} with {before:?}"
                 );
+                for ((bucket, charge), write) in buckets.iter().zip(&charges).zip(&expected.writes)
+                {
+                    if write.is_some() {
+                        written_as.insert(bucket.clone(), charge.limit.algorithm());
+                    }
+                }
                 (
                     buckets
                         .iter()
@@ -215,6 +236,12 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                     let held: Vec<BucketKey> = spent.iter().map(|&i| buckets[i].clone()).collect();
                     reservations.push((reservation.id.clone(), record, held));
                 }
+                for ((bucket, charge), write) in buckets.iter().zip(&charges).zip(&expected.writes)
+                {
+                    if write.is_some() {
+                        written_as.insert(bucket.clone(), charge.limit.algorithm());
+                    }
+                }
                 (
                     buckets.iter().cloned().zip(expected.writes).collect(),
                     expected.allowed,
@@ -244,6 +271,11 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                         held.iter().map(|b| states.get(b).copied()).collect();
                     let (v, writes) = settle_plan(record, &states_now, actual, now);
                     verdicts = v;
+                    for ((bucket, charge), write) in held.iter().zip(&record.charges).zip(&writes) {
+                        if write.is_some() {
+                            written_as.insert(bucket.clone(), charge.limit.algorithm());
+                        }
+                    }
                     touched = held.iter().cloned().zip(writes).collect();
                     record.settled = Some(actual);
                 }
@@ -267,6 +299,9 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
             let stored: Option<String> = conn.get(store.redis_key(bucket)).await.unwrap();
             let want = states.get(bucket).map(|s| match s {
                 State::Tokens(s) => format!("{}:{}:{}", s.full_at, s.interval, s.burst),
+                State::Window(w) if written_as.get(bucket) == Some(&Algorithm::Quota) => {
+                    format!("q:{}:{}:{}", w.start, w.count, w.idle_at)
+                }
                 State::Window(w) => format!("w:{}:{}:{}", w.start, w.count, w.previous),
                 State::Leases(_) => unreachable!("this sequence draws no concurrency caps"),
             });
@@ -331,6 +366,8 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
     let (allowed, denied, backwards) = differential(Sequence {
         seed: 0x9e37_79b9_7f4a_7c15,
         limits: everyday,
+        quotas: Vec::new(),
+        cycle: Cycle::default(),
         max_step: 2_000_000,
         jump_one_in: 100,
         max_jump: 3_600_000_000,
@@ -390,6 +427,8 @@ async fn lua_and_rust_agree_at_the_extremes() {
         let (allowed, denied, backwards) = differential(Sequence {
             seed,
             limits: extreme.clone(),
+            quotas: Vec::new(),
+            cycle: Cycle::default(),
             max_step: 3_600_000_000,
             jump_one_in: 50,
             max_jump: 2 * 365 * 86_400_000_000,
@@ -403,6 +442,48 @@ async fn lua_and_rust_agree_at_the_extremes() {
             "seed {seed:#x}: {allowed} {denied} {backwards}"
         );
     }
+}
+
+/// Quotas on a billing cycle in New York, beside token buckets: days
+/// (23 and 25 hours long across the DST changes the clock passes), weeks
+/// from Wednesday and months from the 31st, with and without debt; steps of
+/// up to ten minutes and jumps of up to three days, so periods turn often.
+#[tokio::test]
+async fn lua_and_rust_agree_on_quotas() {
+    let quota = |count, debt| {
+        let bounds = tollgate::algorithm::calendar::Bounds { start: 0, end: 1 };
+        Limit::quota(count, bounds)
+            .unwrap()
+            .with_debt(debt)
+            .unwrap()
+    };
+    let quotas = vec![
+        (quota(40, 0), Period::Day),
+        (quota(9, 5), Period::Day),
+        (quota(200, 0), Period::Week),
+        (quota(300, 60), Period::Month),
+        (quota(1, 0), Period::Month),
+    ];
+    let (allowed, denied, backwards) = differential(Sequence {
+        seed: 0x5151_7a7a_0101_2323,
+        limits: limits(&[(5, "10/minute"), (20, "100/hour")])
+            .into_iter()
+            .map(|l| l.with_debt(10).unwrap())
+            .collect(),
+        quotas,
+        cycle: Cycle::new("America/New_York", 31, 1, "wednesday").unwrap(),
+        max_step: 600_000_000,
+        jump_one_in: 40,
+        max_jump: 3 * 86_400_000_000,
+        tiny_one_in: 10,
+        zero_cost_one_in: 50,
+        steps: 3000,
+    })
+    .await;
+    assert!(
+        allowed > 500 && denied > 500 && backwards > 50,
+        "{allowed} {denied} {backwards}"
+    );
 }
 
 #[tokio::test]

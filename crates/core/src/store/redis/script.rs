@@ -80,8 +80,12 @@ pub(super) fn record_body(
     let mut body = format!("{}\n", reservation.estimate);
     for ((key, charge), lines) in keys.iter().zip(charges).zip(&reservation.lines) {
         let l = &charge.limit;
+        let start = l
+            .period()
+            .map(|p| format!(" {}", p.start))
+            .unwrap_or_default();
         body.push_str(&format!(
-            "{} {} {} {} {} {} {}\n{key}",
+            "{} {} {} {} {} {} {}{start}\n{key}",
             algorithm_letter(l.algorithm()),
             l.interval(),
             l.burst(),
@@ -161,6 +165,10 @@ pub(super) fn evalsha(
         field.push_str(itoa::Buffer::new().format(c.limit.interval()));
         field.push(':');
         field.push_str(itoa::Buffer::new().format(c.limit.burst()));
+        if let Some(period) = c.limit.period() {
+            field.push(':');
+            field.push_str(itoa::Buffer::new().format(period.start));
+        }
         evalsha.arg(field.as_str());
         if c.need > c.cost {
             field.clear();
