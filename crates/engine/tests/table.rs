@@ -598,7 +598,8 @@ macro_rules! on_sqlite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn every_check_on_postgres() {
             let pg = postgres::Postgres::start();
-            let admin = LimitsTable::open(&pg.url()).await.unwrap();
+            // A URL is never looked for as a file.
+            let admin = LimitsTable::open_existing(&pg.url(), false).await.unwrap();
             assert!(admin.is_postgres());
             $(
                 let db = stringify!($check);
