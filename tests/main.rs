@@ -36,6 +36,7 @@ mod plans;
 mod postgres_limits;
 mod prometheus;
 mod python_client;
+mod quotas;
 mod records;
 mod redis_clock;
 mod redis_failures;

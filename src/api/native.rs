@@ -259,6 +259,7 @@ impl RateLimiterService {
                     enforce: rule.mode == Mode::Enforce,
                     on_store_unavailable: rule.on_store_unavailable,
                     label: &rule.name,
+                    calendar: rule.period().map(|p| (p, rules.cycle_of(req.tenant))),
                 });
                 line_rules.push(rule.clone());
             }

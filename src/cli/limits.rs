@@ -104,15 +104,19 @@ pub struct SetArgs {
     #[arg(long, default_value = Scope::default().as_str())]
     pub scope: String,
     /// Capacity: the largest burst.
-    #[arg(long, required_unless_present = "concurrency")]
+    #[arg(long, required_unless_present_any = ["concurrency", "quota"])]
     pub burst: Option<i64>,
     /// Sustained rate as N/unit, e.g. 600/minute.
-    #[arg(long, required_unless_present = "concurrency")]
+    #[arg(long, required_unless_present_any = ["concurrency", "quota"])]
     pub rate: Option<String>,
     /// A concurrency rule instead of a rate rule: at most this many leases
     /// held at once (Acquire / Release).
-    #[arg(long, conflicts_with_all = ["burst", "rate", "debt"])]
+    #[arg(long, conflicts_with_all = ["burst", "rate", "debt", "quota"])]
     pub concurrency: Option<i64>,
+    /// A quota instead of a rate rule: N per day, week, month or year of
+    /// the tenant's billing cycle, e.g. 1000000/month.
+    #[arg(long, conflicts_with_all = ["burst", "rate"])]
+    pub quota: Option<String>,
     /// `enforce` or `shadow`.
     #[arg(long, default_value = Mode::default().as_str())]
     pub mode: String,
@@ -123,7 +127,8 @@ pub struct SetArgs {
     /// Settle) may take a bucket; 0 for none.
     #[arg(long, default_value_t = 0)]
     pub debt: i64,
-    /// The row's name (default: TENANT-RESOURCE-SCOPE, plus -shadow).
+    /// The row's name (default: TENANT-RESOURCE-SCOPE, plus -concurrency,
+    /// -quota and -shadow).
     #[arg(long)]
     pub name: Option<String>,
 }
@@ -225,9 +230,10 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
             }
         }
         LimitsCommand::Set(args) => {
-            let (kind, burst, rate) = match args.concurrency {
-                Some(cap) => ("concurrency", cap, String::new()),
-                None => (
+            let (kind, burst, rate) = match (args.concurrency, args.quota) {
+                (Some(cap), _) => ("concurrency", cap, String::new()),
+                (None, Some(quota)) => ("quota", 0, quota),
+                (None, None) => (
                     "rate",
                     args.burst.unwrap_or_default(),
                     args.rate.unwrap_or_default(),

@@ -113,6 +113,7 @@ fn line(item: usize, bucket: BucketKey, allowance: Allowance) -> Line<'static> {
         enforce: true,
         on_store_unavailable: OnStoreUnavailable::Allow,
         label: "per-key",
+        calendar: None,
     }
 }
 
@@ -1688,4 +1689,75 @@ async fn the_lease_book_holds_at_most_a_hundred_thousand_leases() {
         metric("tollgate_leases_held", &[("rule", "per-key")]),
         100_000.0
     );
+}
+
+/// A quota's line counts in the period of its billing cycle that holds the
+/// decision's instant: refused until that period ends, exactly, with the
+/// period's end as the reset, and admitted again from the next period.
+#[tokio::test]
+async fn a_quota_counts_in_the_period_that_holds_the_decisions_instant() {
+    use tollgate_engine::algorithm::calendar::{Bounds, Cycle, Period};
+    let h = Harness::memory();
+    let cycle = Cycle::new("America/New_York", 15, 1, "monday").unwrap();
+    let template = Limit::quota(2, Bounds { start: 0, end: 1 }).unwrap();
+    let quota = |key| Line {
+        label: "monthly",
+        calendar: Some((Period::Month, &cycle)),
+        ..limited(0, bucket("acme", key), template)
+    };
+    // 2026-03-15T03:00:00Z: 23:00 on the 14th in New York, an hour before
+    // the period that began on 15 February ends.
+    let end_of_february_period: Micros = 1_773_547_200_000_000;
+    let now = end_of_february_period - 3600 * SECOND;
+    h.clock.set(now);
+    for left in [1, 0] {
+        let a = h.decide(&mut spend(1, vec![quota("alice")])).await.unwrap();
+        assert!(a.allowed);
+        assert_eq!(a.lines[0].remaining, left);
+        assert_eq!(a.lines[0].reset_after, 3600 * SECOND);
+    }
+    let a = h.decide(&mut spend(1, vec![quota("alice")])).await.unwrap();
+    assert!(!a.allowed);
+    assert_eq!(a.retry_after, 3600 * SECOND);
+    let headers = a.headers.unwrap();
+    assert_eq!(
+        (
+            headers.limit,
+            headers.remaining,
+            headers.reset,
+            headers.retry_after
+        ),
+        (2, 0, 3600, Some(3600))
+    );
+    // A microsecond before the period ends: still refused.
+    h.clock.set(end_of_february_period - 1);
+    let a = h.decide(&mut spend(1, vec![quota("alice")])).await.unwrap();
+    assert_eq!((a.allowed, a.retry_after), (false, 1));
+    // At its end the next period starts, with the whole quota.
+    h.clock.set(end_of_february_period);
+    let a = h.decide(&mut spend(2, vec![quota("alice")])).await.unwrap();
+    assert!(a.allowed);
+    assert_eq!(a.lines[0].remaining, 0);
+    // It ends on 15 April, midnight in New York: 31 days on (both ends in
+    // EDT; the clocks changed on 8 March).
+    assert_eq!(a.lines[0].reset_after, 31 * 24 * 3600 * SECOND);
+}
+
+/// With the store down and the quota failing open, the answer says the
+/// quota is counted afresh when its period ends.
+#[tokio::test]
+async fn a_quota_failing_open_resets_when_its_period_ends() {
+    use tollgate_engine::algorithm::calendar::{Bounds, Cycle, Period};
+    let h = Harness::store_down();
+    let cycle = Cycle::default();
+    let template = Limit::quota(100, Bounds { start: 0, end: 1 }).unwrap();
+    let line = Line {
+        calendar: Some((Period::Day, &cycle)),
+        ..limited(0, bucket("acme", "alice"), template)
+    };
+    // 2023-11-14T22:13:17Z: the UTC day ends 1 h 46 min 43 s on.
+    let a = h.decide(&mut spend(3, vec![line])).await.unwrap();
+    assert!(a.allowed);
+    assert_eq!(a.lines[0].remaining, 97);
+    assert_eq!(a.lines[0].reset_after, (3600 + 46 * 60 + 43) * SECOND);
 }

@@ -156,6 +156,7 @@ impl RateLimitService for EnvoyRateLimitService {
                 } else {
                     &m.rule.full_key
                 },
+                calendar: None,
             });
         }
         let decided = self.engine.decide(&mut demand, &span);

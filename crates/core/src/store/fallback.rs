@@ -68,6 +68,11 @@ impl Fallback {
                         }
                         (Algorithm::Concurrency, Op::Acquire { ttl }) => ttl,
                         (Algorithm::Concurrency, _) => 0,
+                        // A quota is counted afresh from the next period.
+                        (Algorithm::Quota, _) => charge
+                            .limit
+                            .period()
+                            .map_or(0, |p| p.end.saturating_sub(self.local.now())),
                         _ => charge.limit.interval(),
                     },
                 },

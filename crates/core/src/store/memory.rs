@@ -162,6 +162,11 @@ pub struct MemoryStore {
 }
 
 impl MemoryStore {
+    /// The current time on this store's clock.
+    pub fn now(&self) -> Micros {
+        self.clock.now()
+    }
+
     /// A store holding at most about `max_buckets` buckets (at least 16).
     pub fn new(clock: Arc<dyn Clock>, max_buckets: usize) -> Self {
         Self {

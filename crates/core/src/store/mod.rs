@@ -84,6 +84,13 @@ pub enum BucketKind {
         /// A shadow rule's (counted, never refusing).
         shadow: bool,
     },
+    /// A limits-table quota's counter (a count per calendar period).
+    Quota {
+        /// One counter per key (else one per tenant).
+        per_key: bool,
+        /// A shadow rule's (counted, never refusing).
+        shadow: bool,
+    },
     /// A counter of the Envoy API: the descriptor's configured rule, or a
     /// limit override sent with the request.
     Envoy {
@@ -136,6 +143,12 @@ impl BucketKind {
                 (true, true, true) => "kcs",
                 (false, true, false) => "tc",
                 (false, true, true) => "tcs",
+            },
+            Self::Quota { per_key, shadow } => match (per_key, shadow) {
+                (true, false) => "kq",
+                (true, true) => "kqs",
+                (false, false) => "tq",
+                (false, true) => "tqs",
             },
             Self::Envoy { .. } => "e",
             Self::Records(RecordSet::Reservations) => "r",
@@ -206,9 +219,12 @@ impl BucketKey {
         self.name.get(self.key_at as usize..).unwrap_or_default()
     }
 
-    /// True for a per-key rule bucket.
+    /// True for a per-key rule bucket or quota counter.
     pub fn is_per_key(&self) -> bool {
-        matches!(self.kind, BucketKind::Rule { per_key: true, .. })
+        matches!(
+            self.kind,
+            BucketKind::Rule { per_key: true, .. } | BucketKind::Quota { per_key: true, .. }
+        )
     }
 
     /// The tenant part.
@@ -599,6 +615,24 @@ mod tests {
             };
             assert!(tags.insert(kind.tag()), "{kind:?}");
         }
+        for bits in 0..4u8 {
+            let kind = BucketKind::Quota {
+                per_key: bits & 1 != 0,
+                shadow: bits & 2 != 0,
+            };
+            assert!(tags.insert(kind.tag()), "{kind:?}");
+        }
+        let quota = BucketKey::new(
+            "acme",
+            BucketKind::Quota {
+                per_key: true,
+                shadow: false,
+            },
+            "",
+            "k1",
+        );
+        assert_eq!(quota.as_str(), "acme:kq::k1");
+        assert!(quota.is_per_key());
         assert!(tags.insert(BucketKind::Envoy { overridden: true }.tag()));
         for set in [RecordSet::Reservations, RecordSet::Leases, RecordSet::Count] {
             assert!(tags.insert(BucketKind::Records(set).tag()), "{set:?}");

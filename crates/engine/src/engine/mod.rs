@@ -63,6 +63,7 @@
 //!         enforce: true,
 //!         on_store_unavailable: OnStoreUnavailable::Allow,
 //!         label: "per-key",
+//!         calendar: None,
 //!     });
 //!     let span = tracing::Span::none();
 //!     answers.push(runtime.block_on(engine.decide(&mut demand, &span)).unwrap());
@@ -106,6 +107,7 @@ pub mod vocabulary {
 }
 pub use vocabulary::*;
 
+use crate::algorithm::calendar::{Cycle, Period};
 use crate::algorithm::{Charge, Limit, Micros, Op, Verdict};
 use crate::clock::Clock;
 use crate::store::Reservation;
@@ -231,6 +233,10 @@ pub struct Line<'a> {
     /// The rule's identity in metrics: a configured rule's name, or a
     /// fixed label such as `override`; never a value taken from a request.
     pub label: &'a str,
+    /// A quota's period and the billing cycle it follows: the engine puts
+    /// the quota ([`Allowance::Limited`]) in the period that holds the
+    /// decision's instant ([`Limit::in_period`]).
+    pub calendar: Option<(Period, &'a Cycle)>,
 }
 
 impl Line<'_> {
@@ -590,6 +596,16 @@ impl Engine {
     /// Validates the demand and merges its lines into charges.
     fn prepare(&self, demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         caps::check_demand(demand)?;
+        if demand.lines.iter().any(|l| l.calendar.is_some()) {
+            let now = self.clock.now();
+            for line in &mut demand.lines {
+                if let (Some((period, cycle)), Allowance::Limited(limit)) =
+                    (line.calendar, &mut line.allowance)
+                {
+                    *limit = limit.in_period(cycle.bounds(period, now));
+                }
+            }
+        }
         if demand.shadow {
             for line in &mut demand.lines {
                 line.enforce = false;

@@ -36,6 +36,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::algorithm::calendar::Period;
 use crate::algorithm::{Limit, Rate, RateUnit};
 
 pub use rules::{Owner, RuleSet};
@@ -106,6 +107,10 @@ pub enum Kind {
     /// How much runs at once: at most `burst` leases held together
     /// (`rate` is not used).
     Concurrency,
+    /// How much per calendar period: `rate` is the count per day, week,
+    /// month or year of the tenant's billing cycle (`burst` is 0 or that
+    /// count).
+    Quota,
 }
 
 impl Kind {
@@ -114,6 +119,7 @@ impl Kind {
         match self {
             Self::Rate => "rate",
             Self::Concurrency => "concurrency",
+            Self::Quota => "quota",
         }
     }
 }
@@ -124,7 +130,11 @@ impl std::str::FromStr for Kind {
         parse_enum(
             "kind",
             s,
-            &[("rate", Self::Rate), ("concurrency", Self::Concurrency)],
+            &[
+                ("rate", Self::Rate),
+                ("concurrency", Self::Concurrency),
+                ("quota", Self::Quota),
+            ],
         )
     }
 }
@@ -416,16 +426,16 @@ impl LimitRow {
 }
 
 /// `OWNER-RESOURCE-SCOPE`, with `any` for no resource, `-concurrency` for
-/// a concurrency row and `-shadow` for a shadow row.
+/// a concurrency row, `-quota` for a quota and `-shadow` for a shadow row.
 fn default_name(owner: &str, resource: &str, scope: Scope, kind: Kind, mode: Mode) -> String {
     let resource = if resource.is_empty() { "any" } else { resource };
-    let concurrency = if kind == Kind::Concurrency {
-        "-concurrency"
-    } else {
-        ""
+    let kind = match kind {
+        Kind::Rate => "",
+        Kind::Concurrency => "-concurrency",
+        Kind::Quota => "-quota",
     };
     let shadow = if mode == Mode::Shadow { "-shadow" } else { "" };
-    format!("{owner}-{resource}-{}{concurrency}{shadow}", scope.as_str())
+    format!("{owner}-{resource}-{}{kind}{shadow}", scope.as_str())
 }
 
 impl TryFrom<&StoredRow> for LimitRow {
@@ -506,9 +516,34 @@ impl TypedRow<'_> {
                 }
                 Limit::concurrency(self.burst).map_err(|e| e.to_string())?
             }
+            Kind::Quota => {
+                let count = self.rate.count;
+                if period_of(self.rate.unit).is_none() {
+                    return Err(format!(
+                        "a quota counts per day, week, month or year of the tenant's billing \
+                         cycle; the rate's unit is {}",
+                        self.rate.unit.as_str()
+                    ));
+                }
+                if self.burst != 0 && self.burst != count {
+                    return Err(format!(
+                        "burst is {}; a quota's count is its rate ({count} per {}): leave burst 0 \
+                         or make it {count}",
+                        self.burst,
+                        self.rate.unit.as_str()
+                    ));
+                }
+                let bounds = crate::algorithm::calendar::Bounds {
+                    start: 0,
+                    end: self.rate.unit.micros(),
+                };
+                Limit::quota(count, bounds)
+                    .and_then(|l| l.with_debt(self.debt))
+                    .map_err(|e| e.to_string())?
+            }
         };
         let rate_text = match self.kind {
-            Kind::Rate => self.rate.to_string(),
+            Kind::Rate | Kind::Quota => self.rate.to_string(),
             Kind::Concurrency => format!("{} concurrent", self.burst),
         };
         Ok(Shape {
@@ -688,13 +723,38 @@ impl Shape {
     /// The scope part of this rule's bucket names: `k` or `t`, with an `s`
     /// added for shadow rules so they count in buckets of their own.
     /// A concurrency rule's sets are tagged `kc`, `kcs`, `tc` and `tcs`,
-    /// apart from every rate bucket.
+    /// and a quota's counters `kq`, `kqs`, `tq` and `tqs`, apart from
+    /// every rate bucket.
     pub fn bucket_kind(&self) -> crate::store::BucketKind {
-        crate::store::BucketKind::Rule {
-            per_key: self.scope == Scope::Key,
-            concurrency: self.kind == Kind::Concurrency,
-            shadow: self.mode == Mode::Shadow,
+        let (per_key, shadow) = (self.scope == Scope::Key, self.mode == Mode::Shadow);
+        match self.kind {
+            Kind::Quota => crate::store::BucketKind::Quota { per_key, shadow },
+            _ => crate::store::BucketKind::Rule {
+                per_key,
+                concurrency: self.kind == Kind::Concurrency,
+                shadow,
+            },
         }
+    }
+
+    /// A quota's period (`None` for every other kind).
+    pub fn period(&self) -> Option<Period> {
+        match self.kind {
+            Kind::Quota => period_of(self.rate.unit),
+            _ => None,
+        }
+    }
+}
+
+/// The calendar period of a rate unit, for quotas: a day, week, month or
+/// year.
+fn period_of(unit: RateUnit) -> Option<Period> {
+    match unit {
+        RateUnit::Day => Some(Period::Day),
+        RateUnit::Week => Some(Period::Week),
+        RateUnit::Month => Some(Period::Month),
+        RateUnit::Year => Some(Period::Year),
+        _ => None,
     }
 }
 
@@ -708,13 +768,17 @@ impl fmt::Display for Rule {
                 self.limit.burst()
             );
         }
-        write!(
-            f,
-            "{} (burst {}, {}",
-            self.name,
-            self.limit.burst(),
-            self.rate
-        )?;
+        if self.kind == Kind::Quota {
+            write!(f, "{} (quota {}", self.name, self.rate)?;
+        } else {
+            write!(
+                f,
+                "{} (burst {}, {}",
+                self.name,
+                self.limit.burst(),
+                self.rate
+            )?;
+        }
         if self.limit.debt() > 0 {
             write!(f, ", debt {}", self.limit.debt())?;
         }

@@ -17,9 +17,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use super::{Kind, Mode, RowError, Rule, Scope, Shape, StoredRow, check_label};
+use crate::algorithm::calendar::Cycle;
 
 /// How many shards the tenants are spread over.
 pub const SHARDS: usize = 4096;
@@ -206,21 +207,29 @@ impl RuleSet {
             .map(|i| &shard[i])
     }
 
+    /// The billing cycle `tenant`'s quotas count periods of: its own, or
+    /// calendar periods in UTC ([`Cycle::default`]).
+    pub fn cycle_of(&self, _tenant: &str) -> &Cycle {
+        static UTC: LazyLock<Cycle> = LazyLock::new(Cycle::default);
+        &UTC
+    }
+
     /// The plan id `tenant` is assigned to, if any.
     pub fn plan_of(&self, tenant: &str) -> Option<u32> {
         self.tenant(tenant)?.plan()
     }
 
-    /// The rate rules a request for `(tenant, resource)` must pass (see the
-    /// module docs of [`super`]): per key, then the tenant ceiling; for
-    /// each, the any-resource slot before the resource's own; in each slot,
-    /// the enforced rule before the shadow one.
+    /// The rate rules and quotas a request for `(tenant, resource)` must
+    /// pass (see the module docs of [`super`]): the rate rules per key,
+    /// then the tenant ceiling; for each, the any-resource slot before the
+    /// resource's own; in each slot, the enforced rule before the shadow
+    /// one; then the quotas in the same order.
     pub fn applicable<'a>(
         &'a self,
         tenant: &str,
         resource: &str,
     ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
-        self.applicable_of(tenant, resource, Kind::Rate)
+        self.applicable_of(tenant, resource, &[Kind::Rate, Kind::Quota])
     }
 
     /// The concurrency rules an acquire for `(tenant, resource)` must pass,
@@ -230,14 +239,14 @@ impl RuleSet {
         tenant: &str,
         resource: &str,
     ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
-        self.applicable_of(tenant, resource, Kind::Concurrency)
+        self.applicable_of(tenant, resource, &[Kind::Concurrency])
     }
 
     fn applicable_of<'a>(
         &'a self,
         tenant: &str,
         resource: &str,
-        kind: Kind,
+        kinds: &[Kind],
     ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
         let entry = if tenant.is_empty() {
             None
@@ -249,15 +258,16 @@ impl RuleSet {
             .and_then(TenantEntry::plan)
             .and_then(|id| self.plans.get(id as usize)?.as_deref())
             .unwrap_or(&[]);
-        // Slot order: scope, then any-resource before the resource's own,
-        // then enforce before shadow. Tiers fill only empty slots, so the
-        // most specific row of each slot wins.
-        let mut found: [Option<&'a Arc<Rule>>; 8] = [None; 8];
+        // Slot order: kind (as `kinds` lists them), scope, then
+        // any-resource before the resource's own, then enforce before
+        // shadow. Tiers fill only empty slots, so the most specific row of
+        // each slot wins.
+        let mut found: [Option<&'a Arc<Rule>>; 16] = [None; 16];
         for tier in [own, plan, &self.defaults] {
             for rule in tier {
-                if rule.kind != kind {
+                let Some(k) = kinds.iter().position(|k| *k == rule.kind) else {
                     continue;
-                }
+                };
                 let specific = if rule.resource.is_empty() {
                     0
                 } else if *rule.resource == *resource {
@@ -265,7 +275,8 @@ impl RuleSet {
                 } else {
                     continue;
                 };
-                let slot = &mut found[rule.scope as usize * 4 + specific * 2 + rule.mode as usize];
+                let slot =
+                    &mut found[k * 8 + rule.scope as usize * 4 + specific * 2 + rule.mode as usize];
                 if slot.is_none() {
                     *slot = Some(rule);
                 }

@@ -494,6 +494,7 @@ fn labels_are_checked_at_their_exact_length() {
 fn kinds_parse_and_a_bad_one_names_the_choices() {
     assert_eq!("rate".parse::<Kind>(), Ok(Kind::Rate));
     assert_eq!("concurrency".parse::<Kind>(), Ok(Kind::Concurrency));
+    assert_eq!("quota".parse::<Kind>(), Ok(Kind::Quota));
     let err = "leases".parse::<Kind>().unwrap_err();
     assert!(err.starts_with("kind is \"leases\""), "{err}");
 }
@@ -946,4 +947,99 @@ impl RuleSet {
         assert!(errors.is_empty(), "{errors:?}");
         set
     }
+}
+
+fn quota_row(name: &str, tenant: &str, burst: i64, rate: &str) -> StoredRow {
+    StoredRow {
+        kind: "quota".into(),
+        ..row(name, tenant, "", "tenant", burst, rate)
+    }
+}
+
+#[test]
+fn a_quota_counts_its_rate_per_calendar_period() {
+    let shape = quota_row("q", "acme", 0, "1000000/month").shape().unwrap();
+    assert_eq!(shape.period(), Some(Period::Month));
+    assert_eq!(shape.limit.algorithm(), crate::algorithm::Algorithm::Quota);
+    assert_eq!(shape.limit.burst(), 1_000_000);
+    assert_eq!(shape.bucket_kind().tag(), "tq");
+    let per_key = StoredRow {
+        scope: "key".into(),
+        mode: "shadow".into(),
+        debt: 500,
+        ..quota_row("q", "acme", 50, "50/day")
+    };
+    let shape = per_key.shape().unwrap();
+    assert_eq!(
+        (shape.period(), shape.limit.debt()),
+        (Some(Period::Day), 500)
+    );
+    assert_eq!(shape.bucket_kind().tag(), "kqs");
+    for (unit, period) in [("week", Period::Week), ("year", Period::Year)] {
+        let r = quota_row("q", "acme", 0, &format!("7/{unit}"));
+        assert_eq!(r.shape().unwrap().period(), Some(period));
+    }
+    // A rate rule has no period.
+    assert_eq!(
+        row("r", "", "", "key", 1, "1/day")
+            .shape()
+            .unwrap()
+            .period(),
+        None
+    );
+    let rule = quota_row("acme-monthly", "acme", 0, "1000/month")
+        .validate()
+        .unwrap();
+    assert_eq!(rule.to_string(), "acme-monthly (quota 1000/month)");
+    assert_eq!(
+        requested("acme", "", "tenant", "1000/month", "enforce", "quota").name,
+        "acme-any-tenant-quota"
+    );
+}
+
+#[test]
+fn a_quota_row_says_what_to_fix() {
+    let reason = |r: StoredRow| r.shape().unwrap_err();
+    assert_eq!(
+        reason(quota_row("q", "acme", 0, "100/hour")),
+        "a quota counts per day, week, month or year of the tenant's billing cycle; the rate's \
+         unit is hour"
+    );
+    assert_eq!(
+        reason(quota_row("q", "acme", 5, "100/day")),
+        "burst is 5; a quota's count is its rate (100 per day): leave burst 0 or make it 100"
+    );
+    assert_eq!(
+        reason(quota_row("q", "acme", 0, "0/day")),
+        "rate must be at least 1 per unit"
+    );
+}
+
+/// Quotas are applicable with the rate rules, after them, each slot's most
+/// specific row winning as for rates.
+#[test]
+fn quotas_apply_with_the_rate_rules_after_them() {
+    let set = RuleSet::from_rules_for_test(&[
+        row("default-key", "", "", "key", 30, "600/minute"),
+        quota_row("default-monthly", "", 0, "1000/month"),
+        quota_row("acme-monthly", "acme", 0, "5000/month"),
+        StoredRow {
+            resource: "exports".into(),
+            ..quota_row("acme-exports-daily", "acme", 0, "50/day")
+        },
+        StoredRow {
+            kind: "concurrency".into(),
+            ..row("acme-slots", "acme", "", "tenant", 4, "1/second")
+        },
+    ]);
+    assert_eq!(
+        names(&set, "globex", ""),
+        ["default-key", "default-monthly"]
+    );
+    assert_eq!(
+        names(&set, "acme", "exports"),
+        ["default-key", "acme-monthly", "acme-exports-daily"]
+    );
+    let caps: Vec<&str> = set.concurrency("acme", "").map(|r| &*r.name).collect();
+    assert_eq!(caps, ["acme-slots"]);
 }
