@@ -9,6 +9,7 @@ use std::hint::black_box;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use tollgate::limits::rules::Loader;
+use tollgate::limits::table::TenantRow;
 use tollgate::limits::{Owner, RuleSet, StoredRow};
 
 fn row(id: i64, tenant: &str, burst: i64) -> StoredRow {
@@ -46,7 +47,7 @@ fn table(n: usize) -> (Loader, RuleSet) {
         update.row(row(i as i64 + 3, &format!("t{i}"), 100 + (i % 7) as i64));
     }
     for i in 0..n {
-        update.assignment(&format!("p{i}"), "pro");
+        update.tenant(TenantRow::on_plan(&format!("p{i}"), "pro"));
     }
     let (set, _) = update.finish();
     (loader, set)

@@ -1,5 +1,5 @@
-//! The command line: `serve` (in `serve`), `limits` and `plans` (in
-//! `limits` and `plans`), and the
+//! The command line: `serve` (in `serve`), `limits`, `plans` and
+//! `tenants` (in `limits`, `plans` and `tenants`), and the
 //! commands that talk to a running server, `check`, `top` and `health` (in
 //! `client`). The load tool is a binary of its own (`bench/`). This file holds the command tree, the parsing of
 //! a `serve --config` file, and the value parsers the flags share.
@@ -28,6 +28,7 @@ mod client;
 mod limits;
 mod plans;
 mod serve;
+mod tenants;
 
 use std::io::Write;
 use std::time::Duration;
@@ -44,6 +45,7 @@ pub use client::{
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use plans::{PlansCommand, plans};
 pub use serve::{Process, Serve, ServeArgs, options_table};
+pub use tenants::{TenantsCommand, tenants};
 
 /// Tollgate: a rate-limit decision service.
 #[derive(Debug, Parser)]
@@ -65,6 +67,9 @@ pub enum Command {
     /// Manage plans (named sets of rules) and the tenants on them.
     #[command(subcommand)]
     Plans(PlansCommand),
+    /// A tenant's plan and billing cycle (where its quotas' periods turn).
+    #[command(subcommand)]
+    Tenants(TenantsCommand),
     /// Ask a running server for a decision and print it.
     Check(CheckArgs),
     /// Record usage known after the work on a running server (charged in

@@ -77,6 +77,10 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
             telemetry::init_logs(LogFormat::Text);
             cli::plans(command).await?;
         }
+        Command::Tenants(command) => {
+            telemetry::init_logs(LogFormat::Text);
+            cli::tenants(command).await?;
+        }
         Command::Check(args) => cli::check(args).await?,
         Command::Charge(args) => cli::charge(args).await?,
         Command::Acquire(args) => cli::acquire(args).await?,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::process::{ServeProcess, stdout, tollgate};
 use common::redis::{RedisCluster, RedisServer};
 use common::{TestServer, ask, micros, req};
+use tollgate::algorithm::calendar::Cycle;
 use tollgate::limits::LimitRow;
 use tollgate::server::StoreSpec;
 
@@ -22,23 +23,6 @@ fn run(dir: &std::path::Path, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     stdout(&out)
-}
-
-/// A quota of `count` a day for tenant `tenant`, shared by all its keys.
-fn daily(tenant: &str, count: u64) -> LimitRow {
-    LimitRow::from_request(
-        tenant.into(),
-        String::new(),
-        "tenant",
-        0,
-        &format!("{count}/day"),
-        "enforce",
-        "allow",
-        0,
-        "quota",
-        None,
-    )
-    .unwrap()
 }
 
 /// Midnight UTC, 2023-11-15: the end of the day T0 falls in.
@@ -109,26 +93,39 @@ fn a_plan_quota_set_from_the_command_line_is_enforced() {
     );
 }
 
-/// Three instances, each with a clock of its own, share one daily quota
-/// of 10 through `store`. Across midnight, with the instances' clocks
-/// turning it at different moments, each day admits exactly 10.
-async fn three_instances_admit_exactly_the_quota_per_day(store: StoreSpec) {
-    let rules = [daily("acme", 10)];
+/// A period boundary three instances turn: the quota's tenant's billing
+/// cycle, the quota, the boundary's instant and the length of the period it
+/// starts.
+struct Boundary {
+    cycle: Cycle,
+    quota: LimitRow,
+    at: u64,
+    next: u64,
+}
+
+/// Three instances, each with a clock of its own, share one quota of 10
+/// through `store`. Across the boundary, with the instances' clocks turning
+/// the period at different moments, each period admits exactly 10, and a
+/// refusal waits exactly until its period ends.
+async fn three_instances_admit_exactly_the_quota_per_period(store: StoreSpec, b: Boundary) {
+    let rules = [b.quota];
     let mut servers = Vec::new();
     for _ in 0..3 {
         let store = store.clone();
-        servers.push(
-            TestServer::launch(Some(&rules), move |c| {
-                c.store = store;
-                c.redis_uses_clock = true;
-                c.store_timeout = Duration::from_secs(5);
-            })
-            .await,
-        );
+        let server = TestServer::launch(Some(&rules), move |c| {
+            c.store = store;
+            c.redis_uses_clock = true;
+            c.store_timeout = Duration::from_secs(5);
+        })
+        .await;
+        // Each instance reads its own copy of the table.
+        server.table.set_cycle("acme", &b.cycle).await.unwrap();
+        server.wait_generation(2).await;
+        servers.push(server);
     }
     // A burst from all three, each call from each instance, until every
-    // instance has been refused: the day's ten and no more.
-    async fn day(servers: &[TestServer]) -> u64 {
+    // instance has been refused: the period's ten and no more.
+    async fn period(servers: &[TestServer]) -> u64 {
         let admitted = Arc::new(AtomicU64::new(0));
         let mut tasks = Vec::new();
         for (n, server) in servers.iter().enumerate() {
@@ -149,43 +146,307 @@ async fn three_instances_admit_exactly_the_quota_per_day(store: StoreSpec) {
         admitted.load(Ordering::Relaxed)
     }
     for s in &servers {
-        s.clock.set(MIDNIGHT - 60_000_000);
+        s.clock.set(b.at - 60_000_000);
     }
-    assert_eq!(day(&servers).await, 10, "the first day");
-    // A refusal waits exactly until midnight.
+    assert_eq!(period(&servers).await, 10, "the period before the boundary");
+    // A refusal waits exactly until the boundary.
     let mut client = servers[0].client().await;
     let r = ask(&mut client, req("acme", "late")).await;
     assert!(!r.allowed);
     assert_eq!(micros(&r.retry_after), 60_000_000);
-    // One instance turns the day first; the others, a second behind, still
-    // name the old day: their decisions count in the new one, never in a
-    // second copy of the old.
-    servers[0].clock.set(MIDNIGHT + 5);
-    servers[1].clock.set(MIDNIGHT - 1_000_000);
-    servers[2].clock.set(MIDNIGHT - 1_000_000);
+    // One instance turns the period first; the others, a second behind,
+    // still name the old one: their decisions count in the new period,
+    // never in a second copy of the old.
+    servers[0].clock.set(b.at + 5);
+    servers[1].clock.set(b.at - 1_000_000);
+    servers[2].clock.set(b.at - 1_000_000);
     let mut first = servers[0].client().await;
-    assert!(ask(&mut first, req("acme", "early")).await.allowed);
-    assert_eq!(day(&servers).await, 9, "the second day, one spent already");
-    // The lagging instances are refused until the new day ends; their
-    // clock, behind the day counted, is taken as its first instant (as a
-    // window takes a clock that stepped back).
+    let r = ask(&mut first, req("acme", "early")).await;
+    assert!(r.allowed);
+    assert_eq!(micros(&r.reset_after), b.next - 5, "the new period's end");
+    assert_eq!(
+        period(&servers).await,
+        9,
+        "the new period, one spent already"
+    );
+    // The lagging instances are refused until the new period ends; their
+    // clock, behind the period counted, is taken as its first instant (as
+    // a window takes a clock that stepped back).
     let mut lagging = servers[1].client().await;
     let r = ask(&mut lagging, req("acme", "lagging")).await;
     assert!(!r.allowed);
-    assert_eq!(micros(&r.retry_after), 86_400_000_000);
+    assert_eq!(micros(&r.retry_after), b.next);
     for s in servers {
         s.stop().await;
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_redis_three_instances_admit_exactly_the_quota_per_day() {
-    let redis = RedisServer::start();
-    three_instances_admit_exactly_the_quota_per_day(StoreSpec::Redis(redis.url())).await;
+/// Microseconds of an RFC 3339 instant.
+fn at(s: &str) -> u64 {
+    let t: jiff::Timestamp = s.parse().unwrap();
+    t.as_microsecond() as u64
+}
+
+const HOUR: u64 = 3_600_000_000;
+
+fn quota(rate: &str) -> LimitRow {
+    LimitRow::from_request(
+        "acme".into(),
+        String::new(),
+        "tenant",
+        0,
+        rate,
+        "enforce",
+        "allow",
+        0,
+        "quota",
+        None,
+    )
+    .unwrap()
+}
+
+/// The day New York's clocks spring forward: 23 hours from midnight EST
+/// to midnight EDT.
+fn new_york_spring_day() -> Boundary {
+    Boundary {
+        cycle: Cycle::new("America/New_York", 1, 1, "monday").unwrap(),
+        quota: quota("10/day"),
+        at: at("2026-03-08T05:00:00Z"),
+        next: 23 * HOUR,
+    }
+}
+
+/// A month anchored on the 31st in Tokyo turns on 29 February in a leap
+/// year, and the next period runs to 31 March.
+fn tokyo_leap_february() -> Boundary {
+    Boundary {
+        cycle: Cycle::new("Asia/Tokyo", 31, 1, "monday").unwrap(),
+        quota: quota("10/month"),
+        at: at("2028-02-28T15:00:00Z"),
+        next: 31 * 24 * HOUR,
+    }
+}
+
+/// Midnight UTC on the default cycle.
+fn utc_midnight() -> Boundary {
+    Boundary {
+        cycle: Cycle::default(),
+        quota: quota("10/day"),
+        at: MIDNIGHT,
+        next: 24 * HOUR,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_a_cluster_three_instances_admit_exactly_the_quota_per_day() {
+async fn on_redis_three_instances_turn_midnight_utc_exactly() {
+    let redis = RedisServer::start();
+    three_instances_admit_exactly_the_quota_per_period(
+        StoreSpec::Redis(redis.url()),
+        utc_midnight(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_three_instances_turn_a_23_hour_day_in_new_york_exactly() {
+    let redis = RedisServer::start();
+    three_instances_admit_exactly_the_quota_per_period(
+        StoreSpec::Redis(redis.url()),
+        new_york_spring_day(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_three_instances_turn_a_month_on_29_february_exactly() {
+    let redis = RedisServer::start();
+    three_instances_admit_exactly_the_quota_per_period(
+        StoreSpec::Redis(redis.url()),
+        tokyo_leap_february(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_three_instances_turn_a_23_hour_day_in_new_york_exactly() {
     let cluster = RedisCluster::start();
-    three_instances_admit_exactly_the_quota_per_day(StoreSpec::Redis(cluster.url())).await;
+    three_instances_admit_exactly_the_quota_per_period(
+        StoreSpec::Redis(cluster.url()),
+        new_york_spring_day(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_memory_an_instance_turns_a_month_on_29_february_exactly() {
+    // One instance in memory (its own store): the same arithmetic.
+    let b = tokyo_leap_february();
+    let server = TestServer::launch(Some(&[b.quota]), |_| {}).await;
+    server.table.set_cycle("acme", &b.cycle).await.unwrap();
+    server.wait_generation(2).await;
+    server.clock.set(b.at - 1);
+    let mut client = server.client().await;
+    let mut admitted = 0;
+    for i in 0..12 {
+        admitted += u64::from(
+            ask(&mut client, req("acme", &format!("k{i}")))
+                .await
+                .allowed,
+        );
+    }
+    assert_eq!(admitted, 10);
+    let r = ask(&mut client, req("acme", "late")).await;
+    assert_eq!((r.allowed, micros(&r.retry_after)), (false, 1));
+    server.clock.set(b.at);
+    let r = ask(&mut client, req("acme", "new")).await;
+    assert!(r.allowed);
+    assert_eq!(micros(&r.reset_after), b.next);
+    server.stop().await;
+}
+
+/// `tollgate tenants cycle` sets where a tenant's periods turn, `show`
+/// prints it beside the plan, and bad cycles are refused naming the fix.
+#[test]
+fn a_tenants_billing_cycle_is_set_and_shown_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    run(d, &["limits", "list", "--create"]);
+    assert_eq!(
+        run(
+            d,
+            &[
+                "tenants",
+                "cycle",
+                "--tenant",
+                "acme",
+                "--time-zone",
+                "America/New_York",
+                "--day",
+                "15",
+            ]
+        ),
+        "tenant acme: billing cycle America/New_York, day 15, month 1, monday\n"
+    );
+    run(d, &["plans", "create", "pro"]);
+    run(d, &["plans", "assign", "--tenant", "acme", "--plan", "pro"]);
+    assert_eq!(
+        run(d, &["tenants", "show", "--tenant", "acme"]),
+        "tenant acme: plan pro; billing cycle America/New_York, day 15, month 1, monday\n"
+    );
+    assert_eq!(
+        run(d, &["tenants", "show", "--tenant", "globex"]),
+        "tenant globex: no plan; billing cycle UTC, day 1, month 1, monday\n"
+    );
+    let fails = |args: &[&str]| {
+        let out = tollgate(d, args);
+        assert!(!out.status.success(), "tollgate {args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let cycle = |extra: &[&str]| {
+        let mut args = vec!["tenants", "cycle", "--tenant", "acme"];
+        args.extend_from_slice(extra);
+        fails(&args)
+    };
+    let err = cycle(&["--time-zone", "Mars/Olympus_Mons"]);
+    assert!(
+        err.contains(
+            "time zone \"Mars/Olympus_Mons\" is not an IANA time zone name; use one such as \
+             America/New_York, Europe/Berlin or UTC"
+        ),
+        "{err}"
+    );
+    for day in ["0", "32"] {
+        let err = cycle(&["--day", day]);
+        assert!(
+            err.contains(&format!(
+                "anchor day {day}: use 1 to 31 (31 means the last day of shorter months)"
+            )),
+            "{err}"
+        );
+    }
+    let err = cycle(&["--month", "13"]);
+    assert!(
+        err.contains("anchor month 13: use 1 (January) to 12 (December)"),
+        "{err}"
+    );
+    let err = cycle(&["--weekday", "someday"]);
+    assert!(err.contains("anchor weekday \"someday\""), "{err}");
+    // Nothing changed.
+    assert!(run(d, &["tenants", "show", "--tenant", "acme"]).contains("America/New_York, day 15"));
+}
+
+/// The admin API reads and sets a tenant's billing cycle (the token
+/// required to set it), refuses bad cycles naming the fix, and the cycle is
+/// in force on this instance when the answer comes.
+#[tokio::test]
+async fn the_admin_api_sets_a_tenants_billing_cycle() {
+    use tollgate::api::admin::AdminAccess;
+    let access = AdminAccess {
+        token: Some("s3cret".into()),
+        protect_reads: false,
+        trust_network: false,
+    };
+    let b = new_york_spring_day();
+    let server = TestServer::launch(Some(&[b.quota]), move |c| c.admin_access = access).await;
+    let t = Some("s3cret");
+    let body = r#"{"time_zone":"America/New_York"}"#;
+    assert_eq!(
+        server
+            .http("PUT", "/v1/tenants/acme/cycle", None, body)
+            .await
+            .0,
+        401
+    );
+    let (status, answer) = server.http("PUT", "/v1/tenants/acme/cycle", t, body).await;
+    assert_eq!(
+        (status, answer.as_str()),
+        (
+            200,
+            r#"{"cycle":{"day":1,"month":1,"time_zone":"America/New_York","weekday":"monday"},"tenant":"acme"}"#
+        )
+    );
+    let (status, answer) = server.http_get("/v1/tenants/acme").await.unwrap();
+    assert_eq!(
+        (status, answer.as_str()),
+        (
+            200,
+            r#"{"cycle":{"day":1,"month":1,"time_zone":"America/New_York","weekday":"monday"},"plan":null,"tenant":"acme"}"#
+        )
+    );
+    // In force: a refusal just before New York's midnight waits until it.
+    server.clock.set(b.at - 1_000_000);
+    let mut client = server.client().await;
+    for i in 0..10 {
+        assert!(
+            ask(&mut client, req("acme", &format!("k{i}")))
+                .await
+                .allowed
+        );
+    }
+    let r = ask(&mut client, req("acme", "late")).await;
+    assert_eq!((r.allowed, micros(&r.retry_after)), (false, 1_000_000));
+    // Bad input, each named; nothing changes.
+    for (body, says) in [
+        (
+            r#"{"time_zone":"Mars/Olympus_Mons"}"#,
+            "is not an IANA time zone name",
+        ),
+        (r#"{"day":0}"#, "anchor day 0: use 1 to 31"),
+        (r#"{"day":32}"#, "anchor day 32: use 1 to 31"),
+        (r#"{"month":13}"#, "anchor month 13"),
+        (r#"{"weekday":"someday"}"#, "anchor weekday \"someday\""),
+        (r#"{"day":300}"#, "the body must be"),
+        (r#"{"zone":"UTC"}"#, "the body must be"),
+    ] {
+        let (status, answer) = server.http("PUT", "/v1/tenants/acme/cycle", t, body).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer.contains(says), "{body}: {answer}");
+    }
+    let huge = format!("/v1/tenants/{}/cycle", "t".repeat(200));
+    let (status, answer) = server.http("PUT", &huge, t, "{}").await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("at most 128"), "{answer}");
+    let (_, answer) = server.http_get("/v1/tenants/acme").await.unwrap();
+    assert!(answer.contains("America/New_York"), "{answer}");
+    server.stop().await;
 }

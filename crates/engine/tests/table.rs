@@ -23,9 +23,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tollgate_engine::algorithm::calendar::Cycle;
 use tollgate_engine::algorithm::{Rate, RateUnit};
 use tollgate_engine::limits::table::{
-    ChangeSink, LimitsTable, PlanRow, RowFilter, TableError, default_row,
+    ChangeSink, LimitsTable, PlanRow, RowFilter, TableError, TenantRow, default_row,
 };
 use tollgate_engine::limits::watch::{BULK_CHANGES, LiveLimits, LoadError, spawn_watch, watch};
 use tollgate_engine::limits::{Kind, LimitRow, Mode, OnStoreUnavailable, Owner, Scope, StoredRow};
@@ -76,6 +77,7 @@ struct Recorded {
     plans: Vec<String>,
     rows: Vec<StoredRow>,
     assignments: Vec<(String, String)>,
+    cycles: Vec<(String, Result<Cycle, String>)>,
 }
 
 impl ChangeSink for Recorded {
@@ -89,8 +91,11 @@ impl ChangeSink for Recorded {
     fn row(&mut self, row: StoredRow) {
         self.rows.push(row);
     }
-    fn assignment(&mut self, tenant: &str, plan: &str) {
-        self.assignments.push((tenant.into(), plan.into()));
+    fn tenant(&mut self, row: TenantRow<'_>) {
+        self.assignments.push((row.tenant.into(), row.plan.into()));
+        if !row.default_cycle() {
+            self.cycles.push((row.tenant.into(), row.cycle()));
+        }
     }
 }
 
@@ -297,6 +302,10 @@ mod checks {
         // statement, an update's old and new owner both.
         let update = if t.is_postgres() { 2 } else { 1 };
         t.upsert(&row("acme-a", "acme", "", 1)).await.unwrap();
+        // An update stamped in the same millisecond as the insert looks
+        // to SQLite's touch trigger like a plain SQL edit, which it stamps
+        // again (a second entry): let the millisecond pass.
+        tokio::time::sleep(Duration::from_millis(2)).await;
         t.upsert(&row("acme-a", "acme", "", 2)).await.unwrap();
         t.create_plan("gold", "").await.unwrap();
         let v3 = t.version().await.unwrap();
@@ -568,6 +577,72 @@ mod checks {
         assert!(!some.begins[0].0);
     }
 
+    /// A tenant's billing cycle lives in its `tenants` row beside its plan:
+    /// setting one keeps the plan, leaving a plan keeps the cycle, and a
+    /// tenant with neither has no row.
+    pub async fn billing_cycles_live_beside_plans(t: &LimitsTable) {
+        let ny = Cycle::new("America/New_York", 15, 1, "monday").unwrap();
+        t.set_cycle("acme", &ny).await.unwrap();
+        assert_eq!(
+            t.tenant("acme").await.unwrap(),
+            Some((String::new(), ny.clone()))
+        );
+        assert_eq!(t.count().await.unwrap(), 2, "the default row and acme's");
+        t.create_plan("gold", "").await.unwrap();
+        assert_eq!(t.assign("acme", Some("gold")).await.unwrap(), None);
+        assert_eq!(
+            t.tenant("acme").await.unwrap(),
+            Some(("gold".into(), ny.clone()))
+        );
+        assert_eq!(t.assign("acme", None).await.unwrap(), Some("gold".into()));
+        assert_eq!(
+            t.tenant("acme").await.unwrap(),
+            Some((String::new(), ny.clone()))
+        );
+        assert_eq!(t.plans().await.unwrap()[0].tenants, 0);
+        // The default cycle on a tenant with no plan: no row.
+        t.set_cycle("acme", &Cycle::default()).await.unwrap();
+        assert_eq!(t.tenant("acme").await.unwrap(), None);
+        // On a tenant with a plan: the row stays, with the plan.
+        t.assign("globex", Some("gold")).await.unwrap();
+        t.set_cycle("globex", &ny).await.unwrap();
+        t.set_cycle("globex", &Cycle::default()).await.unwrap();
+        assert_eq!(
+            t.tenant("globex").await.unwrap(),
+            Some(("gold".into(), Cycle::default()))
+        );
+        assert_eq!(t.assign("globex", None).await.unwrap(), Some("gold".into()));
+        assert_eq!(t.tenant("globex").await.unwrap(), None);
+        // Reads feed the cycles, checked; a row written with plain SQL that
+        // does not validate is fed as its error.
+        let v = t.version().await.unwrap();
+        t.set_cycle("initech", &ny).await.unwrap();
+        t.execute_sql(
+            "INSERT INTO tenants (tenant, plan, time_zone, cycle_day) \
+             VALUES ('hooli', '', 'Mars/Olympus_Mons', 40)",
+        )
+        .await
+        .unwrap();
+        let (_, some) = read(t, v, 10).await;
+        let mut cycles = some.cycles;
+        cycles.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            cycles,
+            [
+                (
+                    "hooli".into(),
+                    Err(
+                        "anchor day 40: use 1 to 31 (31 means the last day of shorter months)"
+                            .into()
+                    )
+                ),
+                ("initech".into(), Ok(ny.clone())),
+            ]
+        );
+        let (_, all) = read(t, 0, 0).await;
+        assert_eq!(all.cycles.len(), 2);
+    }
+
     /// A closed handle reads nothing.
     pub async fn a_closed_table_answers_errors(t: &LimitsTable) {
         let other = t.clone();
@@ -624,6 +699,7 @@ on_sqlite!(
     odd_values_read_back_exactly,
     imports_are_all_or_nothing,
     pruned_changes_mean_a_full_read,
+    billing_cycles_live_beside_plans,
     a_closed_table_answers_errors,
 );
 
@@ -1305,4 +1381,85 @@ async fn assignments_in_one_batch_count_against_the_bound() {
         .filter(|t| bursts(&live, t, "") == [("gold-any".to_owned(), 9)])
         .count();
     assert_eq!(on_gold, 2);
+}
+
+/// A tenant's billing cycle is in force once read: its quotas count the
+/// periods of its zone; a cycle that does not validate is reported and the
+/// tenant counts in UTC until it is fixed.
+#[tokio::test]
+async fn a_tenants_billing_cycle_is_in_force_once_read() {
+    let (_dir, table) = sqlite_table().await;
+    let live = LiveLimits::load(&table, 100).await.unwrap();
+    assert_eq!(*live.snapshot().cycle_of("acme"), Cycle::default());
+    let ny = Cycle::new("America/New_York", 15, 1, "monday").unwrap();
+    table.set_cycle("acme", &ny).await.unwrap();
+    table.set_cycle("globex", &ny).await.unwrap();
+    assert!(live.catch_up(&table).await.unwrap());
+    let snapshot = live.snapshot();
+    assert_eq!(*snapshot.cycle_of("acme"), ny);
+    // Tenants with the same cycle share one.
+    assert!(std::ptr::eq(
+        snapshot.cycle_of("acme"),
+        snapshot.cycle_of("globex")
+    ));
+    assert_eq!(*snapshot.cycle_of("initech"), Cycle::default());
+    assert_eq!(live.status().tenants, 2);
+    // A bad zone written with SQL: reported, UTC meanwhile.
+    table
+        .execute_sql("UPDATE tenants SET time_zone = 'America/Gotham' WHERE tenant = 'acme'")
+        .await
+        .unwrap();
+    assert!(live.catch_up(&table).await.unwrap());
+    assert_eq!(*live.snapshot().cycle_of("acme"), Cycle::default());
+    let status = live.status();
+    assert_eq!(status.rejected_rows, 1);
+    assert_eq!(
+        status.rejected[0],
+        "tenants row (tenant \"acme\"): time zone \"America/Gotham\" is not an IANA time zone \
+         name; use one such as America/New_York, Europe/Berlin or UTC; its quotas count periods in \
+         UTC until this is fixed"
+    );
+    // Fixed: in force, and no longer reported.
+    table.set_cycle("acme", &ny).await.unwrap();
+    assert!(live.catch_up(&table).await.unwrap());
+    assert_eq!(*live.snapshot().cycle_of("acme"), ny);
+    assert_eq!(live.status().rejected_rows, 0);
+    // A full reload reads the same.
+    let again = LiveLimits::load(&table, 100).await.unwrap();
+    assert_eq!(*again.snapshot().cycle_of("acme"), ny);
+    assert_eq!(again.status().tenants, 2);
+}
+
+/// A tenants table made before billing cycles gets their columns, its rows
+/// on the default cycle.
+#[tokio::test]
+async fn a_tenants_table_from_before_cycles_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    let location = path.to_str().unwrap();
+    {
+        let table = LimitsTable::open(location).await.unwrap();
+        table.create_plan("gold", "").await.unwrap();
+        table
+            .execute_sql(
+                "DROP TABLE tenants; \
+                 CREATE TABLE tenants (tenant TEXT NOT NULL PRIMARY KEY, plan TEXT NOT NULL, \
+                 updated_at TEXT NOT NULL DEFAULT ''); \
+                 INSERT INTO tenants (tenant, plan) VALUES ('acme', 'gold');",
+            )
+            .await
+            .unwrap();
+        table.close().await;
+    }
+    let table = LimitsTable::open(location).await.unwrap();
+    assert_eq!(
+        table.tenant("acme").await.unwrap(),
+        Some(("gold".into(), Cycle::default()))
+    );
+    let ny = Cycle::new("America/New_York", 15, 1, "monday").unwrap();
+    table.set_cycle("acme", &ny).await.unwrap();
+    assert_eq!(
+        table.tenant("acme").await.unwrap(),
+        Some(("gold".into(), ny))
+    );
 }

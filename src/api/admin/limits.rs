@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use super::AdminState;
+use crate::algorithm::calendar::Cycle;
 use crate::limits::table::{RowFilter, TableError};
 use crate::limits::{LimitRow, StoredRow, check_label};
 
@@ -333,6 +334,92 @@ pub(super) async fn unassign(
         Ok(before) => {
             applied(&state).await;
             Json(json!({ "tenant": tenant, "plan": null, "was": before })).into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CycleRequest {
+    #[serde(default = "utc")]
+    time_zone: String,
+    #[serde(default = "first")]
+    day: u8,
+    #[serde(default = "first")]
+    month: u8,
+    #[serde(default = "monday")]
+    weekday: String,
+}
+
+fn utc() -> String {
+    "UTC".into()
+}
+
+fn first() -> u8 {
+    1
+}
+
+fn monday() -> String {
+    "monday".into()
+}
+
+fn cycle_json(cycle: &Cycle) -> serde_json::Value {
+    json!({
+        "time_zone": cycle.zone(),
+        "day": cycle.day(),
+        "month": cycle.month(),
+        "weekday": cycle.weekday(),
+    })
+}
+
+/// `PUT /v1/tenants/{tenant}/cycle` with `{"time_zone": "America/New_York",
+/// "day": 15}` (`month` and `weekday` too; each defaults to the default
+/// cycle's).
+pub(super) async fn set_cycle(
+    State(state): State<Arc<AdminState>>,
+    Path(tenant): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: CycleRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return bad(format!(
+                "the body must be {{\"time_zone\": \"America/New_York\", \"day\": 15, \
+                 \"month\": 1, \"weekday\": \"monday\"}} (each optional): {e}"
+            ));
+        }
+    };
+    if let Err(e) = check_tenant_name(&tenant) {
+        return bad(e);
+    }
+    let cycle = match Cycle::new(&req.time_zone, req.day, req.month, &req.weekday) {
+        Ok(c) => c,
+        Err(e) => return bad(e),
+    };
+    match state.table.set_cycle(&tenant, &cycle).await {
+        Ok(()) => {
+            applied(&state).await;
+            Json(json!({ "tenant": tenant, "cycle": cycle_json(&cycle) })).into_response()
+        }
+        Err(e) => table_error(e),
+    }
+}
+
+/// `GET /v1/tenants/{tenant}`: its plan and billing cycle.
+pub(super) async fn tenant(
+    State(state): State<Arc<AdminState>>,
+    Path(tenant): Path<String>,
+) -> Response {
+    if let Err(e) = check_tenant_name(&tenant) {
+        return bad(e);
+    }
+    match state.table.tenant(&tenant).await {
+        Ok(found) => {
+            let (plan, cycle) = found.unwrap_or_default();
+            let plan = (!plan.is_empty()).then_some(plan);
+            Json(json!({ "tenant": tenant, "plan": plan, "cycle": cycle_json(&cycle) }))
+                .into_response()
         }
         Err(e) => table_error(e),
     }

@@ -15,6 +15,7 @@
 //! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), the tenants seen in debt, and those holding the most concurrency slots |
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 //! | `POST /v1/plans`, `DELETE /v1/plans/{name}`, `PUT`/`DELETE /v1/tenants/{tenant}/plan` | plans and tenants' plans (token required) |
+//! | `GET /v1/tenants/{tenant}`, `PUT /v1/tenants/{tenant}/cycle` | a tenant's plan and billing cycle; setting the cycle (token required) |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -225,6 +226,11 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route(
             "/v1/tenants/{tenant}/plan",
             axum::routing::put(limits::assign).delete(limits::unassign),
+        )
+        .route("/v1/tenants/{tenant}", get(limits::tenant))
+        .route(
+            "/v1/tenants/{tenant}/cycle",
+            axum::routing::put(limits::set_cycle),
         )
         .route("/v1/envoy-config", get(envoy_config))
         .route("/v1/top-limited", get(top_limited))

@@ -103,6 +103,18 @@ impl PartialEq for Cycle {
 
 impl Eq for Cycle {}
 
+impl std::hash::Hash for Cycle {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (
+            &self.name,
+            self.day,
+            self.month,
+            self.weekday.to_monday_zero_offset(),
+        )
+            .hash(state);
+    }
+}
+
 impl Default for Cycle {
     /// Calendar periods in UTC: months from the 1st, years from 1 January,
     /// weeks from Monday.

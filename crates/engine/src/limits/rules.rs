@@ -19,6 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::sync::{Arc, LazyLock};
 
+use super::table::TenantRow;
 use super::{Kind, Mode, RowError, Rule, Scope, Shape, StoredRow, check_label};
 use crate::algorithm::calendar::Cycle;
 
@@ -74,17 +75,21 @@ struct TenantEntry {
     order: u32,
     /// The plan's id, or [`NO_PLAN`].
     plan: u32,
+    /// Its billing cycle, when not the default (shared by every tenant
+    /// with the same one).
+    cycle: Option<Arc<Cycle>>,
 }
 
 const NO_PLAN: u32 = u32::MAX;
 
 impl TenantEntry {
-    fn new(name: Box<str>, plan: Option<u32>, rules: Rules) -> Self {
+    fn new(name: Box<str>, plan: Option<u32>, rules: Rules, cycle: Option<Arc<Cycle>>) -> Self {
         Self {
             order: place(&name).1,
             name,
             rules,
             plan: plan.unwrap_or(NO_PLAN),
+            cycle,
         }
     }
 
@@ -176,7 +181,7 @@ impl RuleSet {
             update.row(row);
         }
         for (tenant, plan) in assignments {
-            update.assignment(tenant, plan);
+            update.tenant(TenantRow::on_plan(tenant, plan));
         }
         let (set, _) = update.finish();
         errors.extend(loader.invalid.into_values().flatten().map(|bad| bad.error));
@@ -209,9 +214,14 @@ impl RuleSet {
 
     /// The billing cycle `tenant`'s quotas count periods of: its own, or
     /// calendar periods in UTC ([`Cycle::default`]).
-    pub fn cycle_of(&self, _tenant: &str) -> &Cycle {
+    pub fn cycle_of(&self, tenant: &str) -> &Cycle {
         static UTC: LazyLock<Cycle> = LazyLock::new(Cycle::default);
-        &UTC
+        if tenant.is_empty() {
+            return &UTC;
+        }
+        self.tenant(tenant)
+            .and_then(|e| e.cycle.as_deref())
+            .unwrap_or(&UTC)
     }
 
     /// The plan id `tenant` is assigned to, if any.
@@ -316,6 +326,8 @@ pub struct Loader {
     plan_tenants: Vec<u64>,
     shapes: HashSet<Arc<Shape>>,
     shapes_after_prune: usize,
+    /// Billing cycles, shared by the tenants that have the same one.
+    cycles: HashSet<Arc<Cycle>>,
     invalid: HashMap<Owner, Vec<Rejected>>,
     max_rules: usize,
 }
@@ -329,6 +341,7 @@ impl Loader {
             plan_tenants: Vec::new(),
             shapes: HashSet::new(),
             shapes_after_prune: 0,
+            cycles: HashSet::new(),
             invalid: HashMap::new(),
             max_rules,
         }
@@ -382,6 +395,15 @@ impl Loader {
         self.plan_tenants.push(0);
         self.plan_ids.insert(name.into(), id);
         id
+    }
+
+    fn intern_cycle(&mut self, cycle: Cycle) -> Arc<Cycle> {
+        if let Some(shared) = self.cycles.get(&cycle) {
+            return shared.clone();
+        }
+        let shared = Arc::new(cycle);
+        self.cycles.insert(shared.clone());
+        shared
     }
 
     fn intern(&mut self, shape: Shape) -> Arc<Shape> {
@@ -461,6 +483,31 @@ impl Loader {
 struct TenantChange {
     rules: Option<Rules>,
     plan: Option<u32>,
+    cycle: CycleRead,
+}
+
+/// A `tenants` row as read while loading everything: the tenant, its plan
+/// and its cycle.
+type TenantRead = (Box<str>, Option<u32>, CycleRead);
+
+/// A tenant's billing cycle as read: the default, a valid one, or a row
+/// that does not validate (reported when the batch is built; the tenant
+/// counts in UTC meanwhile).
+#[derive(Debug, Default, Clone)]
+enum CycleRead {
+    #[default]
+    Default,
+    Valid(Arc<Cycle>),
+    Invalid(String),
+}
+
+impl CycleRead {
+    fn valid(&self) -> Option<Arc<Cycle>> {
+        match self {
+            Self::Valid(c) => Some(c.clone()),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -484,7 +531,7 @@ pub struct Update<'a> {
     /// order; `true` for a rejected row's last valid version), grouped by
     /// tenant at the end.
     full_rules: Vec<Vec<ReadRule>>,
-    full_assignments: Vec<Vec<(Box<str>, u32)>>,
+    full_assignments: Vec<Vec<TenantRead>>,
     /// What was rejected before a full load, so each bad row is still
     /// logged once.
     previous_invalid: HashMap<Owner, Vec<Rejected>>,
@@ -537,23 +584,48 @@ impl Update<'_> {
         }
     }
 
-    /// The plan `tenant` is assigned to (of the changed tenants, or every
-    /// assignment when full).
-    pub fn assignment(&mut self, tenant: &str, plan: &str) {
+    /// A tenant's `tenants` row: its plan ('' for none) and billing cycle
+    /// (of the changed tenants, or every row when full).
+    pub fn tenant(&mut self, row: TenantRow<'_>) {
         self.flush();
+        let tenant = row.tenant;
         if tenant.is_empty() || check_label("tenant", tenant).is_err() {
             return;
         }
-        if check_label("plan", plan).is_err() {
+        if check_label("plan", row.plan).is_err() {
             return;
         }
-        let id = self.loader.plan_id(plan);
+        let plan = (!row.plan.is_empty()).then(|| self.loader.plan_id(row.plan));
+        let cycle = if row.default_cycle() {
+            CycleRead::Default
+        } else {
+            match row.cycle() {
+                Ok(cycle) => CycleRead::Valid(self.loader.intern_cycle(cycle)),
+                Err(reason) => CycleRead::Invalid(reason),
+            }
+        };
         if self.full {
             // Counted (and held to the bound) once every rule is.
-            self.full_assignments[shard_of(tenant)].push((tenant.into(), id));
+            self.full_assignments[shard_of(tenant)].push((tenant.into(), plan, cycle));
         } else if let Some(change) = self.changed_tenants.get_mut(tenant) {
-            change.plan = Some(id);
+            change.plan = plan;
+            change.cycle = cycle;
         }
+    }
+
+    /// A tenant's billing cycle that does not validate: reported; its
+    /// quotas count calendar periods in UTC until it is fixed.
+    fn reject_cycle(&mut self, tenant: &str, reason: &str) {
+        let error = RowError {
+            row: format!("tenants row (tenant {:?})", super::short(tenant)),
+            reason: format!("{reason}; its quotas count periods in UTC until this is fixed"),
+        };
+        self.newly_rejected.push(error.clone());
+        self.loader
+            .invalid
+            .entry(Owner::Tenant(tenant.into()))
+            .or_default()
+            .push(Rejected { id: 0, error });
     }
 
     /// One tenant row while loading everything.
@@ -845,6 +917,7 @@ impl Update<'_> {
         if self.full || self.loader.shapes.len() > 2 * self.loader.shapes_after_prune + 64 {
             self.loader.shapes.retain(|s| Arc::strong_count(s) > 1);
             self.loader.shapes_after_prune = self.loader.shapes.len();
+            self.loader.cycles.retain(|c| Arc::strong_count(c) > 1);
         }
         let set = RuleSet {
             defaults,
@@ -909,22 +982,39 @@ impl Update<'_> {
                             name,
                             None,
                             std::mem::take(&mut group).into(),
+                            None,
                         ));
                     }
                 }
                 assigned.sort_unstable_by(|a, b| key_of(&a.0).cmp(&key_of(&b.0)));
                 let mut extra = Vec::new();
-                for (name, plan) in assigned {
-                    if self.over_bound_with_one_more() {
-                        let plan = self.loader.plan_names[plan as usize].clone();
-                        self.reject_assignment(&name, &plan);
-                        continue;
+                for (name, plan, cycle) in assigned {
+                    if let CycleRead::Invalid(reason) = &cycle {
+                        self.reject_cycle(&name, reason);
                     }
-                    self.loader.plan_tenants[plan as usize] += 1;
-                    self.assigned += 1;
+                    let plan = match plan {
+                        Some(p) if self.over_bound_with_one_more() => {
+                            let plan = self.loader.plan_names[p as usize].clone();
+                            self.reject_assignment(&name, &plan);
+                            None
+                        }
+                        Some(p) => {
+                            self.loader.plan_tenants[p as usize] += 1;
+                            self.assigned += 1;
+                            Some(p)
+                        }
+                        None => None,
+                    };
+                    let cycle = cycle.valid();
                     match entries.binary_search_by(|e| e.key().cmp(&key_of(&name))) {
-                        Ok(i) => entries[i].plan = plan,
-                        Err(_) => extra.push(TenantEntry::new(name, Some(plan), Box::default())),
+                        Ok(i) => {
+                            entries[i].plan = plan.unwrap_or(NO_PLAN);
+                            entries[i].cycle = cycle;
+                        }
+                        Err(_) if plan.is_some() || cycle.is_some() => {
+                            extra.push(TenantEntry::new(name, plan, Box::default(), cycle));
+                        }
+                        Err(_) => {}
                     }
                 }
                 if !extra.is_empty() {
@@ -991,11 +1081,15 @@ impl Update<'_> {
                     // No rows read: the tenant's rows are all gone.
                     self.rules -= p.rules.len();
                 }
+                if let CycleRead::Invalid(reason) = &change.cycle {
+                    self.reject_cycle(&name, reason);
+                }
+                let cycle = change.cycle.valid();
                 let rules = change.rules.unwrap_or_default();
                 tenants -= usize::from(previous.is_some());
-                if !rules.is_empty() || change.plan.is_some() {
+                if !rules.is_empty() || change.plan.is_some() || cycle.is_some() {
                     tenants += 1;
-                    next.push(TenantEntry::new(name, change.plan, rules));
+                    next.push(TenantEntry::new(name, change.plan, rules, cycle));
                 }
             }
             next.extend(old[i..].iter().cloned());

@@ -31,10 +31,19 @@ CREATE TABLE IF NOT EXISTS plans (
     updated_at  TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 CREATE TABLE IF NOT EXISTS tenants (
-    tenant     TEXT        NOT NULL PRIMARY KEY,
-    plan       TEXT        NOT NULL,
-    updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    tenant        TEXT        NOT NULL PRIMARY KEY,
+    plan          TEXT        NOT NULL,
+    time_zone     TEXT        NOT NULL DEFAULT 'UTC',
+    cycle_day     BIGINT      NOT NULL DEFAULT 1,
+    cycle_month   BIGINT      NOT NULL DEFAULT 1,
+    cycle_weekday TEXT        NOT NULL DEFAULT 'monday',
+    updated_at    TIMESTAMPTZ NOT NULL DEFAULT now()
 );
+-- Tables made before billing cycles get them.
+ALTER TABLE tenants ADD COLUMN IF NOT EXISTS time_zone TEXT NOT NULL DEFAULT 'UTC';
+ALTER TABLE tenants ADD COLUMN IF NOT EXISTS cycle_day BIGINT NOT NULL DEFAULT 1;
+ALTER TABLE tenants ADD COLUMN IF NOT EXISTS cycle_month BIGINT NOT NULL DEFAULT 1;
+ALTER TABLE tenants ADD COLUMN IF NOT EXISTS cycle_weekday TEXT NOT NULL DEFAULT 'monday';
 CREATE INDEX IF NOT EXISTS tenants_by_plan ON tenants (plan);
 
 -- The table's version: one row, bumped by every changing statement. The

@@ -30,10 +30,16 @@ CREATE TABLE IF NOT EXISTS plans (
     updated_at  TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
 
+-- tenants: each tenant's plan ('' for none) and billing cycle (the time
+-- zone and anchors its quotas' periods follow; see docs/limits.md).
 CREATE TABLE IF NOT EXISTS tenants (
-    tenant     TEXT NOT NULL PRIMARY KEY,
-    plan       TEXT NOT NULL,
-    updated_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+    tenant        TEXT    NOT NULL PRIMARY KEY,
+    plan          TEXT    NOT NULL,
+    time_zone     TEXT    NOT NULL DEFAULT 'UTC',
+    cycle_day     INTEGER NOT NULL DEFAULT 1,
+    cycle_month   INTEGER NOT NULL DEFAULT 1,
+    cycle_weekday TEXT    NOT NULL DEFAULT 'monday',
+    updated_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
 CREATE INDEX IF NOT EXISTS tenants_by_plan ON tenants (plan);
 

@@ -22,6 +22,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use sqlx::{Executor, Row};
 
 use super::{Kind, LimitRow, Mode, OnStoreUnavailable, Owner, Scope, StoredRow};
+use crate::algorithm::calendar::Cycle;
 use crate::algorithm::{Rate, RateUnit};
 use crate::store::redact;
 
@@ -161,9 +162,90 @@ pub trait ChangeSink {
     fn plan(&mut self, name: &str);
     /// A row.
     fn row(&mut self, row: StoredRow);
-    /// A tenant's plan.
-    fn assignment(&mut self, tenant: &str, plan: &str);
+    /// A tenant's row of `tenants`: its plan ('' for none) and billing
+    /// cycle, as stored.
+    fn tenant(&mut self, row: TenantRow<'_>);
 }
+
+/// A `tenants` row as stored: validated by the loader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantRow<'a> {
+    /// The tenant.
+    pub tenant: &'a str,
+    /// Its plan; '' for none.
+    pub plan: &'a str,
+    /// The IANA time zone of its billing cycle.
+    pub time_zone: &'a str,
+    /// The day of the month its monthly and yearly periods turn on.
+    pub cycle_day: i64,
+    /// The month its yearly periods turn in.
+    pub cycle_month: i64,
+    /// The weekday its weekly periods turn on.
+    pub cycle_weekday: &'a str,
+}
+
+impl<'a> TenantRow<'a> {
+    /// The row of `tenant` on `plan` ('' for none), with the default cycle.
+    pub fn on_plan(tenant: &'a str, plan: &'a str) -> Self {
+        Self {
+            tenant,
+            plan,
+            time_zone: "UTC",
+            cycle_day: 1,
+            cycle_month: 1,
+            cycle_weekday: "monday",
+        }
+    }
+
+    fn read<R: Row>(r: &'a R) -> Result<Self, sqlx::Error>
+    where
+        usize: sqlx::ColumnIndex<R>,
+        for<'d> &'d str: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
+        for<'d> i64: sqlx::Decode<'d, R::Database> + sqlx::Type<R::Database>,
+    {
+        Ok(Self {
+            tenant: r.try_get(0)?,
+            plan: r.try_get(1)?,
+            time_zone: r.try_get(2)?,
+            cycle_day: r.try_get(3)?,
+            cycle_month: r.try_get(4)?,
+            cycle_weekday: r.try_get(5)?,
+        })
+    }
+
+    /// True when the cycle is the default one (UTC, the 1st, January,
+    /// Monday).
+    pub fn default_cycle(&self) -> bool {
+        (
+            self.time_zone,
+            self.cycle_day,
+            self.cycle_month,
+            self.cycle_weekday,
+        ) == ("UTC", 1, 1, "monday")
+    }
+
+    /// The billing cycle, checked; the error says what to fix.
+    pub fn cycle(&self) -> Result<Cycle, String> {
+        let small = |what: &str, v: i64| {
+            u8::try_from(v).map_err(|_| {
+                format!(
+                    "{what} {v}: use 1 to {}",
+                    if what == "anchor month" { 12 } else { 31 }
+                )
+            })
+        };
+        Cycle::new(
+            self.time_zone,
+            small("anchor day", self.cycle_day)?,
+            small("anchor month", self.cycle_month)?,
+            self.cycle_weekday,
+        )
+    }
+}
+
+/// The SQL condition of a `tenants` row holding the default cycle.
+const DEFAULT_CYCLE: &str = "time_zone = 'UTC' AND cycle_day = 1 AND cycle_month = 1 \
+                             AND cycle_weekday = 'monday'";
 
 /// A filter for [`LimitsTable::rows_page`].
 #[derive(Debug, Clone, Default)]
@@ -204,6 +286,18 @@ const CLASH: &str = "SELECT tenant, plan, resource, scope FROM limits WHERE name
                      AND NOT (tenant = ? AND plan = ? AND resource = ? AND scope = ? AND mode = ? AND kind = ?)";
 
 const CONFLICT_TARGET: &str = "(tenant, plan, resource, scope, mode, kind)";
+
+/// The billing cycle's columns of `tenants`, as SQLite adds them to a table
+/// made before them.
+const CYCLE_COLUMNS: [(&str, &str); 4] = [
+    ("time_zone", "TEXT NOT NULL DEFAULT 'UTC'"),
+    ("cycle_day", "INTEGER NOT NULL DEFAULT 1"),
+    ("cycle_month", "INTEGER NOT NULL DEFAULT 1"),
+    ("cycle_weekday", "TEXT NOT NULL DEFAULT 'monday'"),
+];
+
+/// A `tenants` row's columns as read, for the loader.
+const TENANT_COLUMNS: &str = "tenant, plan, time_zone, cycle_day, cycle_month, cycle_weekday";
 
 /// The batch above which reading every row beats reading the owners that
 /// changed: more change-log entries than this fraction of the rules held.
@@ -374,6 +468,20 @@ impl LimitsTable {
                     .await?;
                 }
                 tx.execute(SCHEMA).await?;
+                // Tenants tables made before billing cycles get them.
+                let tenant_columns: Vec<String> =
+                    sqlx::query("SELECT name FROM pragma_table_info('tenants')")
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .iter()
+                        .map(|r| r.try_get(0))
+                        .collect::<Result<_, _>>()?;
+                for (column, definition) in CYCLE_COLUMNS {
+                    if !tenant_columns.iter().any(|c| c == column) {
+                        let sql = format!("ALTER TABLE tenants ADD COLUMN {column} {definition}");
+                        tx.execute(sqlx::AssertSqlSafe(sql)).await?;
+                    }
+                }
                 tx.commit().await?;
                 if !exists {
                     self.insert(&default_row()).await?;
@@ -622,9 +730,10 @@ impl LimitsTable {
                     chunk_rows(r.try_get(0)?, sink)?;
                 }
                 drop(chunks);
-                let mut assigned = sqlx::query("SELECT tenant, plan FROM tenants").fetch(&mut *tx);
+                let sql = format!("SELECT {TENANT_COLUMNS} FROM tenants");
+                let mut assigned = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch(&mut *tx);
                 while let Some(r) = assigned.try_next().await? {
-                    sink.assignment(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?);
+                    sink.tenant(TenantRow::read(&r)?);
                 }
                 drop(assigned);
             } else {
@@ -662,13 +771,14 @@ impl LimitsTable {
                     chunk_rows(r.try_get(0)?, sink)?;
                 }
                 drop(chunks);
-                let sql =
-                    format!("SELECT tenant, plan FROM tenants WHERE tenant IN ({changed_tenants})");
+                let sql = format!(
+                    "SELECT {TENANT_COLUMNS} FROM tenants WHERE tenant IN ({changed_tenants})"
+                );
                 for r in bound!(sqlx::query(self.sql(&sql)), &since_bind)
                     .fetch_all(&mut *tx)
                     .await?
                 {
-                    sink.assignment(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?);
+                    sink.tenant(TenantRow::read(&r)?);
                 }
             }
             tx.commit().await?;
@@ -866,8 +976,9 @@ impl LimitsTable {
             )
             .fetch_optional(&mut *tx)
             .await?
-            .map(|r| r.try_get(0))
-            .transpose()?;
+            .map(|r| r.try_get::<String, _>(0))
+            .transpose()?
+            .filter(|p| !p.is_empty());
             match plan {
                 Some(plan) => {
                     let sql = format!(
@@ -880,13 +991,82 @@ impl LimitsTable {
                         .await?;
                 }
                 None => {
-                    bound!(sqlx::query(self.sql("DELETE FROM tenants WHERE tenant = ?")), &tenant_bind)
-                        .execute(&mut *tx)
-                        .await?;
+                    // The row goes, unless it holds a billing cycle: then
+                    // only the plan does.
+                    let gone = bound!(
+                        sqlx::query(self.sql(&format!("DELETE FROM tenants WHERE tenant = ? AND {DEFAULT_CYCLE}"))),
+                        &tenant_bind
+                    )
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                    if gone == 0 && before.is_some() {
+                        let sql = format!(
+                            "UPDATE tenants SET plan = '', updated_at = {} WHERE tenant = ?",
+                            self.now()
+                        );
+                        bound!(sqlx::query(self.sql(&sql)), &tenant_bind)
+                            .execute(&mut *tx)
+                            .await?;
+                    }
                 }
             }
             tx.commit().await?;
             Ok(before)
+        })
+    }
+
+    /// Sets `tenant`'s billing cycle (its plan, if any, stays). The default
+    /// cycle on a tenant with no plan leaves no row.
+    pub async fn set_cycle(&self, tenant: &str, cycle: &Cycle) -> Result<(), TableError> {
+        let sql = format!(
+            "INSERT INTO tenants (tenant, plan, time_zone, cycle_day, cycle_month, cycle_weekday) \
+             VALUES (?, '', ?, ?, ?, ?) ON CONFLICT (tenant) DO UPDATE SET \
+             time_zone = excluded.time_zone, cycle_day = excluded.cycle_day, \
+             cycle_month = excluded.cycle_month, cycle_weekday = excluded.cycle_weekday, \
+             updated_at = {}",
+            self.now()
+        );
+        let binds = [
+            Bind::Text(tenant),
+            Bind::Text(cycle.zone()),
+            Bind::Int(i64::from(cycle.day())),
+            Bind::Int(i64::from(cycle.month())),
+            Bind::Text(cycle.weekday()),
+        ];
+        with_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            if *cycle == Cycle::default() {
+                let sql = "DELETE FROM tenants WHERE tenant = ? AND plan = ''";
+                let gone = bound!(sqlx::query(self.sql(sql)), &[Bind::Text(tenant)])
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if gone > 0 {
+                    tx.commit().await?;
+                    return Ok(());
+                }
+            }
+            bound!(sqlx::query(self.sql(&sql)), &binds).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+
+    /// `tenant`'s plan ('' for none) and billing cycle, as stored (`None`:
+    /// no row, so no plan and the default cycle).
+    pub async fn tenant(&self, tenant: &str) -> Result<Option<(String, Cycle)>, TableError> {
+        let sql = format!("SELECT {TENANT_COLUMNS} FROM tenants WHERE tenant = ?");
+        with_pool!(self, pool => {
+            let Some(r) = bound!(sqlx::query(self.sql(&sql)), &[Bind::Text(tenant)])
+                .fetch_optional(pool)
+                .await?
+            else {
+                return Ok(None);
+            };
+            let row = TenantRow::read(&r)?;
+            let cycle = row.cycle().map_err(TableError::Conflict)?;
+            Ok(Some((row.plan.to_owned(), cycle)))
         })
     }
 

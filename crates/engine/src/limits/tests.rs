@@ -1,5 +1,6 @@
 //! Validation and rule selection.
 
+use super::table::TenantRow;
 use super::*;
 
 pub(crate) fn row(
@@ -253,7 +254,7 @@ fn apply(
         update.row(r);
     }
     for (t, p) in assignments {
-        update.assignment(t, p);
+        update.tenant(TenantRow::on_plan(t, p));
     }
     let (set, applied) = update.finish();
     (set, applied.newly_rejected)
@@ -280,7 +281,7 @@ fn a_batch_replaces_only_the_owners_it_names() {
     {
         update.row(with_id(i as i64 + 1, r));
     }
-    update.assignment("initech", "pro");
+    update.tenant(TenantRow::on_plan("initech", "pro"));
     let (v1, _) = update.finish();
     assert_eq!((v1.len(), v1.tenants()), (4, 3));
     assert_eq!(names(&v1, "initech", ""), ["pro-key"]);
@@ -429,8 +430,8 @@ fn plan_assignments_count_against_the_bound() {
     update.plan("pro");
     update.row(with_id(1, row("d", "", "", "key", 30, "600/minute")));
     update.row(with_id(2, plan_row("pro-key", "pro", "key", 300)));
-    update.assignment("a", "pro");
-    update.assignment("b", "pro");
+    update.tenant(TenantRow::on_plan("a", "pro"));
+    update.tenant(TenantRow::on_plan("b", "pro"));
     let (v1, applied) = update.finish();
     let rejected = applied.newly_rejected;
     // One of the two is on the plan (shard order decides which), the other
@@ -740,9 +741,9 @@ fn plans_are_named_by_id_and_rows_of_plans_found_in_rows() {
     for (i, r) in rows.iter().enumerate() {
         update.row(with_id(i as i64 + 1, r.clone()));
     }
-    update.assignment("acme", "pro");
-    update.assignment("initech", "free");
-    update.assignment("hooli", "gone");
+    update.tenant(TenantRow::on_plan("acme", "pro"));
+    update.tenant(TenantRow::on_plan("initech", "free"));
+    update.tenant(TenantRow::on_plan("hooli", "gone"));
     let (set, _) = update.finish();
     let (acme, initech) = (
         set.plan_of("acme").unwrap(),
@@ -931,8 +932,8 @@ fn over_the_bound_a_full_reload_keeps_no_old_version() {
     update.row(with_id(3, row("g", "globex", "", "key", 80, "1/second")));
     // Nor are assignments of no tenant, or of a name past the bound.
     update.plan("pro");
-    update.assignment("", "pro");
-    update.assignment(&"t".repeat(200), "pro");
+    update.tenant(TenantRow::on_plan("", "pro"));
+    update.tenant(TenantRow::on_plan(&"t".repeat(200), "pro"));
     let (v2, applied) = update.finish();
     assert_eq!(v2.len(), 1);
     assert!(names(&v2, "globex", "").is_empty());

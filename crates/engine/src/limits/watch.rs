@@ -24,7 +24,7 @@ use serde::Serialize;
 use sqlx::postgres::{PgListener, PgNotification};
 
 use super::rules::{Loader, Update};
-use super::table::{CHANGE_LOG_RETENTION, ChangeSink, LimitsTable, TableError};
+use super::table::{CHANGE_LOG_RETENTION, ChangeSink, LimitsTable, TableError, TenantRow};
 use super::{Owner, RuleSet, StoredRow};
 use crate::telemetry::metrics;
 
@@ -131,9 +131,9 @@ impl ChangeSink for Sink<'_> {
             u.row(row);
         }
     }
-    fn assignment(&mut self, tenant: &str, plan: &str) {
+    fn tenant(&mut self, row: TenantRow<'_>) {
         if let Some(u) = &mut self.update {
-            u.assignment(tenant, plan);
+            u.tenant(row);
         }
     }
 }
