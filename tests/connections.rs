@@ -298,7 +298,15 @@ fn out_of_file_descriptors_the_accept_loop_backs_off_logs_once_and_recovers() {
         .collect();
     let said = |text: &str| grpc.iter().filter(|l| l.contains(text)).count();
     let bursts = said("accepting a connection failed");
-    assert_eq!(bursts, said("accepting connections again"), "{seen:#?}");
+    let recoveries = said("accepting connections again");
+    // Every burst ends with its recovery line, except perhaps the last: the
+    // server may still be accepting what is left of the 80 connections in
+    // its backlog (closed by now, each taking a descriptor a moment) when
+    // it is told to stop.
+    let open = bursts
+        .checked_sub(recoveries)
+        .unwrap_or_else(|| panic!("more recoveries than bursts: {seen:#?}"));
+    assert!(recoveries >= 1 && open <= 1, "{seen:#?}");
     assert!((1..=3).contains(&bursts), "{seen:#?}");
     let counted: u64 = grpc
         .iter()
@@ -306,10 +314,19 @@ fn out_of_file_descriptors_the_accept_loop_backs_off_logs_once_and_recovers() {
         .filter_map(|l| l.split("failures=").nth(1))
         .map(|n| n.trim().parse::<u64>().unwrap())
         .sum();
-    assert_eq!(
-        counted, failures,
-        "the recovery lines count all {failures} failures: {seen:#?}"
-    );
+    if open == 0 {
+        assert_eq!(
+            counted, failures,
+            "the recovery lines count all {failures} failures: {seen:#?}"
+        );
+    } else {
+        // The open burst's failures are counted, in part or whole, by the
+        // metric read before the stop, and by no recovery line.
+        assert!(
+            counted <= failures,
+            "the recovery lines count {counted} of {failures} failures: {seen:#?}"
+        );
+    }
     assert!(
         failures > 2 * bursts as u64,
         "fewer lines than failures ({failures} failures, {bursts} bursts)"

@@ -47,6 +47,10 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 2}
   - key: sliding
     rate_limit: {unit: minute, requests_per_unit: 2, algorithm: sliding_window}
+  - key: monthly
+    rate_limit: {unit: month, requests_per_unit: 2, algorithm: quota, time_zone: America/New_York, cycle_day: 15}
+  - key: month_window
+    rate_limit: {unit: month, requests_per_unit: 2}
 ";
 
 fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
@@ -519,5 +523,47 @@ descriptors:
         }
     }
     assert_eq!(admitted, 5, "half of 10 on this instance");
+    server.stop().await;
+}
+
+/// `algorithm: quota` counts per calendar period of the cycle the YAML
+/// gives: refused until the period ends, exactly; `unit: month` without it
+/// stays envoyproxy/ratelimit's fixed window.
+#[tokio::test]
+async fn a_quota_descriptor_turns_on_its_billing_cycle() {
+    let dir = config_dir(CONFIG);
+    let server = start(dir.path(), false).await;
+    let mut client = RateLimitServiceClient::new(server.channel().await);
+    // 2026-03-15T03:59:59Z: a second before midnight on the 15th in New York.
+    let midnight: u64 = 1_773_547_200_000_000;
+    server.clock.set(midnight - 1_000_000);
+    for left in [1, 0] {
+        let (code, status) = one(&mut client, &[("monthly", "acme")]).await;
+        assert_eq!((code, status.limit_remaining), (Code::Ok, left));
+    }
+    let r = ask(
+        &mut client,
+        request(vec![descriptor(&[("monthly", "acme")])]),
+    )
+    .await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    let reset = r.statuses[0].duration_until_reset.as_ref().unwrap();
+    assert_eq!((reset.seconds, reset.nanos), (1, 0));
+    assert_eq!(header(&r, "Retry-After"), Some("1"));
+    server.clock.set(midnight);
+    let (code, status) = one(&mut client, &[("monthly", "acme")]).await;
+    assert_eq!((code, status.limit_remaining), (Code::Ok, 1));
+    // 15 April, midnight EDT: 31 days on.
+    let reset = status.duration_until_reset.unwrap();
+    assert_eq!(reset.seconds, 31 * 86_400);
+    // The same instant, envoyproxy/ratelimit's month: a window aligned on
+    // the epoch, untouched by any calendar.
+    let (_, status) = one(&mut client, &[("month_window", "acme")]).await;
+    let month = tollgate::algorithm::RateUnit::Month.micros() / 1_000_000;
+    let into = (midnight / 1_000_000) % month;
+    assert_eq!(
+        status.duration_until_reset.unwrap().seconds as u64,
+        month - into
+    );
     server.stop().await;
 }

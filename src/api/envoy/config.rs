@@ -25,13 +25,19 @@
 //! `sliding_window`), `burst` (token bucket capacity, default
 //! `requests_per_unit`), `on_store_unavailable` (`allow`, `deny`,
 //! `local`; default `allow`) and `debt` (how many tokens below zero usage
-//! charged after the stream may take the bucket; default 0).
+//! charged after the stream may take the bucket; default 0). `algorithm:
+//! quota` counts `requests_per_unit` per calendar `day`, `week`, `month`
+//! or `year` (where envoyproxy/ratelimit's `unit: month` is a fixed window
+//! of its own), on the billing cycle `time_zone` (IANA, default `UTC`),
+//! `cycle_day`, `cycle_month` and `cycle_weekday` give it (see
+//! docs/limits.md, Quotas).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use yaml_rust2::{Yaml, YamlLoader};
 
+use crate::algorithm::calendar::{Bounds, Cycle, Period};
 use crate::algorithm::{Algorithm, Limit, Rate, RateUnit};
 use crate::limits::OnStoreUnavailable;
 
@@ -55,6 +61,10 @@ const VALID_KEYS: &[&str] = &[
     "burst",
     "on_store_unavailable",
     "debt",
+    "time_zone",
+    "cycle_day",
+    "cycle_month",
+    "cycle_weekday",
 ];
 
 /// A configuration error, `FILE: what is wrong`.
@@ -99,6 +109,9 @@ pub struct EnvoyRule {
     pub detailed_metric: bool,
     /// Behaviour when the shared store is down.
     pub on_store_unavailable: OnStoreUnavailable,
+    /// `algorithm: quota`: the calendar period and the billing cycle its
+    /// periods follow.
+    pub calendar: Option<(Period, Arc<Cycle>)>,
 }
 
 #[derive(Debug, Default)]
@@ -354,11 +367,54 @@ fn load_rule(
         }
     }
     let algorithm_text = string_field(y, "algorithm")?.unwrap_or_else(|| "fixed_window".into());
-    let algorithm = Algorithm::parse(&algorithm_text).ok_or_else(|| {
-        format!(
-            "invalid algorithm '{algorithm_text}'; use fixed_window, token_bucket or sliding_window"
-        )
-    })?;
+    let algorithm = Algorithm::parse(&algorithm_text)
+        .filter(|a| *a != Algorithm::Concurrency)
+        .ok_or_else(|| {
+            format!(
+                "invalid algorithm '{algorithm_text}'; use fixed_window, token_bucket, \
+                 sliding_window or quota"
+            )
+        })?;
+    let calendar = if algorithm == Algorithm::Quota {
+        let period = match unit {
+            RateUnit::Day => Period::Day,
+            RateUnit::Week => Period::Week,
+            RateUnit::Month => Period::Month,
+            RateUnit::Year => Period::Year,
+            other => {
+                return Err(format!(
+                    "algorithm quota counts per day, week, month or year; unit is {}",
+                    other.as_str()
+                ));
+            }
+        };
+        let number = |field: &str| -> Result<u8, String> {
+            match &y[field] {
+                Yaml::Null | Yaml::BadValue => Ok(1),
+                Yaml::Integer(n) if (0..=255).contains(n) => Ok(*n as u8),
+                other => Err(format!(
+                    "{field} must be a whole number, got {}",
+                    show(other)
+                )),
+            }
+        };
+        let zone = string_field(y, "time_zone")?.unwrap_or_else(|| "UTC".into());
+        let weekday = string_field(y, "cycle_weekday")?.unwrap_or_else(|| "monday".into());
+        let cycle = Cycle::new(
+            &zone,
+            number("cycle_day")?,
+            number("cycle_month")?,
+            &weekday,
+        )?;
+        Some((period, Arc::new(cycle)))
+    } else {
+        for field in ["time_zone", "cycle_day", "cycle_month", "cycle_weekday"] {
+            if !matches!(y[field], Yaml::Null | Yaml::BadValue) {
+                return Err(format!("{field} is only for algorithm quota"));
+            }
+        }
+        None
+    };
     let burst = match &y["burst"] {
         Yaml::Integer(n) if algorithm == Algorithm::TokenBucket && *n >= 1 => Some(*n as u64),
         Yaml::Null | Yaml::BadValue => None,
@@ -402,9 +458,17 @@ fn load_rule(
             count: u64::from(requests_per_unit),
             unit,
         };
-        let limit = match burst {
-            Some(burst) => Limit::new(burst, rate),
-            None => Limit::window(algorithm, rate),
+        let limit = match (burst, calendar.is_some()) {
+            (Some(burst), _) => Limit::new(burst, rate),
+            // The period is the decision's (see `EnvoyRule::calendar`).
+            (None, true) => Limit::quota(
+                rate.count,
+                Bounds {
+                    start: 0,
+                    end: unit.micros(),
+                },
+            ),
+            (None, false) => Limit::window(algorithm, rate),
         }
         .and_then(|limit| limit.with_debt(debt))
         .map_err(|e| format!("rate limit {full_key}: {e}"))?;
@@ -420,6 +484,7 @@ fn load_rule(
         shadow,
         detailed_metric,
         on_store_unavailable,
+        calendar,
     })
 }
 
@@ -522,6 +587,70 @@ mod tests {
     }
 
     #[test]
+    fn a_quota_needs_a_calendar_unit_and_a_valid_cycle() {
+        let rule = |extra: &str, unit: &str| {
+            load(&format!(
+                "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {{unit: {unit}, \
+                 requests_per_unit: 5, algorithm: quota{extra}}}\n"
+            ))
+        };
+        let config = rule(", time_zone: Europe/Berlin, cycle_day: 31", "month").unwrap();
+        let found = config.find("x", &[("a", "v")]).unwrap();
+        let (period, cycle) = found.rule.calendar.clone().unwrap();
+        assert_eq!(period, Period::Month);
+        assert_eq!(
+            *cycle,
+            Cycle::new("Europe/Berlin", 31, 1, "monday").unwrap()
+        );
+        for (extra, unit, says) in [
+            (
+                "",
+                "minute",
+                "algorithm quota counts per day, week, month or year; unit is minute",
+            ),
+            (
+                ", time_zone: Mars/Base",
+                "day",
+                "time zone \"Mars/Base\" is not an IANA time zone name",
+            ),
+            (", cycle_day: 32", "month", "anchor day 32: use 1 to 31"),
+            (", cycle_day: 0", "month", "anchor day 0: use 1 to 31"),
+            (
+                ", cycle_day: -3",
+                "month",
+                "cycle_day must be a whole number",
+            ),
+            (", cycle_month: 13", "year", "anchor month 13"),
+            (
+                ", cycle_weekday: funday",
+                "week",
+                "anchor weekday \"funday\"",
+            ),
+            (
+                ", burst: 3",
+                "day",
+                "burst is only for algorithm token_bucket",
+            ),
+        ] {
+            let err = rule(extra, unit).unwrap_err();
+            assert!(err.contains(says), "{extra} {unit}: {err}");
+        }
+        let err = load(
+            "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: day, requests_per_unit: 5, time_zone: UTC}\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            "config/edge.yaml: time_zone is only for algorithm quota"
+        );
+        let err = load(
+            "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: day, requests_per_unit: 5, algorithm: concurrency}\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("invalid algorithm 'concurrency'"), "{err}");
+    }
+
+    #[test]
     fn bad_files_get_envoyproxy_ratelimit_messages() {
         let cases = [
             (
@@ -566,7 +695,7 @@ mod tests {
             ),
             (
                 "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n",
-                "config/edge.yaml: invalid algorithm 'leaky'; use fixed_window, token_bucket or sliding_window",
+                "config/edge.yaml: invalid algorithm 'leaky'; use fixed_window, token_bucket, sliding_window or quota",
             ),
             (
                 "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 5}\n",

@@ -156,7 +156,7 @@ impl RateLimitService for EnvoyRateLimitService {
                 } else {
                     &m.rule.full_key
                 },
-                calendar: None,
+                calendar: m.rule.calendar.as_ref().map(|(p, c)| (*p, &**c)),
             });
         }
         let decided = self.engine.decide(&mut demand, &span);
@@ -417,6 +417,7 @@ fn override_rule(
             shadow: false,
             detailed_metric: false,
             on_store_unavailable: OnStoreUnavailable::Allow,
+            calendar: None,
         }),
         counter,
         overridden: true,
