@@ -39,8 +39,8 @@ use crate::limits::table::LimitsTable;
 
 pub use crate::options::{parse_duration, parse_duration_or_zero, parse_fraction, parse_ratio};
 pub use client::{
-    AcquireArgs, ChargeArgs, CheckArgs, ReleaseArgs, TopArgs, acquire, charge, check, health,
-    release, top,
+    AcquireArgs, ChargeArgs, CheckArgs, ReleaseArgs, TopArgs, UsageArgs, acquire, charge, check,
+    health, release, top, usage,
 };
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use plans::{PlansCommand, plans};
@@ -72,6 +72,8 @@ pub enum Command {
     Tenants(TenantsCommand),
     /// Ask a running server for a decision and print it.
     Check(CheckArgs),
+    /// Print how much of each quota a tenant has used this period.
+    Usage(UsageArgs),
     /// Record usage known after the work on a running server (charged in
     /// full, into debt where the rule allows it).
     Charge(ChargeArgs),

@@ -82,6 +82,7 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
             cli::tenants(command).await?;
         }
         Command::Check(args) => cli::check(args).await?,
+        Command::Usage(args) => cli::usage(args).await?,
         Command::Charge(args) => cli::charge(args).await?,
         Command::Acquire(args) => cli::acquire(args).await?,
         Command::Release(args) => cli::release(args).await?,

@@ -84,6 +84,43 @@ fn a_plan_quota_set_from_the_command_line_is_enforced() {
         .and_then(|r| r.split('s').next())
         .and_then(|r| r.parse().ok())
         .unwrap();
+    // `tollgate usage` reads the same figures, spending nothing.
+    let usage = run(
+        d,
+        &[
+            "usage", "--server", &url, "--tenant", "acme", "--key", "alice",
+        ],
+    );
+    let lines: Vec<Vec<&str>> = usage
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        lines[0],
+        [
+            "QUOTA",
+            "PERIOD",
+            "FROM",
+            "TO",
+            "USED",
+            "LIMIT",
+            "REMAINING"
+        ],
+        "{usage}"
+    );
+    assert_eq!(lines.len(), 2, "{usage}");
+    let q = &lines[1];
+    assert_eq!((q[0], q[1]), ("plan-pro-any-key-quota", "day"), "{usage}");
+    assert!(
+        q[2].ends_with("T00:00:00Z") && q[3].ends_with("T00:00:00Z"),
+        "{usage}"
+    );
+    assert_eq!(&q[4..], ["3", "3", "0"], "{usage}");
+    assert_eq!(
+        run(d, &["usage", "--server", &url, "--tenant", "acme"]),
+        "no quota applies to tenant acme\n",
+        "a per-key quota is read only for a key"
+    );
     let midnight = (before / 86_400.0).floor() * 86_400.0 + 86_400.0;
     assert!(
         retry <= midnight - before + 0.001 && retry >= midnight - after - 0.001,
@@ -448,5 +485,125 @@ async fn the_admin_api_sets_a_tenants_billing_cycle() {
     assert!(answer.contains("at most 128"), "{answer}");
     let (_, answer) = server.http_get("/v1/tenants/acme").await.unwrap();
     assert!(answer.contains("America/New_York"), "{answer}");
+    server.stop().await;
+}
+
+/// `GetUsage` reads each quota's current period without spending or
+/// counting a decision: per-tenant quotas always, per-key ones for a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_usage_reads_each_quota_of_the_period_without_spending() {
+    use tollgate::proto::v1::GetUsageRequest;
+    common::own_process();
+    let redis = RedisServer::start();
+    let monthly = quota("100/month");
+    let daily = LimitRow {
+        scope: tollgate::limits::Scope::Key,
+        name: "acme-any-key-quota".into(),
+        ..quota("5/day")
+    };
+    let rate = common::row("acme-rate", "acme", "", "key", 1000, "1000/second");
+    let url = redis.url();
+    let server = TestServer::launch(Some(&[monthly, daily, rate]), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.redis_uses_clock = true;
+        c.store_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let ny = Cycle::new("America/New_York", 15, 1, "monday").unwrap();
+    server.table.set_cycle("acme", &ny).await.unwrap();
+    server.wait_generation(2).await;
+    // 2026-03-20T12:00:00Z: in New York's period from 15 March to 15 April.
+    server.clock.set(at("2026-03-20T12:00:00Z"));
+    let mut client = server.client().await;
+    for _ in 0..3 {
+        assert!(ask(&mut client, req("acme", "alice")).await.allowed);
+    }
+    let mut bob = req("acme", "bob");
+    bob.cost = 4;
+    assert!(ask(&mut client, bob).await.allowed);
+    let usage = |key: &str| {
+        let mut client = client.clone();
+        let request = GetUsageRequest {
+            tenant: "acme".into(),
+            key: key.into(),
+            resource: String::new(),
+        };
+        async move { client.get_usage(request).await.unwrap().into_inner().quotas }
+    };
+    let decisions = || async {
+        let (_, m) = server.http_get("/metrics").await.unwrap();
+        m.lines()
+            .filter(|l| l.starts_with("tollgate_decisions_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let counted = decisions().await;
+    let tenant_only = usage("").await;
+    assert_eq!(tenant_only.len(), 1, "{tenant_only:?}");
+    let m = &tenant_only[0];
+    assert_eq!(
+        (m.rule.as_str(), m.scope.as_str(), m.period.as_str()),
+        ("acme-any-tenant-quota", "tenant", "month")
+    );
+    assert_eq!((m.used, m.limit, m.remaining, m.debt), (7, 100, 93, 0));
+    let seconds = |t: &Option<prost_types::Timestamp>| t.as_ref().unwrap().seconds as u64;
+    assert_eq!(
+        seconds(&m.period_start),
+        at("2026-03-15T04:00:00Z") / 1_000_000
+    );
+    assert_eq!(
+        seconds(&m.period_end),
+        at("2026-04-15T04:00:00Z") / 1_000_000
+    );
+    // Per key first, as rules apply.
+    let alice = usage("alice").await;
+    let names: Vec<&str> = alice.iter().map(|q| q.rule.as_str()).collect();
+    assert_eq!(names, ["acme-any-key-quota", "acme-any-tenant-quota"]);
+    assert_eq!(
+        (alice[0].used, alice[0].remaining, alice[0].scope.as_str()),
+        (3, 2, "key")
+    );
+    assert_eq!(alice[1].used, 7);
+    // The day is New York's: it began at 04:00 UTC on the 20th.
+    assert_eq!(
+        seconds(&alice[0].period_start),
+        at("2026-03-20T04:00:00Z") / 1_000_000
+    );
+    assert_eq!(
+        seconds(&alice[0].period_end),
+        at("2026-03-21T04:00:00Z") / 1_000_000
+    );
+    assert_eq!(usage("bob").await[0].used, 4);
+    // Reading spent nothing and counted no decision.
+    assert_eq!(usage("").await[0].used, 7);
+    assert_eq!(decisions().await, counted);
+    // Bad input, named.
+    for (tenant, key, says) in [
+        ("", "", "tenant is empty"),
+        ("ac me", "", "tenant \"ac me\" contains ' '"),
+        ("acme", &"k".repeat(5000)[..], "key is 5000 bytes"),
+    ] {
+        let err = client
+            .get_usage(GetUsageRequest {
+                tenant: tenant.into(),
+                key: key.into(),
+                resource: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(says), "{err:?}");
+    }
+    // With the store down, the figures cannot be read.
+    drop(redis);
+    let err = client
+        .get_usage(GetUsageRequest {
+            tenant: "acme".into(),
+            key: String::new(),
+            resource: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
     server.stop().await;
 }

@@ -217,6 +217,14 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
             "the empty server holds no leases",
         ))
     }
+
+    async fn get_usage(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::GetUsageRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::GetUsageResponse>, tonic::Status> {
+        // No rules, so no quota applies.
+        Ok(tonic::Response::new(Default::default()))
+    }
 }
 
 /// Envoy's `RateLimitService` whose handler does nothing: every descriptor

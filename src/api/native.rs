@@ -35,6 +35,7 @@ use crate::telemetry::traces;
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
 
 mod leases;
+mod usage;
 
 pub use crate::engine::Unmatched;
 
@@ -537,6 +538,13 @@ impl RateLimiter for RateLimiterService {
         request: Request<tonic::Streaming<AcquireRequest>>,
     ) -> Result<Response<Self::HoldStream>, Status> {
         self.hold_stream(request).await.map(Response::new)
+    }
+
+    async fn get_usage(
+        &self,
+        request: Request<crate::proto::v1::GetUsageRequest>,
+    ) -> Result<Response<crate::proto::v1::GetUsageResponse>, Status> {
+        self.usage_one(request.get_ref()).await.map(Response::new)
     }
 }
 

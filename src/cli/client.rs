@@ -96,6 +96,94 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `tollgate usage`.
+#[derive(Debug, Args)]
+pub struct UsageArgs {
+    /// The server.
+    #[command(flatten)]
+    pub server: Server,
+    /// The tenant.
+    #[arg(long)]
+    pub tenant: String,
+    /// The key, for per-key quotas (without it, only per-tenant quotas).
+    #[arg(long, default_value = "")]
+    pub key: String,
+    /// The resource ('' for quotas of any resource only).
+    #[arg(long, default_value = "")]
+    pub resource: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `usage`: each quota's current period, used and remaining.
+pub async fn usage(args: UsageArgs) -> anyhow::Result<()> {
+    let mut client = args.server.client().await?;
+    let response = client
+        .get_usage(crate::proto::v1::GetUsageRequest {
+            tenant: args.tenant.clone(),
+            key: args.key.clone(),
+            resource: args.resource.clone(),
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    let instant = |t: &Option<prost_types::Timestamp>| {
+        t.as_ref().map_or_else(String::new, |t| {
+            crate::algorithm::calendar::rfc3339(t.seconds.max(0) as u64 * 1_000_000)
+        })
+    };
+    if args.json {
+        let quotas: Vec<serde_json::Value> = response
+            .quotas
+            .iter()
+            .map(|q| {
+                serde_json::json!({
+                    "rule": q.rule,
+                    "scope": q.scope,
+                    "resource": q.resource,
+                    "period": q.period,
+                    "period_start": instant(&q.period_start),
+                    "period_end": instant(&q.period_end),
+                    "used": q.used,
+                    "limit": q.limit,
+                    "remaining": q.remaining,
+                    "debt": q.debt,
+                    "shadow": q.shadow,
+                })
+            })
+            .collect();
+        outln!("{}", serde_json::to_string_pretty(&quotas)?);
+        return Ok(());
+    }
+    if response.quotas.is_empty() {
+        outln!("no quota applies to tenant {}", args.tenant);
+        return Ok(());
+    }
+    let mut lines = vec![[
+        "QUOTA".to_owned(),
+        "PERIOD".into(),
+        "FROM".into(),
+        "TO".into(),
+        "USED".into(),
+        "LIMIT".into(),
+        "REMAINING".into(),
+    ]];
+    for q in &response.quotas {
+        lines.push([
+            q.rule.clone(),
+            q.period.clone(),
+            instant(&q.period_start),
+            instant(&q.period_end),
+            q.used.to_string(),
+            q.limit.to_string(),
+            q.remaining.to_string(),
+        ]);
+    }
+    out!("{}", super::aligned(&lines));
+    Ok(())
+}
+
 /// `tollgate charge`.
 #[derive(Debug, Args)]
 pub struct ChargeArgs {

@@ -265,6 +265,14 @@ impl Cycle {
     }
 }
 
+/// An instant (µs since the Unix epoch) in RFC 3339, UTC, to the second:
+/// `2026-03-15T04:00:00Z`.
+pub fn rfc3339(micros: Micros) -> String {
+    Timestamp::from_second((micros / 1_000_000).min(MAX_INSTANT / 1_000_000) as i64)
+        .map(|t| t.to_string())
+        .unwrap_or_default()
+}
+
 /// At most the first 64 bytes of `s` (on a character boundary), for
 /// messages that quote what a caller wrote.
 fn clip(s: &str) -> &str {
@@ -471,6 +479,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn instants_print_in_rfc_3339() {
+        assert_eq!(rfc3339(at("2026-03-15T04:00:00Z")), "2026-03-15T04:00:00Z");
+        assert_eq!(
+            rfc3339(at("2026-03-15T04:00:00.999999Z")),
+            "2026-03-15T04:00:00Z"
+        );
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
     }
 
     #[test]

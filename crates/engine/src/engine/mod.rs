@@ -519,14 +519,44 @@ impl Engine {
         })
     }
 
+    /// What the demand's buckets hold now, read in one store call without
+    /// spending or writing anything, and without counting a decision (for
+    /// the usage API): each line's verdict for a cost of nothing. A line
+    /// whose store-unavailable policy answered is marked degraded in its
+    /// item. The demand's quota lines are left in the period read
+    /// ([`Limit::period`] of their allowance).
+    pub async fn read(&self, demand: &mut Demand<'_>) -> Result<Answer, DecideError> {
+        demand.op = Op::DRY;
+        for item in &mut demand.items {
+            item.cost = 0;
+        }
+        self.apply_demand(demand, None)
+            .await
+            .map(|(answer, _)| answer)
+    }
+
     /// Decides a demand and, when the store itself admits it (not a
     /// fallback), writes what is attached: the attachment comes back, or
     /// `None` when nothing was written.
     async fn decide_attached(
         &self,
         demand: &mut Demand<'_>,
-        mut attached: Option<Attachment>,
+        attached: Option<Attachment>,
         span: &tracing::Span,
+    ) -> Result<(Answer, Option<Attachment>), DecideError> {
+        let result = self.apply_demand(demand, attached).await;
+        match &result {
+            Ok((answer, _)) => self.record(demand, answer, span),
+            Err(_) => refused(demand.api, demand.items.len().max(1), span),
+        }
+        result
+    }
+
+    /// [`Engine::decide_attached`] without the counting.
+    async fn apply_demand(
+        &self,
+        demand: &mut Demand<'_>,
+        mut attached: Option<Attachment>,
     ) -> Result<(Answer, Option<Attachment>), DecideError> {
         let result = match self.prepare(demand) {
             Err(err) => Err(err),
@@ -559,10 +589,6 @@ impl Engine {
                 }
             }
         };
-        match &result {
-            Ok(answer) => self.record(demand, answer, span),
-            Err(_) => refused(demand.api, demand.items.len().max(1), span),
-        }
         result.map(|answer| (answer, attached))
     }
 
