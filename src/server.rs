@@ -353,6 +353,7 @@ fn serve_admin(
         table: parts.table.clone(),
         access: config.admin_access.clone(),
         grpc_in_flight,
+        engine: parts.engine.clone(),
     });
     let sampler = spawn_sampler(state.clone(), parts.engine.clone(), stop.stopped());
     let ports = config.grpc_limits;

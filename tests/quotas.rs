@@ -574,6 +574,37 @@ async fn get_usage_reads_each_quota_of_the_period_without_spending() {
         at("2026-03-21T04:00:00Z") / 1_000_000
     );
     assert_eq!(usage("bob").await[0].used, 4);
+    // The admin port reads the same.
+    let (status, body) = server
+        .http_get("/v1/usage?tenant=acme&key=alice")
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["tenant"], "acme");
+    let q = &v["quotas"][0];
+    assert_eq!(
+        (
+            q["rule"].as_str(),
+            q["used"].as_u64(),
+            q["remaining"].as_u64()
+        ),
+        (Some("acme-any-key-quota"), Some(3), Some(2))
+    );
+    assert_eq!(q["period_start"], "2026-03-20T04:00:00Z");
+    assert_eq!(v["quotas"][1]["period_end"], "2026-04-15T04:00:00Z");
+    for (query, says) in [
+        ("", "tenant is empty"),
+        (
+            "?tenant=acme&bogus=1",
+            "query parameters: tenant (required), key, resource",
+        ),
+        ("?tenant=ac%20me", "contains ' '"),
+    ] {
+        let (status, body) = server.http_get(&format!("/v1/usage{query}")).await.unwrap();
+        assert_eq!(status, 400, "{query}: {body}");
+        assert!(body.contains(says), "{query}: {body}");
+    }
     // Reading spent nothing and counted no decision.
     assert_eq!(usage("").await[0].used, 7);
     assert_eq!(decisions().await, counted);
@@ -605,5 +636,7 @@ async fn get_usage_reads_each_quota_of_the_period_without_spending() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    let (status, body) = server.http_get("/v1/usage?tenant=acme").await.unwrap();
+    assert_eq!(status, 503, "{body}");
     server.stop().await;
 }

@@ -16,6 +16,7 @@ pub mod frames;
 pub mod native;
 pub mod observe;
 pub mod status;
+pub mod usage;
 
 use crate::algorithm::Micros;
 

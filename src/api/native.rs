@@ -35,7 +35,6 @@ use crate::telemetry::traces;
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
 
 mod leases;
-mod usage;
 
 pub use crate::engine::Unmatched;
 
@@ -544,7 +543,43 @@ impl RateLimiter for RateLimiterService {
         &self,
         request: Request<crate::proto::v1::GetUsageRequest>,
     ) -> Result<Response<crate::proto::v1::GetUsageResponse>, Status> {
-        self.usage_one(request.get_ref()).await.map(Response::new)
+        use super::usage::{self, UsageError};
+        let req = request.get_ref();
+        let figures = usage::read(
+            &self.engine,
+            &self.limits,
+            &req.tenant,
+            &req.key,
+            &req.resource,
+        )
+        .await
+        .map_err(|e| match e {
+            UsageError::Invalid(e) => status::from_decide_error(e),
+            UsageError::Unavailable => Status::unavailable(
+                "the store is unavailable: usage cannot be read until it answers again",
+            ),
+        })?;
+        let timestamp = |micros: u64| prost_types::Timestamp {
+            seconds: (micros / 1_000_000) as i64,
+            nanos: (micros % 1_000_000) as i32 * 1000,
+        };
+        let quotas = figures
+            .into_iter()
+            .map(|q| crate::proto::v1::QuotaUsage {
+                rule: q.rule,
+                scope: q.scope.into(),
+                resource: q.resource,
+                period: q.period.into(),
+                period_start: Some(timestamp(q.bounds.start)),
+                period_end: Some(timestamp(q.bounds.end)),
+                used: q.used,
+                limit: q.limit,
+                remaining: q.remaining,
+                debt: q.debt,
+                shadow: q.shadow,
+            })
+            .collect();
+        Ok(Response::new(crate::proto::v1::GetUsageResponse { quotas }))
     }
 }
 

@@ -425,6 +425,58 @@ pub(super) async fn tenant(
     }
 }
 
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct UsageQuery {
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    resource: String,
+}
+
+/// `GET /v1/usage?tenant=acme[&key=alice][&resource=exports]`: each quota
+/// of the tenant in its current period (as the gRPC `GetUsage`).
+pub(super) async fn usage(
+    State(state): State<Arc<AdminState>>,
+    query: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    use crate::api::usage::{self, UsageError};
+    let Ok(Query(q)) = query else {
+        return bad("query parameters: tenant (required), key, resource");
+    };
+    match usage::read(&state.engine, &state.limits, &q.tenant, &q.key, &q.resource).await {
+        Ok(figures) => {
+            let quotas: Vec<serde_json::Value> = figures
+                .iter()
+                .map(|f| {
+                    json!({
+                        "rule": f.rule,
+                        "scope": f.scope,
+                        "resource": f.resource,
+                        "period": f.period,
+                        "period_start": crate::algorithm::calendar::rfc3339(f.bounds.start),
+                        "period_end": crate::algorithm::calendar::rfc3339(f.bounds.end),
+                        "used": f.used,
+                        "limit": f.limit,
+                        "remaining": f.remaining,
+                        "debt": f.debt,
+                        "shadow": f.shadow,
+                    })
+                })
+                .collect();
+            Json(json!({ "tenant": q.tenant, "quotas": quotas })).into_response()
+        }
+        Err(UsageError::Invalid(e)) => bad(e.to_string()),
+        Err(UsageError::Unavailable) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the store is unavailable: usage cannot be read until it answers again\n",
+        )
+            .into_response(),
+    }
+}
+
 /// A tenant's name as plans take it: a label that is not empty.
 pub fn check_tenant_name(name: &str) -> Result<(), String> {
     if name.is_empty() {

@@ -16,6 +16,7 @@
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 //! | `POST /v1/plans`, `DELETE /v1/plans/{name}`, `PUT`/`DELETE /v1/tenants/{tenant}/plan` | plans and tenants' plans (token required) |
 //! | `GET /v1/tenants/{tenant}`, `PUT /v1/tenants/{tenant}/cycle` | a tenant's plan and billing cycle; setting the cycle (token required) |
+//! | `GET /v1/usage?tenant=T[&key=K][&resource=R]` | each quota of the tenant in its current period (as `GetUsage`) |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -59,6 +60,8 @@ pub struct AdminState {
     pub access: AdminAccess,
     /// The gRPC port's requests in flight, for `/metrics`.
     pub grpc_in_flight: crate::connections::InFlightCap,
+    /// The engine, to read usage.
+    pub engine: Arc<crate::engine::Engine>,
 }
 
 /// Whether the service is ready: from the moment the store first answers
@@ -228,6 +231,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
             axum::routing::put(limits::assign).delete(limits::unassign),
         )
         .route("/v1/tenants/{tenant}", get(limits::tenant))
+        .route("/v1/usage", get(limits::usage))
         .route(
             "/v1/tenants/{tenant}/cycle",
             axum::routing::put(limits::set_cycle),
