@@ -5,24 +5,8 @@
 use crate::common;
 
 use common::TestServer;
-use common::process::{ServeProcess, stdout, tollgate};
+use common::process::{ServeProcess, fails, succeeds as run};
 use tollgate::api::admin::AdminAccess;
-
-fn run(dir: &std::path::Path, args: &[&str]) -> String {
-    let out = tollgate(dir, args);
-    assert!(
-        out.status.success(),
-        "tollgate {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout(&out)
-}
-
-fn fails(dir: &std::path::Path, args: &[&str]) -> String {
-    let out = tollgate(dir, args);
-    assert!(!out.status.success(), "tollgate {args:?} succeeded");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// The README's walk-through: a tenant moves from `free` to `pro`.
 #[test]

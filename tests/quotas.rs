@@ -8,22 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::process::{ServeProcess, stdout, tollgate};
+use common::process::{ServeProcess, fails, succeeds as run};
 use common::redis::{RedisCluster, RedisServer};
 use common::{TestServer, ask, micros, req};
 use tollgate::algorithm::calendar::Cycle;
 use tollgate::limits::LimitRow;
 use tollgate::server::StoreSpec;
-
-fn run(dir: &std::path::Path, args: &[&str]) -> String {
-    let out = tollgate(dir, args);
-    assert!(
-        out.status.success(),
-        "tollgate {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout(&out)
-}
 
 /// Midnight UTC, 2023-11-15: the end of the day T0 falls in.
 const MIDNIGHT: u64 = 1_700_006_400_000_000;
@@ -374,15 +364,10 @@ fn a_tenants_billing_cycle_is_set_and_shown_from_the_command_line() {
         run(d, &["tenants", "show", "--tenant", "globex"]),
         "tenant globex: no plan; billing cycle UTC, day 1, month 1, monday\n"
     );
-    let fails = |args: &[&str]| {
-        let out = tollgate(d, args);
-        assert!(!out.status.success(), "tollgate {args:?} succeeded");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
     let cycle = |extra: &[&str]| {
         let mut args = vec!["tenants", "cycle", "--tenant", "acme"];
         args.extend_from_slice(extra);
-        fails(&args)
+        fails(d, &args)
     };
     let err = cycle(&["--time-zone", "Mars/Olympus_Mons"]);
     assert!(

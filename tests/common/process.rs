@@ -156,3 +156,21 @@ pub fn tollgate(dir: &Path, args: &[&str]) -> Output {
 pub fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
+
+/// Runs `tollgate ARGS` in `dir`, which must succeed; returns its stdout.
+pub fn succeeds(dir: &Path, args: &[&str]) -> String {
+    let out = tollgate(dir, args);
+    assert!(
+        out.status.success(),
+        "tollgate {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout(&out)
+}
+
+/// Runs `tollgate ARGS` in `dir`, which must fail; returns its stderr.
+pub fn fails(dir: &Path, args: &[&str]) -> String {
+    let out = tollgate(dir, args);
+    assert!(!out.status.success(), "tollgate {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}

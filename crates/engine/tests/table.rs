@@ -805,33 +805,41 @@ async fn a_reopened_file_has_connections_of_its_own_and_memory_shares_its_own() 
     assert_eq!(shared.count().await.unwrap(), 2, "the same database");
 }
 
+/// A SQLite file `name` in `dir` made with plain SQL (as an older version
+/// left it); its path.
+async fn sqlite_file_of(dir: &tempfile::TempDir, name: &str, sql: &str) -> String {
+    use sqlx::{Connection, Executor};
+    let location = dir.path().join(name).to_str().unwrap().to_owned();
+    let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{location}?mode=rwc"))
+        .await
+        .unwrap();
+    c.execute(sqlx::AssertSqlSafe(sql.to_owned()))
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    location
+}
+
 /// A table made before plans existed (no plan, debt or kind columns) is
 /// rebuilt with them, keeping its rows, ids and change triggers.
 #[tokio::test]
 async fn a_table_from_before_plans_is_migrated_with_its_rows() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("old.db");
-    let location = path.to_str().unwrap();
-    {
-        use sqlx::{Connection, Executor};
-        let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{location}?mode=rwc"))
-            .await
-            .unwrap();
-        c.execute(
-            "CREATE TABLE limits (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, \
-             tenant TEXT NOT NULL DEFAULT '', resource TEXT NOT NULL DEFAULT '', \
-             scope TEXT NOT NULL DEFAULT 'key', burst INTEGER NOT NULL, rate INTEGER NOT NULL, \
-             rate_unit TEXT NOT NULL DEFAULT 'second', mode TEXT NOT NULL DEFAULT 'enforce', \
-             on_store_unavailable TEXT NOT NULL DEFAULT 'allow', \
-             updated_at TEXT NOT NULL DEFAULT '2025-01-01T00:00:00.000Z', \
-             UNIQUE (tenant, resource, scope, mode)); \
-             CREATE TRIGGER limits_touch AFTER UPDATE ON limits BEGIN SELECT 1; END; \
-             INSERT INTO limits (id, name, tenant, burst, rate) VALUES (7, 'acme-old', 'acme', 9, 3);",
-        )
-        .await
-        .unwrap();
-        c.close().await.unwrap();
-    }
+    let location = sqlite_file_of(
+        &dir,
+        "old.db",
+        "CREATE TABLE limits (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, \
+         tenant TEXT NOT NULL DEFAULT '', resource TEXT NOT NULL DEFAULT '', \
+         scope TEXT NOT NULL DEFAULT 'key', burst INTEGER NOT NULL, rate INTEGER NOT NULL, \
+         rate_unit TEXT NOT NULL DEFAULT 'second', mode TEXT NOT NULL DEFAULT 'enforce', \
+         on_store_unavailable TEXT NOT NULL DEFAULT 'allow', \
+         updated_at TEXT NOT NULL DEFAULT '2025-01-01T00:00:00.000Z', \
+         UNIQUE (tenant, resource, scope, mode)); \
+         CREATE TRIGGER limits_touch AFTER UPDATE ON limits BEGIN SELECT 1; END; \
+         INSERT INTO limits (id, name, tenant, burst, rate) VALUES (7, 'acme-old', 'acme', 9, 3);",
+    )
+    .await;
+    let location = location.as_str();
     let table = LimitsTable::open(location).await.unwrap();
     let rows = table.rows().await.unwrap();
     assert_eq!(names(&rows), ["acme-old"], "kept, and no default added");
@@ -851,15 +859,10 @@ async fn a_table_from_before_plans_is_migrated_with_its_rows() {
         .unwrap();
     assert_eq!(table.pending(v).await.unwrap(), 2);
     // A table with a debt column but no plan column keeps its debts.
-    let path = dir.path().join("debt.db");
-    let location = path.to_str().unwrap();
-    {
-        use sqlx::{Connection, Executor};
-        let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{location}?mode=rwc"))
-            .await
-            .unwrap();
-        c.execute(
-            "CREATE TABLE limits (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, \
+    let location = sqlite_file_of(
+        &dir,
+        "debt.db",
+        "CREATE TABLE limits (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, \
              tenant TEXT NOT NULL DEFAULT '', resource TEXT NOT NULL DEFAULT '', \
              scope TEXT NOT NULL DEFAULT 'key', burst INTEGER NOT NULL, rate INTEGER NOT NULL, \
              rate_unit TEXT NOT NULL DEFAULT 'second', mode TEXT NOT NULL DEFAULT 'enforce', \
@@ -869,11 +872,9 @@ async fn a_table_from_before_plans_is_migrated_with_its_rows() {
              UNIQUE (tenant, resource, scope, mode, kind)); \
              INSERT INTO limits (name, tenant, burst, rate, debt, kind) \
              VALUES ('acme-slots', 'acme', 4, 0, 2, 'concurrency');",
-        )
-        .await
-        .unwrap();
-        c.close().await.unwrap();
-    }
+    )
+    .await;
+    let location = location.as_str();
     let table = LimitsTable::open(location).await.unwrap();
     let rows = table.rows().await.unwrap();
     assert_eq!(names(&rows), ["acme-slots"]);

@@ -398,21 +398,11 @@ impl Loader {
     }
 
     fn intern_cycle(&mut self, cycle: Cycle) -> Arc<Cycle> {
-        if let Some(shared) = self.cycles.get(&cycle) {
-            return shared.clone();
-        }
-        let shared = Arc::new(cycle);
-        self.cycles.insert(shared.clone());
-        shared
+        interned(&mut self.cycles, cycle)
     }
 
     fn intern(&mut self, shape: Shape) -> Arc<Shape> {
-        if let Some(shared) = self.shapes.get(&shape) {
-            return shared.clone();
-        }
-        let shared = Arc::new(shape);
-        self.shapes.insert(shared.clone());
-        shared
+        interned(&mut self.shapes, shape)
     }
 
     /// Starts a batch on top of `base`: all of the table when `full`, else
@@ -1097,6 +1087,17 @@ impl Update<'_> {
         }
         (shards.into(), tenants)
     }
+}
+
+/// The value equal to `value` in `set`, added when there is none: one
+/// shared copy of each shape or cycle, however many rules or tenants hold it.
+fn interned<T: std::hash::Hash + Eq>(set: &mut HashSet<Arc<T>>, value: T) -> Arc<T> {
+    if let Some(shared) = set.get(&value) {
+        return shared.clone();
+    }
+    let shared = Arc::new(value);
+    set.insert(shared.clone());
+    shared
 }
 
 fn slot_index(scope: Scope, mode: Mode, kind: Kind) -> usize {
