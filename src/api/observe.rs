@@ -70,6 +70,7 @@ const METHODS: &[(&str, &[&str])] = &[
             "Release",
             "Renew",
             "Hold",
+            "GetUsage",
         ],
     ),
     ("tollgate.v1.Admin", &["TopLimited", "LimitsStatus"]),
