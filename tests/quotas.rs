@@ -559,6 +559,27 @@ async fn get_usage_reads_each_quota_of_the_period_without_spending() {
         at("2026-03-21T04:00:00Z") / 1_000_000
     );
     assert_eq!(usage("bob").await[0].used, 4);
+    // The top-limited view shows the tenant by its fullest quota: bob's
+    // day at 4 of 5.
+    let (_, body) = server.http_get("/v1/top-limited").await.unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let near = &v["nearest_quota"][0];
+    assert_eq!(
+        (
+            near["tenant"].as_str(),
+            near["rule"].as_str(),
+            near["used"].as_u64(),
+            near["limit"].as_u64()
+        ),
+        (Some("acme"), Some("acme-any-key-quota"), Some(4), Some(5)),
+        "{body}"
+    );
+    // Until New York's midnight: 16 hours on.
+    assert_eq!(
+        near["resets_in_us"].as_u64(),
+        Some(16 * 3_600_000_000),
+        "{body}"
+    );
     // The admin port reads the same.
     let (status, body) = server
         .http_get("/v1/usage?tenant=acme&key=alice")

@@ -81,9 +81,22 @@ impl crate::proto::v1::admin_server::Admin for AdminService {
                 expires_in: Some(duration(h.expires_in_us)),
             })
             .collect();
+        let nearest_quota = self
+            .top
+            .nearest_quota(pick(r.tenants, 10))
+            .into_iter()
+            .map(|q| crate::proto::v1::TenantNearQuota {
+                tenant: q.tenant,
+                rule: q.rule,
+                used: q.used,
+                limit: q.limit,
+                resets_in: Some(duration(q.resets_in_us)),
+            })
+            .collect();
         Ok(Response::new(TopLimitedResponse {
             in_debt,
             holding,
+            nearest_quota,
             window: Some(duration(self.top.window().as_micros() as Micros)),
             tenants: tenants
                 .into_iter()

@@ -373,6 +373,7 @@ async fn top_limited(
         "tenants": tenants,
         "in_debt": in_debt,
         "holding": state.top.holding(q.tenants.unwrap_or(10).min(100)),
+        "nearest_quota": state.top.nearest_quota(q.tenants.unwrap_or(10).min(100)),
     }))
 }
 

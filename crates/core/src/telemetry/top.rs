@@ -194,8 +194,47 @@ pub struct Holding {
     pub expires_in_us: Micros,
 }
 
+/// A tenant seen near a quota: the fullest of its quotas as last seen in
+/// the current period.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NearQuota {
+    /// The tenant.
+    pub tenant: String,
+    /// The quota's rule.
+    pub rule: String,
+    /// Tokens counted in the period when last seen.
+    pub used: u64,
+    /// The quota per period.
+    pub limit: u64,
+    /// Microseconds until the period ends.
+    pub resets_in_us: Micros,
+}
+
+/// A quota as last seen for a tenant.
+#[derive(Debug, Clone)]
+struct QuotaSeen {
+    rule: String,
+    used: u64,
+    limit: u64,
+    until: Micros,
+}
+
+impl QuotaSeen {
+    /// Ordered by the share of the quota used (exactly: `used / limit`
+    /// compared as cross products).
+    fn order(&self, other: &Self) -> std::cmp::Ordering {
+        (u128::from(self.used) * u128::from(other.limit))
+            .cmp(&(u128::from(other.used) * u128::from(self.limit)))
+    }
+
+    fn fuller_than(&self, other: &Self) -> bool {
+        self.order(other) == std::cmp::Ordering::Greater
+    }
+}
+
 /// Rejections per tenant and per (tenant, key), over a recent window; the
-/// tenants seen in debt; and the tenants seen holding the most slots.
+/// tenants seen in debt; the tenants seen holding the most slots; and the
+/// tenants nearest a quota.
 pub struct TopLimited {
     /// Tenant → (key, leases held, when they have all expired): the latest
     /// acquire seen per tenant, at most `capacity` tenants.
@@ -204,6 +243,9 @@ pub struct TopLimited {
     /// Tenant → (key, debt, seen at): the deepest debt seen per tenant
     /// within the window, at most `capacity` tenants (the deepest kept).
     debts: Mutex<HashMap<String, (String, u64, Micros)>>,
+    /// Tenant → its fullest quota as last seen, until its period ends, at
+    /// most `capacity` tenants (the fullest kept).
+    quotas: Mutex<HashMap<String, QuotaSeen>>,
     capacity: usize,
     window: Micros,
     clock: Arc<dyn Clock>,
@@ -221,6 +263,7 @@ impl TopLimited {
             }),
             debts: Mutex::new(HashMap::new()),
             holders: Mutex::new(HashMap::new()),
+            quotas: Mutex::new(HashMap::new()),
             capacity: capacity.max(1),
             window: window.as_micros().max(1) as Micros,
             clock,
@@ -334,6 +377,71 @@ impl TopLimited {
             holders.remove(&smallest);
         }
         holders.insert(tenant.to_owned(), (key.to_owned(), held, until));
+    }
+
+    /// Records that `tenant`'s quota `rule` counted `used` of `limit` in a
+    /// period ending at `until`. Per tenant its fullest quota is kept (the
+    /// latest sighting of the same rule replaces the earlier one); when
+    /// `capacity` tenants are held, a new one replaces one whose period has
+    /// ended, or the least full if it is fuller.
+    pub fn record_quota(&self, tenant: &str, rule: &str, used: u64, limit: u64, until: Micros) {
+        let seen = QuotaSeen {
+            rule: bounded(rule).to_owned(),
+            used,
+            limit: limit.max(1),
+            until,
+        };
+        let tenant = bounded(tenant);
+        let now = self.clock.now();
+        let mut quotas = self.quotas.lock();
+        if let Some(entry) = quotas.get_mut(tenant) {
+            if entry.rule == seen.rule || entry.until <= now || seen.fuller_than(entry) {
+                *entry = seen;
+            }
+            return;
+        }
+        if used == 0 {
+            return;
+        }
+        if quotas.len() >= self.capacity {
+            quotas.retain(|_, q| q.until > now);
+        }
+        if quotas.len() >= self.capacity {
+            let Some(least) = quotas
+                .iter()
+                .min_by(|a, b| a.1.order(b.1))
+                .map(|(t, q)| (t.clone(), q.clone()))
+            else {
+                return;
+            };
+            if !seen.fuller_than(&least.1) {
+                return;
+            }
+            quotas.remove(&least.0);
+        }
+        quotas.insert(tenant.to_owned(), seen);
+    }
+
+    /// Up to `n` tenants nearest a quota in its current period, fullest
+    /// first (by the share used).
+    pub fn nearest_quota(&self, n: usize) -> Vec<NearQuota> {
+        let now = self.clock.now();
+        let quotas = self.quotas.lock();
+        let mut near: Vec<(&String, &QuotaSeen)> = quotas
+            .iter()
+            .filter(|(_, q)| q.used > 0 && q.until > now)
+            .collect();
+        near.sort_by(|a, b| b.1.order(a.1).then_with(|| a.0.cmp(b.0)));
+        near.into_iter()
+            .take(n)
+            .map(|(tenant, q)| NearQuota {
+                tenant: tenant.clone(),
+                rule: q.rule.clone(),
+                used: q.used,
+                limit: q.limit,
+                resets_in_us: q.until - now,
+            })
+            .collect()
     }
 
     /// Up to `n` tenants seen holding slots whose leases may still be
@@ -477,6 +585,54 @@ fn escape_label(value: &str) -> String {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
+
+    #[test]
+    fn the_tenants_nearest_a_quota_are_the_fullest_until_their_period_ends() {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let top = TopLimited::new(2, Duration::from_secs(60), clock.clone());
+        top.record_quota("acme", "monthly", 80, 100, 5_000);
+        top.record_quota("globex", "daily", 9, 10, 3_000);
+        // Nothing used: not a tenant near anything.
+        top.record_quota("initech", "monthly", 0, 100, 5_000);
+        let near = top.nearest_quota(10);
+        let names: Vec<(&str, &str, u64)> = near
+            .iter()
+            .map(|q| (q.tenant.as_str(), q.rule.as_str(), q.used))
+            .collect();
+        assert_eq!(names, [("globex", "daily", 9), ("acme", "monthly", 80)]);
+        assert_eq!(near[0].resets_in_us, 2_000);
+        // A fuller quota of the same tenant takes its place; the same rule
+        // seen again replaces itself, fuller or not.
+        top.record_quota("acme", "weekly", 95, 100, 4_000);
+        assert_eq!(top.nearest_quota(1)[0].rule, "weekly");
+        top.record_quota("acme", "monthly", 99, 100, 5_000);
+        assert_eq!(top.nearest_quota(1)[0].rule, "monthly");
+        top.record_quota("acme", "monthly", 30, 100, 5_000);
+        top.record_quota("acme", "weekly", 10, 100, 4_000);
+        let acme = &top.nearest_quota(10)[1];
+        assert_eq!((acme.rule.as_str(), acme.used), ("monthly", 30));
+        // At capacity, a newcomer replaces the least full only if fuller.
+        top.record_quota("hooli", "daily", 1, 100, 9_000);
+        assert_eq!(top.nearest_quota(10).len(), 2);
+        assert!(top.nearest_quota(10).iter().all(|q| q.tenant != "hooli"));
+        top.record_quota("hooli", "daily", 50, 100, 9_000);
+        let tenants: Vec<String> = top
+            .nearest_quota(10)
+            .into_iter()
+            .map(|q| q.tenant)
+            .collect();
+        assert_eq!(tenants, ["globex", "hooli"]);
+        // A period that ended is no longer near anything, and makes room.
+        clock.set(3_000);
+        let tenants: Vec<String> = top
+            .nearest_quota(10)
+            .into_iter()
+            .map(|q| q.tenant)
+            .collect();
+        assert_eq!(tenants, ["hooli"]);
+        top.record_quota("umbrella", "daily", 1, 1000, 9_000);
+        assert_eq!(top.nearest_quota(10).len(), 2);
+    }
 
     #[test]
     fn a_million_distinct_tenants_stay_bounded_and_the_heavy_hitters_win() {

@@ -702,6 +702,7 @@ impl Engine {
     /// update per run of equal items), records rejections in the
     /// top-limited sketch, and fills the current span's outcome.
     fn record(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
+        self.record_quotas(demand, answer);
         if !demand.op.decides() {
             return self.record_charge(demand, answer, span);
         }
@@ -745,6 +746,26 @@ impl Engine {
 }
 
 impl Engine {
+    /// Records how full each quota of the demand is, for the tenants
+    /// nearest their quota ([`TopLimited::nearest_quota`]).
+    fn record_quotas(&self, demand: &Demand<'_>, answer: &Answer) {
+        for (line, verdict) in demand.lines.iter().zip(&answer.lines) {
+            if line.calendar.is_none() {
+                continue;
+            }
+            let Allowance::Limited(limit) = line.allowance else {
+                continue;
+            };
+            let Some(period) = limit.period() else {
+                continue;
+            };
+            let used = (limit.burst() - verdict.remaining.min(limit.burst())) + verdict.debt;
+            let tenant = demand.items[line.item].tenant;
+            self.top
+                .record_quota(tenant, line.label, used, limit.burst(), period.end);
+        }
+    }
+
     /// Records usage charged after the fact: tokens charged and forgiven,
     /// and the tenants left in debt.
     fn record_charge(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
