@@ -646,3 +646,65 @@ async fn get_usage_reads_each_quota_of_the_period_without_spending() {
     assert_eq!(status, 503, "{body}");
     server.stop().await;
 }
+
+/// A period that turns while Redis is down: each quota's policy answers
+/// meanwhile (`deny` refuses, `allow` admits), and once Redis is back the
+/// new period counts from nothing, once: its quota and no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_period_that_turns_while_redis_is_down_counts_once_when_it_returns() {
+    let mut redis = RedisServer::start();
+    let closed = LimitRow {
+        on_store_unavailable: tollgate::limits::OnStoreUnavailable::Deny,
+        ..quota("3/day")
+    };
+    let open = LimitRow {
+        tenant: "globex".into(),
+        name: "globex-daily".into(),
+        ..quota("3/day")
+    };
+    let url = redis.url();
+    let server = TestServer::launch(Some(&[closed, open]), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.redis_uses_clock = true;
+        c.store_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let mut client = server.client().await;
+    server.clock.set(MIDNIGHT - 60_000_000);
+    for tenant in ["acme", "globex"] {
+        for _ in 0..3 {
+            assert!(ask(&mut client, req(tenant, "k")).await.allowed);
+        }
+        assert!(!ask(&mut client, req(tenant, "k")).await.allowed);
+    }
+    // Redis goes; the day turns.
+    redis.kill();
+    server.clock.set(MIDNIGHT + 60_000_000);
+    use tollgate::proto::v1::Degraded;
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.allowed, r.degraded()), (false, Degraded::FailedClosed));
+    let r = ask(&mut client, req("globex", "k")).await;
+    assert_eq!((r.allowed, r.degraded()), (true, Degraded::FailedOpen));
+    // Back, empty (no persistence): the new day counts from nothing, once.
+    redis.restart();
+    for tenant in ["acme", "globex"] {
+        let mut admitted = 0;
+        for _ in 0..200 {
+            let r = ask(&mut client, req(tenant, "k")).await;
+            if r.degraded() == Degraded::None && r.allowed {
+                admitted += 1;
+            }
+            if r.degraded() == Degraded::None && !r.allowed {
+                assert_eq!(micros(&r.retry_after), 86_400_000_000 - 60_000_000);
+                break;
+            }
+            // Until the breaker lets calls through again (bounded: 20 s).
+            if r.degraded() != Degraded::None {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        assert_eq!(admitted, 3, "{tenant}: the new day's quota, once");
+        assert!(!ask(&mut client, req(tenant, "k")).await.allowed);
+    }
+    server.stop().await;
+}
