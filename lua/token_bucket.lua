@@ -81,7 +81,8 @@ acquire's lease member (32 hex digits).
 Stored value per bucket: for a token bucket "FULL_AT:INTERVAL:BURST", the
 instant (µs) the bucket is full again and the limit it was written under;
 for a window "w:START:COUNT:PREVIOUS", the window's start, its count and the
-previous window's count; for a quota "q:START:COUNT:END", the period counted. A missing key is a full bucket or an empty window; a
+previous window's count; for a quota "q:START:COUNT:END", the period counted
+(kept one period's length past its end: see apply_window). A missing key is a full bucket or an empty window; a
 value of the other kind (the rule changed algorithm) counts as missing. Each
 key expires (PSETEX) when its state no longer matters (the bucket is full,
 the window is over), plus the margin, so Redis holds only active buckets.
@@ -316,7 +317,11 @@ local function apply_window(stored, now, alg, window, max, debt_max, cost, need,
     count, used, third = count + applied, used + applied, cost - applied
   end
   if alg == 'q' then
-    return true, max - used, third, reset(count), string.format('q:%d:%d:%d', start, count, stop), idle - now
+    -- A counter outlives its period by one more period's length: expiry
+    -- runs on Redis's clock, and a Redis clock that jumps ahead must not
+    -- forget a period the instances still name.
+    return true, max - used, third, reset(count), string.format('q:%d:%d:%d', start, count, stop),
+      stop + window - now
   end
   return true, max - used, third, reset(count), string.format('w:%d:%d:%d', start, count, prev), idle - now
 end

@@ -708,3 +708,52 @@ async fn a_period_that_turns_while_redis_is_down_counts_once_when_it_returns() {
     }
     server.stop().await;
 }
+
+/// On Redis's own clock (as in production): the deciding instance names
+/// the period, so a Redis whose clock jumps a day ahead or behind neither
+/// turns the period nor repeats it. Its clock only measures the wait,
+/// taken inside the period named: from its last instant when Redis runs
+/// ahead of it, from its first when Redis runs behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_clock_that_jumps_neither_turns_nor_repeats_a_period() {
+    use common::redis::ShiftedRedis;
+    use tollgate::proto::v1::Degraded;
+    let redis = ShiftedRedis::start();
+    let url = redis.server.url();
+    let server = TestServer::launch(Some(&[quota("2/day")]), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_secs(2);
+    })
+    .await;
+    // The instance's clock at Redis's time: the day is today's, UTC.
+    let now = redis.time();
+    server.clock.set(now);
+    let day = 86_400_000_000;
+    let end = (now / day + 1) * day;
+    let mut client = server.client().await;
+    for _ in 0..2 {
+        let r = ask(&mut client, req("acme", "k")).await;
+        assert_eq!((r.allowed, r.degraded()), (true, Degraded::None));
+    }
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert!(!r.allowed);
+    let wait = micros(&r.retry_after);
+    // Up to the end of today, on Redis's clock (a little after `now`).
+    assert!(wait <= end - now && wait + 5_000_000 > end - now, "{wait}");
+    // Redis a day ahead: still today's period, still spent; the wait is
+    // measured from the period's last instant.
+    redis.shift(day as i64);
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.allowed, micros(&r.retry_after)), (false, 1));
+    // A day behind: still today's period, never a fresh one; the wait is
+    // the whole day, from its first instant.
+    redis.shift(-(day as i64));
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert_eq!((r.allowed, micros(&r.retry_after)), (false, day));
+    // The instance's clock turns the day: the next one has its quota.
+    redis.shift(0);
+    server.clock.set(end);
+    let r = ask(&mut client, req("acme", "k")).await;
+    assert!(r.allowed);
+    server.stop().await;
+}
