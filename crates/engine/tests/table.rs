@@ -1142,6 +1142,24 @@ fn policy_of_thread(name: &str) -> Option<u32> {
     None
 }
 
+/// `spawn_watch` over `table` every `every`, until the sender is used or
+/// dropped; the receiver completes once the watcher has stopped.
+fn watching(
+    live: &Arc<LiveLimits>,
+    table: &LimitsTable,
+    every: Duration,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::sync::oneshot::Receiver<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let done = spawn_watch(live.clone(), table.clone(), every, async move {
+        let _ = stopped.await;
+    })
+    .unwrap();
+    (stop, done)
+}
+
 /// Up to [`BULK_CHANGES`] changes are applied on the watcher's thread;
 /// more on the bulk thread, which runs in the idle scheduling class.
 #[test]
@@ -1155,16 +1173,7 @@ fn bulk_edits_are_applied_on_the_idle_thread() {
     runtime.block_on(async {
         let (_dir, table) = sqlite_table().await;
         let live = Arc::new(LiveLimits::load(&table, 10_000).await.unwrap());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let done = spawn_watch(
-            live.clone(),
-            table.clone(),
-            Duration::from_millis(50),
-            async move {
-                let _ = stopped.await;
-            },
-        )
-        .unwrap();
+        let (stop, done) = watching(&live, &table, Duration::from_millis(50));
         table.upsert(&row("acme-a", "acme", "", 4)).await.unwrap();
         until("one edit", || live.status().rules == 2).await;
 
@@ -1225,17 +1234,8 @@ fn postgres_edits_arrive_by_notification() {
         drop(listener);
 
         let live = Arc::new(LiveLimits::load(&table, 100).await.unwrap());
-        let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
         // A poll longer than the test: only notifications can apply edits.
-        let _done = spawn_watch(
-            live.clone(),
-            table.clone(),
-            Duration::from_secs(3600),
-            async move {
-                let _ = stopped.await;
-            },
-        )
-        .unwrap();
+        let (_stop, _done) = watching(&live, &table, Duration::from_secs(3600));
         for burst in [4, 5, 6] {
             tokio::time::sleep(Duration::from_millis(400)).await;
             table

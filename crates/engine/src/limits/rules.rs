@@ -610,6 +610,11 @@ impl Update<'_> {
             row: format!("tenants row (tenant {:?})", super::short(tenant)),
             reason: format!("{reason}; its quotas count periods in UTC until this is fixed"),
         };
+        self.reject_tenant_row(tenant, error);
+    }
+
+    /// Reports a `tenants` row not in force (logged once, listed).
+    fn reject_tenant_row(&mut self, tenant: &str, error: RowError) {
         self.newly_rejected.push(error.clone());
         self.loader
             .invalid
@@ -681,12 +686,7 @@ impl Update<'_> {
                 self.loader.max_rules
             ),
         };
-        self.newly_rejected.push(error.clone());
-        self.loader
-            .invalid
-            .entry(Owner::Tenant(tenant.into()))
-            .or_default()
-            .push(Rejected { id: 0, error });
+        self.reject_tenant_row(tenant, error);
     }
 
     fn over_bound(&self) -> String {
