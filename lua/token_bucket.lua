@@ -46,13 +46,17 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
             0x        release the lease whose record is the only key
             0eTTL     renew it: it expires TTL µs from now
           For example "2s,1d,1s" is three decisions over 4 keys.
-ARGV[3]   "MARGIN[:CAP]": the expiry margin in milliseconds added to each
+ARGV[3]   "MARGIN[:CAP][j]": the expiry margin in milliseconds added to each
           bucket's TTL; CAP, when given, the most reservation records one
           tenant holds: each reserve's keys then end with the tenant's
           record set (a sorted set of its records scored by when each is
           gone, `PREFIX{TAG}:rq::`), and a reserve finding CAP records there
           decides nothing and answers, per bucket, 0, -2 and the records
-          held.
+          held. With "j", the call's last key is a quota journal
+          (`PREFIX{TAG}:qj::`, src/store/journal.rs): each quota counter the
+          call writes into a period it did not hold appends
+          "o START END QUOTA PREVIOUS_START PREVIOUS_COUNT KEY" to it, and
+          the reply ends with how many lines the call appended.
 then three per bucket, for the i-th bucket of the call (record keys do
 not count) at ARGV[4 + 3(i-1)] ...:
           rule      the algorithm: "t" token bucket, "f" fixed window, "s"
@@ -400,8 +404,28 @@ if pinned == '' or deadline ~= '' then
   end
 end
 now = tonumber(pinned) or clock
-local margin_ms, record_cap = string.match(ARGV[3], '^(%d+):?(%d*)$')
+local margin_ms, record_cap, journaled = string.match(ARGV[3], '^(%d+):?(%d*)(j?)$')
 margin_ms, record_cap = tonumber(margin_ms), tonumber(record_cap)
+local journal = journaled == 'j' and KEYS[#KEYS]
+local noted = 0
+
+-- Journals the write of `value` over `held` into the quota counter `key`
+-- of `quota` per period, when it enters a period `held` did not count.
+local function note(key, held, value, quota)
+  local s, e = string.match(value, '^q:(%d+):%d+:(%d+)$')
+  local ps, pc = '0', '0'
+  if held then
+    local hs, hc = string.match(held, '^q:(%d+):(%d+):')
+    if hs then
+      if tonumber(hs) >= tonumber(s) then
+        return
+      end
+      ps, pc = hs, hc
+    end
+  end
+  redis.call('RPUSH', journal, string.format('o %s %s %d %s %s ', s, e, quota, ps, pc) .. key)
+  noted = noted + 1
+end
 
 -- How long a reservation's record outlives its time to live, so that a late
 -- settle is answered "expired" rather than "unknown" (src/store/reservation.rs,
@@ -582,6 +606,10 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
         else
           store(key, scratch[x + VALUE], scratch[x + TTL])
           written[key] = scratch[x + VALUE]
+          if journal and scratch[x + ALG] == 'q' then
+            local _, burst = read_limit(ARGV[4 + (b + i - 2) * 3 + 1])
+            note(key, scratch[x + HELD], scratch[x + VALUE], burst)
+          end
         end
       end
     end
@@ -711,6 +739,9 @@ local function settle(key, actual, out, written)
     if value then
       store(bucket, value, ttl)
       written[bucket] = value
+      if journal and alg == 'q' then
+        note(bucket, stored, value, burst)
+      end
     end
     push(out, ok, bal, third, rst)
   end
@@ -792,6 +823,9 @@ for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvuaxe])(%d*)') do
     keys = keys + 1
   end
 end
+if journal then
+  keys = keys + 1
+end
 if keys ~= #KEYS or count == 0 then
   return redis.error_reply('token_bucket.lua: ARGV[2] ' .. ARGV[2] .. ' covers ' .. keys ..
     ' keys, but the call has ' .. #KEYS)
@@ -847,5 +881,8 @@ for q = 0, count - 1 do
       first, extra = first + 1, extra + 1
     end
   end
+end
+if journal then
+  out[#out + 1] = noted
 end
 return out

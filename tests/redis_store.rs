@@ -300,7 +300,12 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
             let want = states.get(bucket).map(|s| match s {
                 State::Tokens(s) => format!("{}:{}:{}", s.full_at, s.interval, s.burst),
                 State::Window(w) if written_as.get(bucket) == Some(&Algorithm::Quota) => {
-                    format!("q:{}:{}:{}", w.start, w.count, w.idle_at)
+                    format!(
+                        "q:{}:{}:{}",
+                        w.start,
+                        w.count,
+                        tollgate::algorithm::window::quota_end(*w)
+                    )
                 }
                 State::Window(w) => format!("w:{}:{}:{}", w.start, w.count, w.previous),
                 State::Leases(_) => unreachable!("this sequence draws no concurrency caps"),

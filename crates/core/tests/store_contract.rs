@@ -19,8 +19,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis_servers::{RedisCluster, RedisServer};
+use tollgate_core::algorithm::calendar::Bounds;
 use tollgate_core::algorithm::{Charge, Limit, Op, Rate};
 use tollgate_core::clock::{Clock, ManualClock};
+use tollgate_core::store::journal::{Journal, QuotaCount, QuotaEvent};
 use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
     RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
@@ -31,6 +33,8 @@ const T0: u64 = 1_700_000_000_000_000;
 
 struct Harness {
     store: Arc<dyn Store>,
+    /// The store's quota journal.
+    journal: Arc<dyn Journal>,
     /// Another instance on the same backend (in memory: the same store).
     other: Arc<dyn Store>,
     clock: Arc<ManualClock>,
@@ -55,9 +59,11 @@ impl Harness {
 impl Harness {
     fn memory() -> Self {
         let clock = Arc::new(ManualClock::new(T0));
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(clock.clone(), 10_000));
+        let memory = Arc::new(MemoryStore::new(clock.clone(), 10_000).with_journal());
+        let store: Arc<dyn Store> = memory.clone();
         Self {
             other: store.clone(),
+            journal: memory,
             store,
             clock,
             _redis: None,
@@ -65,10 +71,11 @@ impl Harness {
         }
     }
 
-    fn redis_store(url: String, clock: &Arc<ManualClock>, coalesce: usize) -> Arc<dyn Store> {
+    fn redis_store(url: String, clock: &Arc<ManualClock>, coalesce: usize) -> Arc<RedisStore> {
         let config = RedisConfig {
             timeout: Duration::from_secs(5),
             coalesce,
+            journal: true,
             ..RedisConfig::new(url)
         };
         let clock: Arc<dyn Clock> = clock.clone();
@@ -78,8 +85,10 @@ impl Harness {
     fn redis(coalesce: usize) -> Self {
         let server = RedisServer::start();
         let clock = Arc::new(ManualClock::new(T0));
+        let store = Self::redis_store(server.url(), &clock, coalesce);
         Self {
-            store: Self::redis_store(server.url(), &clock, coalesce),
+            journal: store.clone(),
+            store,
             other: Self::redis_store(server.url(), &clock, coalesce),
             clock,
             _redis: Some(server),
@@ -90,8 +99,10 @@ impl Harness {
     fn cluster(coalesce: usize) -> Self {
         let cluster = RedisCluster::start();
         let clock = Arc::new(ManualClock::new(T0));
+        let store = Self::redis_store(cluster.url(), &clock, coalesce);
         Self {
-            store: Self::redis_store(cluster.url(), &clock, coalesce),
+            journal: store.clone(),
+            store,
             other: Self::redis_store(cluster.url(), &clock, coalesce),
             clock,
             _redis: None,
@@ -785,6 +796,101 @@ async fn five_hundred_acquirers_take_exactly_the_cap(h: &Harness) {
     assert_eq!(held(h, &slots("race", "hot"), 100).await, 100);
 }
 
+/// Every event waiting in `h`'s journals (with `sweep`, also those other
+/// instances left), each journal trimmed after it is read.
+async fn journaled(h: &Harness, sweep: bool) -> Vec<QuotaEvent> {
+    let mut events = Vec::new();
+    let mut journals = h.journal.pending(sweep).await.unwrap();
+    journals.sort();
+    for journal in journals {
+        let read = h.journal.read(&journal, 100).await.unwrap();
+        h.journal.trim(&journal, read.len()).await.unwrap();
+        events.extend(
+            read.into_iter()
+                .map(|e| e.expect("a line this build wrote")),
+        );
+    }
+    events
+}
+
+async fn quota_periods_are_journaled_once_each(h: &Harness) {
+    const DAY: u64 = 86_400_000_000;
+    let quota = |count, day: u64| {
+        let start = T0 + day * DAY;
+        Charge::new(
+            Limit::quota(
+                count,
+                Bounds {
+                    start,
+                    end: start + DAY,
+                },
+            )
+            .unwrap(),
+            1,
+        )
+    };
+    let kind = BucketKind::Quota {
+        per_key: true,
+        shadow: false,
+    };
+    let b = [BucketKey::new("acme", kind, "exports", "a key")];
+    // The counter's first write enters its first period: one event.
+    assert!(h.spend(&b, &[quota(3, 0)]).await.allowed);
+    assert!(h.spend(&b, &[quota(3, 0)]).await.allowed);
+    let opened = QuotaEvent {
+        bucket: b[0].clone(),
+        start: T0,
+        end: T0 + DAY,
+        quota: 3,
+        previous: None,
+    };
+    assert_eq!(journaled(h, false).await, [opened]);
+    // A dry run, a refusal and further spends in the period journal nothing.
+    let march = [quota(3, 0)];
+    let dry = Request::new(&b, &march, Op::DRY);
+    assert!(h.store.apply(dry).await.unwrap().allowed);
+    assert!(h.spend(&b, &[quota(3, 0)]).await.allowed);
+    assert!(!h.spend(&b, &[quota(3, 0)]).await.allowed);
+    assert_eq!(journaled(h, false).await, []);
+    assert_eq!(
+        h.journal.count(&b[0]).await.unwrap(),
+        Some(QuotaCount {
+            start: T0,
+            count: 3
+        })
+    );
+    // The next period, entered by another instance: its event names the
+    // period it replaced and that period's final count, and a sweep finds
+    // it though this instance was never told.
+    h.clock.advance(Duration::from_micros(DAY + 1));
+    assert!(
+        h.other
+            .apply(Request::new(&b, &[quota(5, 1)], Op::SPEND))
+            .await
+            .unwrap()
+            .allowed
+    );
+    let turned = QuotaEvent {
+        bucket: b[0].clone(),
+        start: T0 + DAY,
+        end: T0 + 2 * DAY,
+        quota: 5,
+        previous: Some((T0, 3)),
+    };
+    assert_eq!(journaled(h, true).await, [turned]);
+    assert_eq!(journaled(h, true).await, []);
+    assert_eq!(
+        h.journal.count(&b[0]).await.unwrap(),
+        Some(QuotaCount {
+            start: T0 + DAY,
+            count: 1
+        })
+    );
+    // A counter that never held anything counts nothing.
+    let never = BucketKey::new("acme", kind, "exports", "nobody");
+    assert_eq!(h.journal.count(&never).await.unwrap(), None);
+}
+
 macro_rules! contract {
     ($($test:ident),* $(,)?) => {
         mod memory {
@@ -826,4 +932,5 @@ contract!(
     acquire_takes_tokens_and_slots_all_or_nothing,
     shadow_caps_never_refuse,
     five_hundred_acquirers_take_exactly_the_cap,
+    quota_periods_are_journaled_once_each,
 );

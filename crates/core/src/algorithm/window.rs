@@ -43,7 +43,9 @@ pub struct WindowState {
     /// Requests counted in the window before it (sliding windows only).
     pub previous: u64,
     /// From this instant the state means nothing (the window, and for a
-    /// sliding window the next one too, is over).
+    /// sliding window the next one too, is over). A quota's outlives its
+    /// period by one more period's length, as on Redis: the usage ledger
+    /// reads a closed period's final count after its end.
     pub idle_at: Micros,
 }
 
@@ -62,7 +64,7 @@ fn rolled(
         // instance whose clock is ahead turned it already) is counted in
         // instead, so a period is never counted twice.
         let (start, end, count) = match state {
-            Some(s) if s.start > period.start => (s.start, s.idle_at, s.count),
+            Some(s) if s.start > period.start => (s.start, quota_end(s), s.count),
             Some(s) if s.start == period.start => (period.start, period.end, s.count),
             _ => (period.start, period.end, 0),
         };
@@ -77,6 +79,12 @@ fn rolled(
         Some(s) if s.start + window == start => (start, end, 0, s.count, now),
         _ => (start, end, 0, 0, now),
     }
+}
+
+/// The end of the period a quota's stored state counts in: its state is
+/// idle one period's length after it.
+pub fn quota_end(state: WindowState) -> Micros {
+    state.start + (state.idle_at - state.start) / 2
 }
 
 /// Decides `cost` against a fixed or sliding window: the [`decide_need`] of
@@ -102,6 +110,7 @@ struct Counts {
     /// `count` plus the weighted previous count.
     used: u64,
     sliding: bool,
+    quota: bool,
     window: Micros,
 }
 
@@ -123,6 +132,7 @@ impl Counts {
             now,
             used: count + weighted,
             sliding,
+            quota: limit.period().is_some(),
             window,
         }
     }
@@ -134,6 +144,8 @@ impl Counts {
             previous: self.previous,
             idle_at: if self.sliding {
                 self.end + self.window
+            } else if self.quota {
+                self.end + (self.end - self.start)
             } else {
                 self.end
             },
@@ -425,7 +437,9 @@ mod tests {
             (v.allowed, v.remaining, v.reset_after),
             (true, 1, P1 - P0 - 5)
         );
-        assert_eq!((s.start, s.count, s.idle_at), (P0, 2, P1));
+        assert_eq!((s.start, s.count, quota_end(s)), (P0, 2, P1));
+        // Kept one more period's length, for the ledger to read.
+        assert_eq!(s.idle_at, P1 + (P1 - P0));
         let (v, s) = decide(Some(s), &march, 1, P1 - 10).unwrap();
         assert_eq!((v.allowed, v.remaining), (true, 0));
         // Refused: exactly until the period ends, spending nothing.
@@ -436,7 +450,7 @@ mod tests {
         let april = quota(3, P1, P2);
         let (v, s) = decide(Some(s), &april, 3, P1).unwrap();
         assert_eq!((v.allowed, v.remaining), (true, 0));
-        assert_eq!((s.start, s.idle_at), (P1, P2));
+        assert_eq!((s.start, quota_end(s)), (P1, P2));
     }
 
     #[test]

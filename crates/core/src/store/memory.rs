@@ -36,9 +36,12 @@ use super::{
 use crate::algorithm::concurrency::LeaseSet;
 use crate::algorithm::{Charge, Micros, Op, Plan, State, plan};
 
+mod journal;
 mod leases;
 mod records;
 use crate::clock::Clock;
+pub use journal::MAX_EVENTS as MAX_JOURNAL_EVENTS;
+use journal::MemoryJournal;
 use leases::HeldLease;
 use records::Records;
 
@@ -159,6 +162,9 @@ pub struct MemoryStore {
     last_sweep_at_cap: AtomicU64,
     evicted_idle: AtomicU64,
     refused: AtomicU64,
+    /// Quota events, when this store is the one the ledger records from
+    /// (not when it stands in for Redis).
+    journal: Option<Box<MemoryJournal>>,
 }
 
 impl MemoryStore {
@@ -186,7 +192,21 @@ impl MemoryStore {
             last_sweep_at_cap: AtomicU64::new(0),
             evicted_idle: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            journal: None,
         }
+    }
+
+    /// Keeps a quota journal ([`crate::store::journal`]): this store holds
+    /// the counters the usage ledger records.
+    pub fn with_journal(mut self) -> Self {
+        self.journal = Some(Box::default());
+        self
+    }
+
+    /// Quota events lost to a full journal (a ledger that could not write
+    /// for [`MAX_JOURNAL_EVENTS`] events).
+    pub fn journal_dropped(&self) -> u64 {
+        self.journal.as_ref().map_or(0, |j| j.dropped())
     }
 
     /// Caps the bytes held too (each bucket counted as
@@ -456,8 +476,13 @@ impl MemoryStore {
                 }
             }
         }
-        for ((bucket, write), charge) in buckets.iter().zip(&plan.writes).zip(charges) {
+        for (((bucket, write), charge), old) in
+            buckets.iter().zip(&plan.writes).zip(charges).zip(&states)
+        {
             let Some(state) = write else { continue };
+            if let Some(journal) = &self.journal {
+                journal.note(bucket, charge, old.as_ref(), state);
+            }
             if charge.limit.is_concurrency() {
                 if let (Some(held), Op::Acquire { ttl }) = (&lease, op) {
                     self.add_lease(bucket, held.nonce, now.saturating_add(ttl));
@@ -555,8 +580,13 @@ impl MemoryStore {
         }
         let states: Vec<Option<State>> = buckets.iter().map(|b| self.state(b)).collect();
         let (verdicts, writes) = reservation::settle_plan(&held, &states, actual, now);
-        for (bucket, write) in buckets.iter().zip(writes) {
+        for (((bucket, write), charge), old) in
+            buckets.iter().zip(writes).zip(&held.charges).zip(&states)
+        {
             let Some(state) = write else { continue };
+            if let Some(journal) = &self.journal {
+                journal.note(bucket, charge, old.as_ref(), &state);
+            }
             match self.buckets.get_mut(bucket) {
                 Some(mut entry) => *entry = state,
                 // Swept meanwhile (it was full again) and still full: no

@@ -47,6 +47,7 @@
 pub mod breaker;
 pub mod deny_cache;
 pub mod fallback;
+pub mod journal;
 pub mod layer;
 pub mod lease;
 pub mod memory;
@@ -202,6 +203,20 @@ impl BucketKey {
             key_at: u16::try_from(key_at).unwrap_or(u16::MAX),
             name: name.into_boxed_str(),
         }
+    }
+
+    /// A quota counter's key from its name (`tenant:tag:resource:key`);
+    /// `None` for a name that is not a quota counter's. Journals name
+    /// counters ([`journal`]); every other bucket is named, never parsed.
+    pub fn parse(name: &str) -> Option<Self> {
+        let mut parts = name.splitn(4, ':');
+        let (tenant, tag, resource, key) =
+            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        let kind = [(true, false), (true, true), (false, false), (false, true)]
+            .into_iter()
+            .map(|(per_key, shadow)| BucketKind::Quota { per_key, shadow })
+            .find(|k| k.tag() == tag)?;
+        Some(Self::new(tenant, kind, resource, key))
     }
 
     /// The rendered name.

@@ -49,6 +49,7 @@ use tokio::time::Instant;
 
 mod coalesce;
 mod exec;
+mod journal;
 mod keys;
 mod node;
 mod script;
@@ -114,6 +115,9 @@ pub struct RedisConfig {
     /// `spread_keys`, per tenant and slot); `None`: bounded only by the
     /// tokens the tenant may reserve.
     pub max_records_per_tenant: Option<usize>,
+    /// Keep a quota journal ([`crate::store::journal`]) beside the
+    /// counters, for the usage ledger.
+    pub journal: bool,
 }
 
 impl RedisConfig {
@@ -132,6 +136,7 @@ impl RedisConfig {
             breaker_cooldown: super::breaker::DEFAULT_COOLDOWN,
             spread_keys: false,
             max_records_per_tenant: None,
+            journal: false,
         }
     }
 
@@ -169,6 +174,8 @@ struct Shared {
     /// Reservations this instance made, by when they expire: checked by
     /// [`RedisStore::count_expired`].
     expiring: Mutex<BinaryHeap<Reverse<(tokio::time::Instant, String)>>>,
+    /// Quota journals script calls appended to.
+    pending: journal::Pending,
 }
 
 /// Most reservations and leases one instance tracks for
@@ -201,6 +208,7 @@ impl RedisStore {
             routes,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
             expiring: Mutex::default(),
+            pending: journal::Pending::default(),
             config,
             clock,
         };

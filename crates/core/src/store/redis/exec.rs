@@ -9,6 +9,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
+use super::journal::journal_of;
 use super::node::Answer;
 use super::script::{self, Reply, Request, parse_reply};
 use super::topology::slot_of;
@@ -184,6 +185,11 @@ impl Shared {
             .map(|c| c.now().to_string())
             .unwrap_or_default();
         let margin_ms = self.config.expiry_margin.as_millis() as u64;
+        let key = &requests[0].keys[0];
+        // Quota counters may enter a period: the call journals it.
+        let journal = (self.config.journal && requests.iter().any(|r| r.may_enter_a_period()))
+            .then(|| journal_of(key))
+            .flatten();
         let write = |deadline_on_node: i64| {
             script::evalsha(
                 self.script.get_hash(),
@@ -192,9 +198,9 @@ impl Shared {
                 deadline_on_node,
                 margin_ms,
                 self.config.max_records_per_tenant,
+                journal.as_deref(),
             )
         };
-        let key = &requests[0].keys[0];
         // Counted as sent unless the node's breaker refuses it outright.
         if !self.routes.refuses(slot_of(key)) {
             metrics::store_decisions("redis", requests.len());
@@ -213,11 +219,15 @@ impl Shared {
                 .collect(),
             _ => None,
         };
-        let Some(ints) = ints else {
+        let Some(mut ints) = ints else {
             return Err(StoreError::Protocol(format!(
                 "Redis answered decide unexpectedly: {reply:?}, not an array of integers"
             )));
         };
+        if let Some(journal) = &journal {
+            let appended = ints.pop().unwrap_or_default();
+            self.pending.appended(journal, appended);
+        }
         parse_reply(&ints, requests.iter().map(|r| (&r.kind, &r.charges[..])))
     }
 }

@@ -19,6 +19,15 @@ pub(super) struct Request {
 }
 
 /// What a request asks of the script.
+impl Request {
+    /// True when the call may write a quota counter: it charges one, or it
+    /// settles a reservation (whose record may name one).
+    pub(super) fn may_enter_a_period(&self) -> bool {
+        matches!(self.kind, Kind::Settle { .. })
+            || self.charges.iter().any(|c| c.limit.period().is_some())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(super) enum Kind {
     Decide { spend: bool },
@@ -132,8 +141,10 @@ pub(super) fn evalsha(
     deadline: i64,
     margin_ms: u64,
     record_cap: Option<usize>,
+    journal: Option<&str>,
 ) -> redis::Cmd {
-    let keys: usize = requests.iter().map(|r| r.keys.len()).sum();
+    let keys: usize =
+        requests.iter().map(|r| r.keys.len()).sum::<usize>() + usize::from(journal.is_some());
     let mut shape = String::with_capacity(4 * requests.len());
     for request in requests {
         if !shape.is_empty() {
@@ -146,6 +157,9 @@ pub(super) fn evalsha(
     for key in requests.iter().flat_map(|r| &r.keys) {
         evalsha.arg(key.as_str());
     }
+    if let Some(journal) = journal {
+        evalsha.arg(journal);
+    }
     // One buffer for every field written here: redis-rs copies each
     // argument into the command.
     let mut field = String::with_capacity(48);
@@ -153,8 +167,10 @@ pub(super) fn evalsha(
     field.push('@');
     field.push_str(itoa::Buffer::new().format(deadline));
     evalsha.arg(field.as_str()).arg(shape);
+    let j = if journal.is_some() { "j" } else { "" };
     match record_cap {
-        Some(cap) => evalsha.arg(format!("{margin_ms}:{cap}")),
+        Some(cap) => evalsha.arg(format!("{margin_ms}:{cap}{j}")),
+        None if journal.is_some() => evalsha.arg(format!("{margin_ms}j")),
         None => evalsha.arg(margin_ms),
     };
     for c in requests.iter().flat_map(|r| &r.charges) {

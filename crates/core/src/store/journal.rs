@@ -1,0 +1,170 @@
+//! The quota journal: what a store tells the usage ledger about quota
+//! periods, written in the same atomic step as the decision that caused it.
+//!
+//! A decision that writes a quota counter into a period it did not hold
+//! before (the counter's first use, or its first use after a boundary)
+//! appends one [`QuotaEvent`]: the new period, and the final count of the
+//! period it replaced. The ledger (`tollgate_engine::ledger`) records
+//! events in the limits database and trims them only afterwards, so an
+//! instance that dies between the decision and the write loses nothing:
+//! the events wait in the store for any instance to record them.
+//!
+//! Redis keeps each hash tag's events in a list beside its counters
+//! (`PREFIX{TAG}:qj::`, written by `lua/token_bucket.lua`); the in-process
+//! store keeps one queue. Both write events as the same line:
+//!
+//! ```text
+//! o START END QUOTA PREVIOUS_START PREVIOUS_COUNT NAME
+//! ```
+//!
+//! in µs since the Unix epoch, `PREVIOUS_START` 0 when the counter held no
+//! earlier period, and `NAME` the counter's name in that store (last: a key
+//! may hold spaces).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use super::{BucketKey, StoreError};
+use crate::algorithm::Micros;
+
+/// A future of a journal operation.
+pub type JournalFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// A quota counter entered a new period.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaEvent {
+    /// The counter.
+    pub bucket: BucketKey,
+    /// The first instant of the period it entered.
+    pub start: Micros,
+    /// The next period's first instant.
+    pub end: Micros,
+    /// The quota per period when it was entered.
+    pub quota: u64,
+    /// The period it held before and that period's final count, if any.
+    pub previous: Option<(Micros, u64)>,
+}
+
+impl QuotaEvent {
+    /// The event as a journal line, the counter named `name`.
+    pub fn line(&self, name: &str) -> String {
+        let (ps, pc) = self.previous.unwrap_or((0, 0));
+        format!(
+            "o {} {} {} {ps} {pc} {name}",
+            self.start, self.end, self.quota
+        )
+    }
+
+    /// Reads a journal line; `bucket_of` turns the store's name for the
+    /// counter back into its key. `None`: not a line this build writes.
+    pub fn parse(line: &str, bucket_of: impl FnOnce(&str) -> Option<BucketKey>) -> Option<Self> {
+        let mut parts = line.splitn(7, ' ');
+        if parts.next()? != "o" {
+            return None;
+        }
+        let mut number = || parts.next()?.parse::<u64>().ok();
+        let (start, end, quota, ps, pc) = (number()?, number()?, number()?, number()?, number()?);
+        let bucket = bucket_of(parts.next()?)?;
+        (start < end).then_some(Self {
+            bucket,
+            start,
+            end,
+            quota,
+            previous: (ps > 0).then_some((ps, pc)),
+        })
+    }
+}
+
+/// What a quota counter holds: the period it counts in and its count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaCount {
+    /// The period's first instant.
+    pub start: Micros,
+    /// Tokens counted in it.
+    pub count: u64,
+}
+
+/// A store's quota journal.
+pub trait Journal: Send + Sync {
+    /// The journals that may hold events: those decisions reported events
+    /// in since the last call and, with `sweep`, every journal the store
+    /// holds (for events left by an instance that died before recording
+    /// them; on Redis a scan of the keyspace).
+    fn pending(&self, sweep: bool) -> JournalFuture<'_, Vec<String>>;
+
+    /// Up to `max` of the oldest entries of `journal`, parsed (`None` for
+    /// an entry this build cannot read), oldest first.
+    fn read<'a>(
+        &'a self,
+        journal: &'a str,
+        max: usize,
+    ) -> JournalFuture<'a, Vec<Option<QuotaEvent>>>;
+
+    /// Drops the `n` oldest entries of `journal`, once recorded.
+    fn trim<'a>(&'a self, journal: &'a str, n: usize) -> JournalFuture<'a, ()>;
+
+    /// What the quota counter `bucket` holds now; `None` when it holds
+    /// nothing (never written, or expired).
+    fn count<'a>(&'a self, bucket: &'a BucketKey) -> JournalFuture<'a, Option<QuotaCount>>;
+
+    /// Resolves once a decision reported events after the last
+    /// [`Journal::pending`] (at once if one did).
+    fn notified(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::BucketKind;
+
+    fn bucket() -> BucketKey {
+        BucketKey::new(
+            "acme",
+            BucketKind::Quota {
+                per_key: true,
+                shadow: false,
+            },
+            "exports",
+            "a key with spaces",
+        )
+    }
+
+    #[test]
+    fn a_line_reads_back_as_the_event_it_was() {
+        let event = QuotaEvent {
+            bucket: bucket(),
+            start: 1_000,
+            end: 2_000,
+            quota: 50,
+            previous: Some((500, 49)),
+        };
+        let line = event.line(bucket().as_str());
+        assert_eq!(
+            line,
+            "o 1000 2000 50 500 49 acme:kq:exports:a key with spaces"
+        );
+        assert_eq!(
+            QuotaEvent::parse(&line, |n| BucketKey::parse(n)),
+            Some(event)
+        );
+        let first = "o 1000 2000 50 0 0 acme:kq:exports:k";
+        let parsed = QuotaEvent::parse(first, BucketKey::parse).unwrap();
+        assert_eq!(parsed.previous, None);
+        assert_eq!(parsed.bucket.key(), "k");
+    }
+
+    #[test]
+    fn lines_this_build_never_writes_are_not_read() {
+        for line in [
+            "",
+            "x 1 2 3 0 0 acme:kq::k",
+            "o 1 2 3 0 acme:kq::k",
+            "o 2 1 3 0 0 acme:kq::k",
+            "o a 2 3 0 0 acme:kq::k",
+            "o 1 2 3 0 0 acme:k::k",
+            "o 1 2 3 0 0",
+        ] {
+            assert_eq!(QuotaEvent::parse(line, BucketKey::parse), None, "{line:?}");
+        }
+    }
+}
