@@ -144,7 +144,7 @@ mod tests {
             "o 1000 2000 50 500 49 acme:kq:exports:a key with spaces"
         );
         assert_eq!(
-            QuotaEvent::parse(&line, |n| BucketKey::parse(n)),
+            QuotaEvent::parse(&line, BucketKey::parse),
             Some(event)
         );
         let first = "o 1000 2000 50 0 0 acme:kq:exports:k";
