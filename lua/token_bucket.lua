@@ -55,7 +55,8 @@ ARGV[3]   "MARGIN[:CAP][j]": the expiry margin in milliseconds added to each
           held. With "j", the call's last key is a quota journal
           (`PREFIX{TAG}:qj::`, src/store/journal.rs): each quota counter the
           call writes into a period it did not hold appends
-          "o START END QUOTA PREVIOUS_START PREVIOUS_COUNT KEY" to it, and
+          "o START END QUOTA PREVIOUS_START PREVIOUS_END PREVIOUS_COUNT KEY"
+          to it (the previous period's fields 0 when it held none), and
           the reply ends with how many lines the call appended.
 then three per bucket, for the i-th bucket of the call (record keys do
 not count) at ARGV[4 + 3(i-1)] ...:
@@ -413,17 +414,17 @@ local noted = 0
 -- of `quota` per period, when it enters a period `held` did not count.
 local function note(key, held, value, quota)
   local s, e = string.match(value, '^q:(%d+):%d+:(%d+)$')
-  local ps, pc = '0', '0'
+  local ps, pe, pc = '0', '0', '0'
   if held then
-    local hs, hc = string.match(held, '^q:(%d+):(%d+):')
+    local hs, hc, he = string.match(held, '^q:(%d+):(%d+):(%d+)$')
     if hs then
       if tonumber(hs) >= tonumber(s) then
         return
       end
-      ps, pc = hs, hc
+      ps, pe, pc = hs, he, hc
     end
   end
-  redis.call('RPUSH', journal, string.format('o %s %s %d %s %s ', s, e, quota, ps, pc) .. key)
+  redis.call('RPUSH', journal, string.format('o %s %s %d %s %s %s ', s, e, quota, ps, pe, pc) .. key)
   noted = noted + 1
 end
 

@@ -22,7 +22,7 @@ use redis_servers::{RedisCluster, RedisServer};
 use tollgate_core::algorithm::calendar::Bounds;
 use tollgate_core::algorithm::{Charge, Limit, Op, Rate};
 use tollgate_core::clock::{Clock, ManualClock};
-use tollgate_core::store::journal::{Journal, QuotaCount, QuotaEvent};
+use tollgate_core::store::journal::{Closed, Journal, QuotaCount, QuotaEvent};
 use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
     RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
@@ -875,7 +875,11 @@ async fn quota_periods_are_journaled_once_each(h: &Harness) {
         start: T0 + DAY,
         end: T0 + 2 * DAY,
         quota: 5,
-        previous: Some((T0, 3)),
+        previous: Some(Closed {
+            start: T0,
+            end: T0 + DAY,
+            count: 3,
+        }),
     };
     assert_eq!(journaled(h, true).await, [turned]);
     assert_eq!(journaled(h, true).await, []);

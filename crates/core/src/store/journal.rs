@@ -14,12 +14,12 @@
 //! store keeps one queue. Both write events as the same line:
 //!
 //! ```text
-//! o START END QUOTA PREVIOUS_START PREVIOUS_COUNT NAME
+//! o START END QUOTA PREVIOUS_START PREVIOUS_END PREVIOUS_COUNT NAME
 //! ```
 //!
-//! in µs since the Unix epoch, `PREVIOUS_START` 0 when the counter held no
-//! earlier period, and `NAME` the counter's name in that store (last: a key
-//! may hold spaces).
+//! in µs since the Unix epoch, the previous period's fields 0 when the
+//! counter held no earlier period, and `NAME` the counter's name in that
+//! store (last: a key may hold spaces).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -41,36 +41,56 @@ pub struct QuotaEvent {
     pub end: Micros,
     /// The quota per period when it was entered.
     pub quota: u64,
-    /// The period it held before and that period's final count, if any.
-    pub previous: Option<(Micros, u64)>,
+    /// The period it held before, with that period's final count.
+    pub previous: Option<Closed>,
+}
+
+/// A period a counter left, and what it counted there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Closed {
+    /// The period's first instant.
+    pub start: Micros,
+    /// The next period's first instant.
+    pub end: Micros,
+    /// Tokens counted in it, final.
+    pub count: u64,
 }
 
 impl QuotaEvent {
     /// The event as a journal line, the counter named `name`.
     pub fn line(&self, name: &str) -> String {
-        let (ps, pc) = self.previous.unwrap_or((0, 0));
+        let p = self.previous.unwrap_or(Closed {
+            start: 0,
+            end: 0,
+            count: 0,
+        });
         format!(
-            "o {} {} {} {ps} {pc} {name}",
-            self.start, self.end, self.quota
+            "o {} {} {} {} {} {} {name}",
+            self.start, self.end, self.quota, p.start, p.end, p.count
         )
     }
 
     /// Reads a journal line; `bucket_of` turns the store's name for the
     /// counter back into its key. `None`: not a line this build writes.
     pub fn parse(line: &str, bucket_of: impl FnOnce(&str) -> Option<BucketKey>) -> Option<Self> {
-        let mut parts = line.splitn(7, ' ');
+        let mut parts = line.splitn(8, ' ');
         if parts.next()? != "o" {
             return None;
         }
         let mut number = || parts.next()?.parse::<u64>().ok();
-        let (start, end, quota, ps, pc) = (number()?, number()?, number()?, number()?, number()?);
+        let (start, end, quota) = (number()?, number()?, number()?);
+        let previous = Closed {
+            start: number()?,
+            end: number()?,
+            count: number()?,
+        };
         let bucket = bucket_of(parts.next()?)?;
-        (start < end).then_some(Self {
+        (start < end && (previous.start == 0 || previous.start < previous.end)).then_some(Self {
             bucket,
             start,
             end,
             quota,
-            previous: (ps > 0).then_some((ps, pc)),
+            previous: (previous.start > 0).then_some(previous),
         })
     }
 }
@@ -136,18 +156,19 @@ mod tests {
             start: 1_000,
             end: 2_000,
             quota: 50,
-            previous: Some((500, 49)),
+            previous: Some(Closed {
+                start: 500,
+                end: 1000,
+                count: 49,
+            }),
         };
         let line = event.line(bucket().as_str());
         assert_eq!(
             line,
-            "o 1000 2000 50 500 49 acme:kq:exports:a key with spaces"
+            "o 1000 2000 50 500 1000 49 acme:kq:exports:a key with spaces"
         );
-        assert_eq!(
-            QuotaEvent::parse(&line, BucketKey::parse),
-            Some(event)
-        );
-        let first = "o 1000 2000 50 0 0 acme:kq:exports:k";
+        assert_eq!(QuotaEvent::parse(&line, BucketKey::parse), Some(event));
+        let first = "o 1000 2000 50 0 0 0 acme:kq:exports:k";
         let parsed = QuotaEvent::parse(first, BucketKey::parse).unwrap();
         assert_eq!(parsed.previous, None);
         assert_eq!(parsed.bucket.key(), "k");
@@ -157,12 +178,13 @@ mod tests {
     fn lines_this_build_never_writes_are_not_read() {
         for line in [
             "",
-            "x 1 2 3 0 0 acme:kq::k",
-            "o 1 2 3 0 acme:kq::k",
-            "o 2 1 3 0 0 acme:kq::k",
-            "o a 2 3 0 0 acme:kq::k",
-            "o 1 2 3 0 0 acme:k::k",
-            "o 1 2 3 0 0",
+            "x 1 2 3 0 0 0 acme:kq::k",
+            "o 1 2 3 0 0 acme:kq::k",
+            "o 2 1 3 0 0 0 acme:kq::k",
+            "o 3 4 3 2 1 0 acme:kq::k",
+            "o a 2 3 0 0 0 acme:kq::k",
+            "o 1 2 3 0 0 0 acme:k::k",
+            "o 1 2 3 0 0 0",
         ] {
             assert_eq!(QuotaEvent::parse(line, BucketKey::parse), None, "{line:?}");
         }

@@ -136,3 +136,26 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- Each quota counter's periods: opened by the decision that first counted
+-- in one, closed with its final count once it is over (the usage ledger,
+-- crates/engine/src/ledger.rs). Instants in µs since the Unix epoch; `used`
+-- stays NULL in a period closed without its count (lost with its store).
+CREATE TABLE IF NOT EXISTS usage_periods (
+    counter      TEXT        NOT NULL,
+    period_start BIGINT      NOT NULL,
+    period_end   BIGINT      NOT NULL,
+    tenant       TEXT        NOT NULL,
+    scope        TEXT        NOT NULL,
+    resource     TEXT        NOT NULL,
+    key          TEXT        NOT NULL,
+    shadow       BIGINT      NOT NULL DEFAULT 0,
+    rule         TEXT        NOT NULL DEFAULT '',
+    quota        BIGINT      NOT NULL,
+    used         BIGINT,
+    closed_at    TIMESTAMPTZ,
+    PRIMARY KEY (counter, period_start)
+);
+CREATE INDEX IF NOT EXISTS usage_periods_open ON usage_periods (period_end)
+    WHERE closed_at IS NULL;
+CREATE INDEX IF NOT EXISTS usage_periods_tenant ON usage_periods (tenant, period_start);

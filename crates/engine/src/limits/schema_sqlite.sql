@@ -124,3 +124,26 @@ CREATE TRIGGER IF NOT EXISTS plans_logged_delete AFTER DELETE ON plans BEGIN
     INSERT INTO limits_changes (version, tenant, plan)
         SELECT version, '', OLD.name FROM limits_version;
 END;
+
+-- Each quota counter's periods: opened by the decision that first counted
+-- in one, closed with its final count once it is over (the usage ledger,
+-- crates/engine/src/ledger.rs). Instants in µs since the Unix epoch; `used`
+-- stays NULL in a period closed without its count (lost with its store).
+CREATE TABLE IF NOT EXISTS usage_periods (
+    counter      TEXT    NOT NULL,
+    period_start INTEGER NOT NULL,
+    period_end   INTEGER NOT NULL,
+    tenant       TEXT    NOT NULL,
+    scope        TEXT    NOT NULL,
+    resource     TEXT    NOT NULL,
+    key          TEXT    NOT NULL,
+    shadow       INTEGER NOT NULL DEFAULT 0,
+    rule         TEXT    NOT NULL DEFAULT '',
+    quota        INTEGER NOT NULL,
+    used         INTEGER,
+    closed_at    TEXT,
+    PRIMARY KEY (counter, period_start)
+);
+CREATE INDEX IF NOT EXISTS usage_periods_open ON usage_periods (period_end)
+    WHERE closed_at IS NULL;
+CREATE INDEX IF NOT EXISTS usage_periods_tenant ON usage_periods (tenant, period_start);

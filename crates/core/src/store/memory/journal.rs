@@ -14,7 +14,7 @@ use super::MemoryStore;
 use crate::algorithm::window::quota_end;
 use crate::algorithm::{Charge, State};
 use crate::store::BucketKey;
-use crate::store::journal::{Journal, JournalFuture, QuotaCount, QuotaEvent};
+use crate::store::journal::{Closed, Journal, JournalFuture, QuotaCount, QuotaEvent};
 
 /// Most events the queue holds. A ledger that cannot write (its database
 /// down) for long enough to fill it loses the newest events, counted in
@@ -48,7 +48,11 @@ impl MemoryJournal {
         let State::Window(new) = new else { return };
         let previous = match old {
             Some(State::Window(old)) if old.start >= new.start => return,
-            Some(State::Window(old)) => Some((old.start, old.count)),
+            Some(State::Window(old)) => Some(Closed {
+                start: old.start,
+                end: quota_end(*old),
+                count: old.count,
+            }),
             _ => None,
         };
         let event = QuotaEvent {
