@@ -63,7 +63,7 @@
 //! # });
 //! ```
 
-pub use tollgate_engine::{algorithm, clock, engine, limits, telemetry};
+pub use tollgate_engine::{algorithm, clock, engine, ledger, limits, telemetry};
 
 pub mod api;
 pub mod cli;

@@ -24,6 +24,7 @@ use crate::connections::{
 use crate::engine::Engine;
 use crate::engine::StoreError;
 use crate::engine::backend::{Backend, StoreHandle};
+use crate::ledger::Ledger;
 use crate::limits::table::{LimitsTable, TableError};
 use crate::limits::watch::{LiveLimits, LoadError, spawn_watch};
 use crate::proto;
@@ -224,6 +225,7 @@ struct Parts {
     store: StoreHandle,
     top: Arc<TopLimited>,
     engine: Arc<Engine>,
+    ledger: Arc<Ledger>,
 }
 
 impl Parts {
@@ -238,6 +240,12 @@ impl Parts {
         let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
         let engine = Arc::new(backend.engine(clock.clone(), top.clone(), config.unmatched));
         let store = backend.handle();
+        let ledger = Arc::new(backend.ledger(
+            table.clone(),
+            limits.clone(),
+            clock.clone(),
+            config.ledger(),
+        ));
         Ok(Self {
             table,
             limits,
@@ -246,6 +254,7 @@ impl Parts {
             store,
             top,
             engine,
+            ledger,
         })
     }
 }
@@ -286,11 +295,12 @@ impl Stop {
 }
 
 /// The loops that run beside the traffic: the limits watcher, the Envoy
-/// configuration's reloads, and the stores' sweeper.
+/// configuration's reloads, the stores' sweeper and the usage ledger.
 struct Background {
     limits: tokio::sync::oneshot::Receiver<()>,
     envoy: tokio::task::JoinHandle<()>,
     sweeper: tokio::task::JoinHandle<()>,
+    ledger: tokio::task::JoinHandle<()>,
 }
 
 impl Background {
@@ -309,10 +319,12 @@ impl Background {
         let sweeper = parts
             .backend
             .spawn_sweeper(config.sweep_interval, stop.stopped());
+        let ledger = parts.ledger.clone().spawn(stop.stopped());
         Ok(Self {
             limits,
             envoy,
             sweeper,
+            ledger,
         })
     }
 
@@ -320,6 +332,7 @@ impl Background {
         let _ = self.limits.await;
         let _ = self.envoy.await;
         let _ = self.sweeper.await;
+        let _ = self.ledger.await;
     }
 }
 

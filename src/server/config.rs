@@ -19,6 +19,7 @@ use crate::api::envoy::service::EnvoyOptions;
 use crate::engine::Unmatched;
 use crate::engine::backend::BackendOptions;
 use crate::engine::{RedisConfig, breaker, redact, redis};
+use crate::ledger::LedgerOptions;
 use crate::options::{defaults, parse_duration, parse_duration_or_zero, parse_fraction, text};
 
 /// Largest accepted gRPC message: a full batch of maximal items fits.
@@ -110,6 +111,19 @@ pub struct ServeConfig {
     /// /v1/limits).
     #[arg(long, env = "TOLLGATE_MAX_LIMIT_ROWS", default_value_t = 2_000_000)]
     pub max_limit_rows: usize,
+    /// How long after a quota period's end its final count is read from
+    /// its counter and recorded in `usage_periods` (decisions of instances
+    /// whose clocks run behind may still count in it until then).
+    #[arg(long, env = "TOLLGATE_USAGE_GRACE", value_parser = parse_duration, default_value = "15s")]
+    pub usage_grace: Duration,
+    /// How often quota periods past their end and grace are closed.
+    #[arg(long, env = "TOLLGATE_USAGE_CLOSE_EVERY", value_parser = parse_duration, default_value = "10s")]
+    pub usage_close_every: Duration,
+    /// How often every quota journal in the store is looked for, for
+    /// events an instance left when it died (on Redis a SCAN of the
+    /// keyspace; each instance also looks once at start).
+    #[arg(long, env = "TOLLGATE_USAGE_SWEEP_EVERY", value_parser = parse_duration, default_value = "10m")]
+    pub usage_sweep_every: Duration,
     /// How often idle in-memory buckets are dropped (not an option: tests
     /// shorten it).
     #[arg(skip = Duration::from_secs(10))]
@@ -238,6 +252,16 @@ impl ServeConfig {
             );
         }
         Ok(())
+    }
+
+    /// How the usage ledger paces itself.
+    pub fn ledger(&self) -> LedgerOptions {
+        LedgerOptions {
+            grace: self.usage_grace,
+            close_every: self.usage_close_every,
+            sweep_every: self.usage_sweep_every,
+            ..LedgerOptions::default()
+        }
     }
 
     /// What the engine's stores are built from.

@@ -87,7 +87,7 @@ impl Postgres {
         pg
     }
 
-    fn spawn(&mut self) {
+    pub fn spawn(&mut self) {
         if let Err(e) = self.try_spawn() {
             panic!("{e}");
         }

@@ -5,6 +5,8 @@
 //! engine     the one door to the store for every API: demands in, answers
 //!            out; backend.rs builds the stores it decides with
 //! limits     the limits tables, rules, plans and their live reload
+//! ledger     quota periods recorded in the limits database, closed with
+//!            their final counts
 //! ```
 //!
 //! The store itself is not exported: the server and the APIs above see the
@@ -19,4 +21,5 @@ pub use tollgate_core::{algorithm, clock, telemetry};
 pub(crate) use tollgate_core::store;
 
 pub mod engine;
+pub mod ledger;
 pub mod limits;

@@ -205,13 +205,30 @@ impl BucketKey {
         }
     }
 
-    /// A quota counter's key from its name (`tenant:tag:resource:key`);
-    /// `None` for a name that is not a quota counter's. Journals name
-    /// counters ([`journal`]); every other bucket is named, never parsed.
+    /// A quota counter's key from its name (`tenant:tag:resource:key`): a
+    /// quota rule's or an Envoy descriptor's; `None` for any other name.
+    /// Journals name counters ([`journal`]); every other bucket is named,
+    /// never parsed.
     pub fn parse(name: &str) -> Option<Self> {
         let mut parts = name.splitn(4, ':');
         let (tenant, tag, resource, key) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        if tag == "e" {
+            return Some(match key.strip_prefix(OVERRIDE) {
+                Some(key) => Self::new(
+                    tenant,
+                    BucketKind::Envoy { overridden: true },
+                    resource,
+                    key,
+                ),
+                None => Self::new(
+                    tenant,
+                    BucketKind::Envoy { overridden: false },
+                    resource,
+                    key,
+                ),
+            });
+        }
         let kind = [(true, false), (true, true), (false, false), (false, true)]
             .into_iter()
             .map(|(per_key, shadow)| BucketKind::Quota { per_key, shadow })
@@ -240,6 +257,15 @@ impl BucketKey {
             self.kind,
             BucketKind::Rule { per_key: true, .. } | BucketKind::Quota { per_key: true, .. }
         )
+    }
+
+    /// The resource part.
+    pub fn resource(&self) -> &str {
+        let from = self.tenant_len as usize + self.kind.tag().len() + 2;
+        let to = (self.key_at as usize).saturating_sub(1);
+        let name = self.name.get(..to).unwrap_or_default();
+        let resource = name.get(from..).unwrap_or_default();
+        resource.strip_suffix(":override").unwrap_or(resource)
     }
 
     /// The tenant part.
@@ -593,9 +619,11 @@ mod tests {
             (b.tenant(), b.key(), b.kind()),
             ("acme", "user:42:x", shadow_cap)
         );
+        assert_eq!(b.resource(), "search");
         assert!(b.is_per_key());
         let t = BucketKey::new("", BucketKind::TENANT, "", "");
         assert_eq!((t.as_str(), t.tenant(), t.key()), (":t::", "", ""));
+        assert_eq!(t.resource(), "");
         assert!(!t.is_per_key());
         // An Envoy override's bucket is apart from the rule's of the same
         // counter.
@@ -609,6 +637,14 @@ mod tests {
         assert_eq!(rule.as_str(), "~d:e:fixed:a_b");
         assert_eq!(over.as_str(), "~d:e:fixed:override:a_b");
         assert_eq!(over.key(), "a_b");
+        assert_eq!((rule.resource(), over.resource()), ("fixed", "fixed"));
+        let bare = BucketKey::new("~d", BucketKind::Envoy { overridden: true }, "", "k");
+        assert_eq!(bare.resource(), "");
+        for b in [&rule, &over, &bare] {
+            assert_eq!(BucketKey::parse(b.as_str()).as_ref(), Some(b));
+            assert_eq!(BucketKey::parse(b.as_str()).unwrap().kind(), b.kind());
+        }
+        assert_eq!(BucketKey::parse("acme:k::alice"), None);
         assert_ne!(rule, over);
         let records = BucketKey::new(
             "acme",

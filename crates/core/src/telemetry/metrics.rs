@@ -467,6 +467,7 @@ pub const FORGIVEN_TOKENS: &str = "tollgate_forgiven_tokens_total";
 
 fn describe_budgets() {
     describe_leases();
+    describe_ledger();
     describe_counter!(RESERVATIONS, "Reservations recorded, by API.");
     describe_counter!(
         RESERVED_TOKENS,
@@ -791,4 +792,33 @@ mod tests {
         c.add(1);
         assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
     }
+}
+
+/// Quota periods the usage ledger recorded, by step: `opened`, `closed`
+/// (a final count written), `lost` (closed without one).
+pub const USAGE_PERIODS: &str = "tollgate_usage_periods_total";
+/// Steps of the usage ledger that failed and are retried, by step.
+pub const LEDGER_ERRORS: &str = "tollgate_ledger_errors_total";
+
+fn describe_ledger() {
+    describe_counter!(
+        USAGE_PERIODS,
+        "Quota periods the usage ledger wrote to the limits database, by step: opened, closed (final count written; once per period across instances), lost (closed without a final count: its counter was gone from the store)."
+    );
+    describe_counter!(
+        LEDGER_ERRORS,
+        "Usage ledger steps that failed and will be retried, by step (journal, database)."
+    );
+}
+
+/// Counts periods the ledger wrote.
+pub fn usage_periods(step: &'static str, n: u64) {
+    if n > 0 {
+        counter!(USAGE_PERIODS, "step" => step).increment(n);
+    }
+}
+
+/// Counts a ledger step that failed.
+pub fn ledger_error(step: &'static str) {
+    counter!(LEDGER_ERRORS, "step" => step).increment(1);
 }

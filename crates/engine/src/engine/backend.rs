@@ -11,7 +11,11 @@ use std::time::Duration;
 use super::{Engine, Unmatched};
 use crate::algorithm::Micros;
 use crate::clock::Clock;
+use crate::ledger::{Ledger, LedgerOptions};
+use crate::limits::table::LimitsTable;
+use crate::limits::watch::LiveLimits;
 use crate::store::fallback::Fallback;
+use crate::store::journal::Journal;
 use crate::store::layer::Layer;
 use crate::store::stack::{self, Layers};
 use crate::store::{MemoryStore, RedisConfig, RedisStore, Store, StoreError, StoreStatus};
@@ -62,11 +66,14 @@ impl Backend {
     /// either way within the store-unavailable fallback and the optional
     /// deny cache and slices.
     pub fn build(options: &BackendOptions, clock: &Arc<dyn Clock>) -> Result<Self, StoreError> {
-        let memory = Arc::new(
-            MemoryStore::new(clock.clone(), options.max_buckets)
-                .with_max_bytes(options.max_bucket_bytes)
-                .with_max_records(options.max_records, options.max_records_per_tenant),
-        );
+        let memory = MemoryStore::new(clock.clone(), options.max_buckets)
+            .with_max_bytes(options.max_bucket_bytes)
+            .with_max_records(options.max_records, options.max_records_per_tenant);
+        // The store that holds the counters keeps the quota journal.
+        let memory = Arc::new(match options.redis {
+            None => memory.with_journal(),
+            Some(_) => memory,
+        });
         let fallback = Fallback {
             local: memory.clone(),
             local_fraction: options.local_fraction,
@@ -79,7 +86,11 @@ impl Backend {
             None => memory.clone(),
             Some(config) => {
                 let pinned = options.redis_uses_clock.then(|| clock.clone());
-                let redis = Arc::new(RedisStore::new(config.clone(), pinned)?);
+                let config = RedisConfig {
+                    journal: true,
+                    ..config.clone()
+                };
+                let redis = Arc::new(RedisStore::new(config, pinned)?);
                 redis_store = Some(redis.clone());
                 redis as Arc<dyn Store>
             }
@@ -110,6 +121,22 @@ impl Backend {
         unmatched: Unmatched,
     ) -> Engine {
         Engine::new(self.stack.clone(), clock, top).with_unmatched(unmatched)
+    }
+
+    /// The usage ledger of the store that holds the counters (its quota
+    /// journal), recording in `table`.
+    pub fn ledger(
+        &self,
+        table: LimitsTable,
+        limits: Arc<LiveLimits>,
+        clock: Arc<dyn Clock>,
+        options: LedgerOptions,
+    ) -> Ledger {
+        let journal: Arc<dyn Journal> = match &self.redis {
+            Some(redis) => redis.clone(),
+            None => self.memory.clone(),
+        };
+        Ledger::new(table, journal, limits, clock, options)
     }
 
     /// The stores' health and figures.

@@ -121,6 +121,7 @@ macro_rules! with_pool {
 pub(crate) enum Bind<'a> {
     Text(&'a str),
     Int(i64),
+    Null,
 }
 
 macro_rules! bound {
@@ -130,6 +131,7 @@ macro_rules! bound {
             q = match b {
                 Bind::Text(s) => q.bind(*s),
                 Bind::Int(i) => q.bind(*i),
+                Bind::Null => q.bind(None::<i64>),
             };
         }
         q
@@ -1320,3 +1322,6 @@ where
 {
     Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?))
 }
+
+mod periods;
+pub use periods::{PeriodFilter, PeriodRow, PeriodWrite};
