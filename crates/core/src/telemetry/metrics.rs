@@ -778,22 +778,6 @@ pub fn grpc_overloaded() {
     counter!(GRPC_OVERLOADED).increment(1);
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_token_counter_saturates_instead_of_wrapping() {
-        let c = TokenCounter::new(metrics::Counter::noop());
-        c.add(1000);
-        c.add(u64::MAX);
-        assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
-        c.add(u64::MAX);
-        c.add(1);
-        assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
-    }
-}
-
 /// Quota periods the usage ledger recorded, by step: `opened`, `closed`
 /// (a final count written), `lost` (closed without one).
 pub const USAGE_PERIODS: &str = "tollgate_usage_periods_total";
@@ -821,4 +805,20 @@ pub fn usage_periods(step: &'static str, n: u64) {
 /// Counts a ledger step that failed.
 pub fn ledger_error(step: &'static str) {
     counter!(LEDGER_ERRORS, "step" => step).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_counter_saturates_instead_of_wrapping() {
+        let c = TokenCounter::new(metrics::Counter::noop());
+        c.add(1000);
+        c.add(u64::MAX);
+        assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
+        c.add(u64::MAX);
+        c.add(1);
+        assert_eq!(c.total.load(Ordering::Acquire), u64::MAX);
+    }
 }
