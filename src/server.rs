@@ -455,6 +455,7 @@ fn serve_grpc(
     ));
     let native = RateLimiterServer::new(
         RateLimiterService::new(parts.engine.clone(), parts.limits.clone())
+            .with_table(parts.table.clone())
             .with_shutdown(stop.watch())
             .with_first_message_deadline(limits.request_timeout),
     )

@@ -94,7 +94,8 @@ fn a_plan_quota_set_from_the_command_line_is_enforced() {
             "TO",
             "USED",
             "LIMIT",
-            "REMAINING"
+            "REMAINING",
+            "PREVIOUS"
         ],
         "{usage}"
     );
@@ -105,7 +106,36 @@ fn a_plan_quota_set_from_the_command_line_is_enforced() {
         q[2].ends_with("T00:00:00Z") && q[3].ends_with("T00:00:00Z"),
         "{usage}"
     );
-    assert_eq!(&q[4..], ["3", "3", "0"], "{usage}");
+    // Nothing was counted yesterday: 0, as recorded.
+    assert_eq!(&q[4..], ["3", "3", "0", "0"], "{usage}");
+    // The period is recorded, open, as soon as it counts.
+    let mut listed = String::new();
+    for _ in 0..100 {
+        listed = run(d, &["usage", "--server", &url, "--periods"]);
+        if listed.lines().count() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let row: Vec<&str> = listed
+        .lines()
+        .nth(1)
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    // (The resource column is empty: any resource.)
+    assert_eq!(
+        (row[0], row[1], row[2], row[5], row[6]),
+        ("acme", "alice", "plan-pro-any-key-quota", "open", "3"),
+        "{listed}"
+    );
+    assert_eq!(
+        run(d, &["usage", "--server", &url, "--periods", "--closed"])
+            .lines()
+            .count(),
+        1,
+        "only the header: no period has closed"
+    );
     assert_eq!(
         run(d, &["usage", "--server", &url, "--tenant", "acme"]),
         "no quota applies to tenant acme\n",
@@ -755,5 +785,159 @@ async fn a_redis_clock_that_jumps_neither_turns_nor_repeats_a_period() {
     server.clock.set(end);
     let r = ask(&mut client, req("acme", "k")).await;
     assert!(r.allowed);
+    server.stop().await;
+}
+
+/// A day ends: within the ledger's pace the period is recorded closed at
+/// its final count; GetUsage shows it as the previous period, ListUsage
+/// and `GET /v1/usage/periods` page through the records, and bad requests
+/// are refused with what to fix.
+#[tokio::test]
+async fn a_closed_day_is_recorded_and_listed_page_by_page() {
+    use tollgate::proto::v1::{GetUsageRequest, ListUsageRequest};
+    common::own_process();
+    let daily = LimitRow {
+        scope: tollgate::limits::Scope::Key,
+        name: "acme-daily".into(),
+        ..quota("5/day")
+    };
+    let server = TestServer::launch(Some(&[daily]), |c| {
+        c.usage_grace = Duration::from_secs(1);
+        c.usage_close_every = Duration::from_millis(50);
+    })
+    .await;
+    let midnight = at("2026-03-02T00:00:00Z");
+    server.clock.set(midnight - 60_000_000);
+    let mut client = server.client().await;
+    for (key, n) in [("alice", 2), ("bob", 1), ("carol", 3)] {
+        for _ in 0..n {
+            assert!(ask(&mut client, req("acme", key)).await.allowed);
+        }
+    }
+    // The next day, past the grace: alice counts again; bob and carol do
+    // not, and are closed from their counters.
+    server.clock.set(midnight + 2_000_000);
+    assert!(ask(&mut client, req("acme", "alice")).await.allowed);
+    let list = |tenant: &str, closed_only: bool, page_size: u32, page_token: String| {
+        let mut client = client.clone();
+        let request = ListUsageRequest {
+            tenant: tenant.into(),
+            closed_only,
+            page_size,
+            page_token,
+            ..ListUsageRequest::default()
+        };
+        async move { client.list_usage(request).await.map(|r| r.into_inner()) }
+    };
+    let mut closed = Vec::new();
+    for _ in 0..200 {
+        closed = list("acme", true, 0, String::new()).await.unwrap().periods;
+        if closed.len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let figures: Vec<(&str, Option<u64>)> = closed
+        .iter()
+        .map(|p| (p.key.as_str(), p.figure.as_ref().unwrap().used))
+        .collect();
+    assert_eq!(
+        figures,
+        [("alice", Some(2)), ("bob", Some(1)), ("carol", Some(3))]
+    );
+    let first = &closed[0];
+    assert_eq!(
+        (
+            first.tenant.as_str(),
+            first.scope.as_str(),
+            first.rule.as_str(),
+            first.limit
+        ),
+        ("acme", "key", "acme-daily", 5)
+    );
+    let f = first.figure.as_ref().unwrap();
+    let seconds = |t: &Option<prost_types::Timestamp>| t.as_ref().unwrap().seconds as u64;
+    assert_eq!(
+        seconds(&f.period_start),
+        (midnight - 86_400_000_000) / 1_000_000
+    );
+    assert_eq!(seconds(&f.period_end), midnight / 1_000_000);
+    // Page by page, every period (alice's new day too), in order.
+    let mut pages = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = list("", false, 2, token).await.unwrap();
+        pages.push(
+            page.periods
+                .iter()
+                .map(|p| (p.key.clone(), p.figure.as_ref().unwrap().closed))
+                .collect::<Vec<_>>(),
+        );
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    let k = |s: &str, c: bool| (s.to_owned(), c);
+    assert_eq!(
+        pages,
+        [
+            vec![k("alice", true), k("bob", true)],
+            vec![k("carol", true), k("alice", false)],
+            vec![],
+        ]
+    );
+    // GetUsage: today's figure, and yesterday's as recorded.
+    let usage = server
+        .client()
+        .await
+        .get_usage(GetUsageRequest {
+            tenant: "acme".into(),
+            key: "alice".into(),
+            resource: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .quotas;
+    assert_eq!(usage[0].used, 1);
+    let previous = usage[0].previous.as_ref().unwrap();
+    assert_eq!((previous.used, previous.closed), (Some(2), true));
+    assert_eq!(seconds(&previous.period_end), midnight / 1_000_000);
+    // The admin port lists the same.
+    let (status, body) = server
+        .http_get("/v1/usage/periods?tenant=acme&closed=true&page_size=1")
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["periods"][0]["key"], "alice");
+    assert_eq!(body["periods"][0]["used"], 2);
+    assert_eq!(body["periods"][0]["period_end"], "2026-03-02T00:00:00Z");
+    assert!(!body["next_page_token"].as_str().unwrap().is_empty());
+    // Bad requests say what to fix.
+    let err = list("acme", false, 10_001, String::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("at most 10000"), "{}", err.message());
+    let err = list("acme", false, 0, "nonsense".into()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("next_page_token"),
+        "{}",
+        err.message()
+    );
+    let err = list("ac me", false, 0, String::new()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    let (status, body) = server
+        .http_get("/v1/usage/periods?since=yesterday")
+        .await
+        .unwrap();
+    assert_eq!(status, 400);
+    assert!(
+        body.contains("since") && body.contains("RFC 3339"),
+        "{body}"
+    );
     server.stop().await;
 }

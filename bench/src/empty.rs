@@ -225,6 +225,14 @@ impl tollgate::proto::v1::rate_limiter_server::RateLimiter for EmptyRateLimiter 
         // No rules, so no quota applies.
         Ok(tonic::Response::new(Default::default()))
     }
+
+    async fn list_usage(
+        &self,
+        _: tonic::Request<tollgate::proto::v1::ListUsageRequest>,
+    ) -> Result<tonic::Response<tollgate::proto::v1::ListUsageResponse>, tonic::Status> {
+        // No quotas, so no periods were recorded.
+        Ok(tonic::Response::new(Default::default()))
+    }
 }
 
 /// Envoy's `RateLimitService` whose handler does nothing: every descriptor

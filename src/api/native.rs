@@ -18,6 +18,7 @@ use crate::engine::{
     OverCapacity, Ttl, caps,
 };
 use crate::engine::{BucketKey, SettleStatus};
+use crate::limits::table::{LimitsTable, PeriodFilter};
 use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
 use crate::proto::v1::rate_limiter_server::RateLimiter;
@@ -30,6 +31,7 @@ use crate::proto::v1::{
     SettleRequest, SettleResponse, SettleStatus as ProtoSettleStatus, ShouldAllowBatchRequest,
     ShouldAllowBatchResponse, ShouldAllowRequest, ShouldAllowResponse, StreamDecision,
 };
+use crate::proto::v1::{ListUsageRequest, ListUsageResponse, PeriodFigure, UsagePeriod};
 use crate::telemetry::traces;
 
 pub use crate::proto::v1::rate_limiter_server::RateLimiterServer;
@@ -109,6 +111,8 @@ impl<'a> From<&'a BatchItem> for Asked<'a> {
 pub struct RateLimiterService {
     engine: Arc<Engine>,
     limits: Arc<LiveLimits>,
+    /// The limits database, where recorded quota periods are read.
+    table: Option<LimitsTable>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
     first_message: Duration,
 }
@@ -123,6 +127,7 @@ impl RateLimiterService {
         Self {
             engine,
             limits,
+            table: None,
             stop: None,
             first_message: FIRST_MESSAGE_DEADLINE,
         }
@@ -135,6 +140,13 @@ impl RateLimiterService {
     /// callers who would.
     pub fn with_first_message_deadline(mut self, deadline: Duration) -> Self {
         self.first_message = deadline;
+        self
+    }
+
+    /// Reads recorded quota periods (`GetUsage`'s previous period,
+    /// `ListUsage`) from `table`; without it `ListUsage` is UNIMPLEMENTED.
+    pub fn with_table(mut self, table: LimitsTable) -> Self {
+        self.table = Some(table);
         self
     }
 
@@ -543,26 +555,18 @@ impl RateLimiter for RateLimiterService {
         &self,
         request: Request<crate::proto::v1::GetUsageRequest>,
     ) -> Result<Response<crate::proto::v1::GetUsageResponse>, Status> {
-        use super::usage::{self, UsageError};
+        use super::usage;
         let req = request.get_ref();
         let figures = usage::read(
             &self.engine,
             &self.limits,
+            self.table.as_ref(),
             &req.tenant,
             &req.key,
             &req.resource,
         )
         .await
-        .map_err(|e| match e {
-            UsageError::Invalid(e) => status::from_decide_error(e),
-            UsageError::Unavailable => Status::unavailable(
-                "the store is unavailable: usage cannot be read until it answers again",
-            ),
-        })?;
-        let timestamp = |micros: u64| prost_types::Timestamp {
-            seconds: (micros / 1_000_000) as i64,
-            nanos: (micros % 1_000_000) as i32 * 1000,
-        };
+        .map_err(usage_status)?;
         let quotas = figures
             .into_iter()
             .map(|q| crate::proto::v1::QuotaUsage {
@@ -577,9 +581,87 @@ impl RateLimiter for RateLimiterService {
                 remaining: q.remaining,
                 debt: q.debt,
                 shadow: q.shadow,
+                previous: q.previous.map(|p| PeriodFigure {
+                    period_start: Some(timestamp(p.bounds.start)),
+                    period_end: Some(timestamp(p.bounds.end)),
+                    used: p.used,
+                    closed: p.closed,
+                }),
             })
             .collect();
         Ok(Response::new(crate::proto::v1::GetUsageResponse { quotas }))
+    }
+
+    async fn list_usage(
+        &self,
+        request: Request<ListUsageRequest>,
+    ) -> Result<Response<ListUsageResponse>, Status> {
+        let Some(table) = &self.table else {
+            return Err(Status::unimplemented(
+                "this server reads no limits database; usage periods are not recorded",
+            ));
+        };
+        let req = request.get_ref();
+        let instant = |t: &Option<prost_types::Timestamp>, field: &str| match t {
+            None => Ok(None),
+            Some(t) if t.seconds >= 0 && (0..1_000_000_000).contains(&t.nanos) => {
+                Ok(Some(t.seconds as u64 * 1_000_000 + t.nanos as u64 / 1000))
+            }
+            Some(_) => Err(Status::invalid_argument(format!(
+                "{field} is before 1970 or has nanos outside 0..1e9; give an instant after the \
+                 Unix epoch"
+            ))),
+        };
+        let filter = PeriodFilter {
+            tenant: (!req.tenant.is_empty()).then(|| req.tenant.clone()),
+            since: instant(&req.since, "since")?,
+            until: instant(&req.until, "until")?,
+            closed_only: req.closed_only,
+            after: None,
+            limit: req.page_size as usize,
+        };
+        let (rows, next_page_token) = super::usage::list(table, filter, &req.page_token)
+            .await
+            .map_err(usage_status)?;
+        let periods = rows
+            .into_iter()
+            .map(|r| UsagePeriod {
+                figure: Some(PeriodFigure {
+                    period_start: Some(timestamp(r.start)),
+                    period_end: Some(timestamp(r.end)),
+                    used: r.used,
+                    closed: r.closed,
+                }),
+                tenant: r.tenant,
+                scope: r.scope,
+                resource: r.resource,
+                key: r.key,
+                rule: r.rule,
+                shadow: r.shadow,
+                limit: r.quota,
+            })
+            .collect();
+        Ok(Response::new(ListUsageResponse {
+            periods,
+            next_page_token,
+        }))
+    }
+}
+
+fn timestamp(micros: u64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: (micros / 1_000_000) as i64,
+        nanos: (micros % 1_000_000) as i32 * 1000,
+    }
+}
+
+fn usage_status(e: super::usage::UsageError) -> Status {
+    match e {
+        super::usage::UsageError::Invalid(e) => status::from_decide_error(e),
+        super::usage::UsageError::Unavailable => Status::unavailable(
+            "the store or the limits database is unavailable: usage cannot be read until it \
+             answers again",
+        ),
     }
 }
 

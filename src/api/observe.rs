@@ -71,6 +71,7 @@ const METHODS: &[(&str, &[&str])] = &[
             "Renew",
             "Hold",
             "GetUsage",
+            "ListUsage",
         ],
     ),
     ("tollgate.v1.Admin", &["TopLimited", "LimitsStatus"]),

@@ -102,8 +102,8 @@ pub struct UsageArgs {
     /// The server.
     #[command(flatten)]
     pub server: Server,
-    /// The tenant.
-    #[arg(long)]
+    /// The tenant (required but with --periods, where it narrows the list).
+    #[arg(long, default_value = "")]
     pub tenant: String,
     /// The key, for per-key quotas (without it, only per-tenant quotas).
     #[arg(long, default_value = "")]
@@ -111,13 +111,115 @@ pub struct UsageArgs {
     /// The resource ('' for quotas of any resource only).
     #[arg(long, default_value = "")]
     pub resource: String,
+    /// List recorded periods instead (ListUsage: every counter's periods
+    /// with their final counts, for billing).
+    #[arg(long)]
+    pub periods: bool,
+    /// With --periods: closed periods only.
+    #[arg(long, requires = "periods")]
+    pub closed: bool,
+    /// With --periods: periods that started at or after this RFC 3339
+    /// instant.
+    #[arg(long, requires = "periods", value_parser = crate::algorithm::calendar::parse_rfc3339)]
+    pub since: Option<u64>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }
 
+fn instant(t: &Option<prost_types::Timestamp>) -> String {
+    t.as_ref().map_or_else(String::new, |t| {
+        crate::algorithm::calendar::rfc3339(t.seconds.max(0) as u64 * 1_000_000)
+    })
+}
+
+/// Runs `usage --periods`: every recorded period, page after page.
+async fn usage_periods(args: UsageArgs) -> anyhow::Result<()> {
+    let mut client = args.server.client().await?;
+    let mut periods = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_usage(crate::proto::v1::ListUsageRequest {
+                tenant: args.tenant.clone(),
+                since: args.since.map(|s| prost_types::Timestamp {
+                    seconds: (s / 1_000_000) as i64,
+                    nanos: 0,
+                }),
+                until: None,
+                closed_only: args.closed,
+                page_size: 1_000,
+                page_token,
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+            .into_inner();
+        periods.extend(page.periods);
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    let used = |f: &crate::proto::v1::PeriodFigure| match (f.used, f.closed) {
+        (Some(u), _) => u.to_string(),
+        (None, false) => "open".into(),
+        (None, true) => "lost".into(),
+    };
+    if args.json {
+        let rows: Vec<serde_json::Value> = periods
+            .iter()
+            .map(|p| {
+                let f = p.figure.clone().unwrap_or_default();
+                serde_json::json!({
+                    "tenant": p.tenant,
+                    "scope": p.scope,
+                    "resource": p.resource,
+                    "key": p.key,
+                    "rule": p.rule,
+                    "shadow": p.shadow,
+                    "limit": p.limit,
+                    "period_start": instant(&f.period_start),
+                    "period_end": instant(&f.period_end),
+                    "used": f.used,
+                    "closed": f.closed,
+                })
+            })
+            .collect();
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let mut lines = vec![[
+        "TENANT".to_owned(),
+        "KEY".into(),
+        "RESOURCE".into(),
+        "RULE".into(),
+        "FROM".into(),
+        "TO".into(),
+        "USED".into(),
+        "LIMIT".into(),
+    ]];
+    for p in &periods {
+        let f = p.figure.clone().unwrap_or_default();
+        lines.push([
+            p.tenant.clone(),
+            p.key.clone(),
+            p.resource.clone(),
+            p.rule.clone(),
+            instant(&f.period_start),
+            instant(&f.period_end),
+            used(&f),
+            p.limit.to_string(),
+        ]);
+    }
+    out!("{}", super::aligned(&lines));
+    Ok(())
+}
+
 /// Runs `usage`: each quota's current period, used and remaining.
 pub async fn usage(args: UsageArgs) -> anyhow::Result<()> {
+    if args.periods {
+        return usage_periods(args).await;
+    }
     let mut client = args.server.client().await?;
     let response = client
         .get_usage(crate::proto::v1::GetUsageRequest {
@@ -128,10 +230,13 @@ pub async fn usage(args: UsageArgs) -> anyhow::Result<()> {
         .await
         .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
         .into_inner();
-    let instant = |t: &Option<prost_types::Timestamp>| {
-        t.as_ref().map_or_else(String::new, |t| {
-            crate::algorithm::calendar::rfc3339(t.seconds.max(0) as u64 * 1_000_000)
-        })
+    let previous = |q: &crate::proto::v1::QuotaUsage| match &q.previous {
+        Some(p) => match (p.used, p.closed) {
+            (Some(u), _) => u.to_string(),
+            (None, false) => "closing".into(),
+            (None, true) => "lost".into(),
+        },
+        None => String::new(),
     };
     if args.json {
         let quotas: Vec<serde_json::Value> = response
@@ -150,6 +255,12 @@ pub async fn usage(args: UsageArgs) -> anyhow::Result<()> {
                     "remaining": q.remaining,
                     "debt": q.debt,
                     "shadow": q.shadow,
+                    "previous": q.previous.as_ref().map(|p| serde_json::json!({
+                        "period_start": instant(&p.period_start),
+                        "period_end": instant(&p.period_end),
+                        "used": p.used,
+                        "closed": p.closed,
+                    })),
                 })
             })
             .collect();
@@ -168,6 +279,7 @@ pub async fn usage(args: UsageArgs) -> anyhow::Result<()> {
         "USED".into(),
         "LIMIT".into(),
         "REMAINING".into(),
+        "PREVIOUS".into(),
     ]];
     for q in &response.quotas {
         lines.push([
@@ -178,6 +290,7 @@ pub async fn usage(args: UsageArgs) -> anyhow::Result<()> {
             q.used.to_string(),
             q.limit.to_string(),
             q.remaining.to_string(),
+            previous(q),
         ]);
     }
     out!("{}", super::aligned(&lines));

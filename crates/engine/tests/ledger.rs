@@ -330,4 +330,10 @@ async fn in_memory_periods_close_at_their_final_count() {
     let all = rows(&table).await;
     let figures: Vec<_> = all.iter().map(|r| (r.start, r.used, r.closed)).collect();
     assert_eq!(figures, [(D0, Some(3), true), (D1, None, false)]);
+    let day0 = i.ledger.period(&counter("alice"), D0).await.unwrap();
+    assert_eq!(day0.as_ref(), Some(&all[0]));
+    assert_eq!(
+        i.ledger.period(&counter("alice"), D0 + 1).await.unwrap(),
+        None
+    );
 }

@@ -442,11 +442,19 @@ pub(super) async fn usage(
     State(state): State<Arc<AdminState>>,
     query: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    use crate::api::usage::{self, UsageError};
+    use crate::api::usage;
     let Ok(Query(q)) = query else {
         return bad("query parameters: tenant (required), key, resource");
     };
-    match usage::read(&state.engine, &state.limits, &q.tenant, &q.key, &q.resource).await {
+    let read = usage::read(
+        &state.engine,
+        &state.limits,
+        Some(&state.table),
+        &q.tenant,
+        &q.key,
+        &q.resource,
+    );
+    match read.await {
         Ok(figures) => {
             let quotas: Vec<serde_json::Value> = figures
                 .iter()
@@ -463,17 +471,102 @@ pub(super) async fn usage(
                         "remaining": f.remaining,
                         "debt": f.debt,
                         "shadow": f.shadow,
+                        "previous": f.previous.as_ref().map(|p| json!({
+                            "period_start": crate::algorithm::calendar::rfc3339(p.bounds.start),
+                            "period_end": crate::algorithm::calendar::rfc3339(p.bounds.end),
+                            "used": p.used,
+                            "closed": p.closed,
+                        })),
                     })
                 })
                 .collect();
             Json(json!({ "tenant": q.tenant, "quotas": quotas })).into_response()
         }
-        Err(UsageError::Invalid(e)) => bad(e.to_string()),
-        Err(UsageError::Unavailable) => (
+        Err(e) => usage_error(e),
+    }
+}
+
+fn usage_error(e: crate::api::usage::UsageError) -> Response {
+    match e {
+        crate::api::usage::UsageError::Invalid(e) => bad(e.to_string()),
+        crate::api::usage::UsageError::Unavailable => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "the store is unavailable: usage cannot be read until it answers again\n",
+            "the store or the limits database is unavailable: usage cannot be read until it \
+             answers again\n",
         )
             .into_response(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct PeriodsQuery {
+    #[serde(default)]
+    tenant: String,
+    /// RFC 3339 instants.
+    since: Option<String>,
+    until: Option<String>,
+    #[serde(default)]
+    closed: bool,
+    #[serde(default)]
+    page_size: usize,
+    #[serde(default)]
+    page_token: String,
+}
+
+/// `GET /v1/usage/periods?[tenant=acme][&since=…][&until=…][&closed=true]
+/// [&page_size=N][&page_token=…]`: recorded quota periods, a page at a
+/// time (as the gRPC `ListUsage`).
+pub(super) async fn usage_periods(
+    State(state): State<Arc<AdminState>>,
+    query: Result<Query<PeriodsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else {
+        return bad(
+            "query parameters: tenant, since, until (RFC 3339), closed (true or false), \
+                    page_size, page_token",
+        );
+    };
+    let instant = |field: &str, v: &Option<String>| -> Result<Option<u64>, String> {
+        let Some(v) = v else { return Ok(None) };
+        crate::algorithm::calendar::parse_rfc3339(v)
+            .map(Some)
+            .map_err(|e| format!("{field}: {e}"))
+    };
+    let (since, until) = match (instant("since", &q.since), instant("until", &q.until)) {
+        (Ok(s), Ok(u)) => (s, u),
+        (Err(e), _) | (_, Err(e)) => return bad(e),
+    };
+    let filter = crate::limits::table::PeriodFilter {
+        tenant: (!q.tenant.is_empty()).then(|| q.tenant.clone()),
+        since,
+        until,
+        closed_only: q.closed,
+        after: None,
+        limit: q.page_size,
+    };
+    match crate::api::usage::list(&state.table, filter, &q.page_token).await {
+        Ok((rows, next)) => {
+            let periods: Vec<serde_json::Value> = rows
+                .iter()
+                .map(|r| {
+                    json!({
+                        "tenant": r.tenant,
+                        "scope": r.scope,
+                        "resource": r.resource,
+                        "key": r.key,
+                        "rule": r.rule,
+                        "shadow": r.shadow,
+                        "limit": r.quota,
+                        "period_start": crate::algorithm::calendar::rfc3339(r.start),
+                        "period_end": crate::algorithm::calendar::rfc3339(r.end),
+                        "used": r.used,
+                        "closed": r.closed,
+                    })
+                })
+                .collect();
+            Json(json!({ "periods": periods, "next_page_token": next })).into_response()
+        }
+        Err(e) => usage_error(e),
     }
 }
 

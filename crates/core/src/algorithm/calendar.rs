@@ -273,6 +273,16 @@ pub fn rfc3339(micros: Micros) -> String {
         .unwrap_or_default()
 }
 
+/// An RFC 3339 instant (`2026-03-01T00:00:00Z`) in µs since the Unix
+/// epoch; an error that says what is wrong with `s` otherwise.
+pub fn parse_rfc3339(s: &str) -> Result<Micros, String> {
+    let t: Timestamp = s
+        .parse()
+        .map_err(|e| format!("{:?} is not an RFC 3339 instant: {e}", clip(s)))?;
+    Micros::try_from(t.as_microsecond())
+        .map_err(|_| format!("{:?} is before 1970-01-01T00:00:00Z", clip(s)))
+}
+
 /// At most the first 64 bytes of `s` (on a character boundary), for
 /// messages that quote what a caller wrote.
 fn clip(s: &str) -> &str {
