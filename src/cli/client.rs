@@ -169,7 +169,7 @@ async fn usage_periods(args: UsageArgs) -> anyhow::Result<()> {
         let rows: Vec<serde_json::Value> = periods
             .iter()
             .map(|p| {
-                let f = p.figure.clone().unwrap_or_default();
+                let f = p.figure.unwrap_or_default();
                 serde_json::json!({
                     "tenant": p.tenant,
                     "scope": p.scope,
@@ -199,7 +199,7 @@ async fn usage_periods(args: UsageArgs) -> anyhow::Result<()> {
         "LIMIT".into(),
     ]];
     for p in &periods {
-        let f = p.figure.clone().unwrap_or_default();
+        let f = p.figure.unwrap_or_default();
         lines.push([
             p.tenant.clone(),
             p.key.clone(),
