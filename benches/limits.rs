@@ -27,6 +27,7 @@ fn row(id: i64, tenant: &str, burst: i64) -> StoredRow {
         on_store_unavailable: "allow".into(),
         debt: 0,
         kind: "rate".into(),
+        alerts: String::new(),
         updated_at: String::new(),
     }
 }

@@ -56,8 +56,9 @@ ARGV[3]   "MARGIN[:CAP][j]": the expiry margin in milliseconds added to each
           (`PREFIX{TAG}:qj::`, src/store/journal.rs): each quota counter the
           call writes into a period it did not hold appends
           "o START END QUOTA PREVIOUS_START PREVIOUS_END PREVIOUS_COUNT KEY"
-          to it (the previous period's fields 0 when it held none), and
-          the reply ends with how many lines the call appended.
+          to it (the previous period's fields 0 when it held none), each
+          alert threshold its count reaches "a START END QUOTA PERCENT USED
+          KEY", and the reply ends with how many lines the call appended.
 then three per bucket, for the i-th bucket of the call (record keys do
 not count) at ARGV[4 + 3(i-1)] ...:
           rule      the algorithm: "t" token bucket, "f" fixed window, "s"
@@ -70,8 +71,9 @@ not count) at ARGV[4 + 3(i-1)] ...:
                     number of milliseconds); burst, a token bucket's
                     capacity, a window's requests per window, a concurrency
                     cap's most leases held at once; a quota's is
-                    "LENGTH:COUNT:START", its period's length and first
-                    instant (µs) and its count per period
+                    "LENGTH:COUNT:START[:ALERTS]", its period's length and
+                    first instant (µs), its count per period, and its alert
+                    thresholds in percent ("50.80.100")
           cost      tokens to spend, or "COST/NEED" when the bucket must
                     hold more than the request spends (an ask: "0/1")
           (The limit is also the stored value's suffix, so it is passed
@@ -79,9 +81,9 @@ not count) at ARGV[4 + 3(i-1)] ...:
           it once.)
 then one extra argument per reserve or acquire, in request order: a
 reserve's record body, per bucket "ALG INTERVAL BURST DEBT COST LINES
-KEYLEN[ START]\nKEY" (the charge it spends and how many lines it merges; a
-quota's period start last); an
-acquire's lease member (32 hex digits).
+KEYLEN\nKEY" (the charge it spends and how many lines it merges; a quota
+has " START" after KEYLEN, its period's start, then " ALERTS" when it has
+alert thresholds); an acquire's lease member (32 hex digits).
 
 Stored value per bucket: for a token bucket "FULL_AT:INTERVAL:BURST", the
 instant (µs) the bucket is full again and the limit it was written under;
@@ -361,21 +363,21 @@ local function read_rule(s)
   return alg, e == '1', tonumber(d)
 end
 
--- A bucket's limit field, "INTERVAL:BURST" (a quota's "LENGTH:COUNT:START"),
+-- A bucket's limit field, "INTERVAL:BURST" (a quota's "LENGTH:COUNT:START[:ALERTS]"),
 -- as numbers: the interval, the burst and the period's start (0 but for a
 -- quota). The last one read is kept: the decisions of a call mostly repeat
 -- the same rule.
-local last_limit, last_interval, last_burst, last_start
+local last_limit, last_interval, last_burst, last_start, last_alerts
 local function read_limit(s)
   if s ~= last_limit then
-    local interval, burst, start = string.match(s, '^(%d+):(%d+):?(%d*)$')
+    local interval, burst, start, alerts = string.match(s, '^(%d+):(%d+):?(%d*):?([%d.]*)$')
     if not interval then
       error('token_bucket.lua: unreadable limit field ' .. s)
     end
     last_limit, last_interval, last_burst = s, tonumber(interval), tonumber(burst)
-    last_start = tonumber(start) or 0
+    last_start, last_alerts = tonumber(start) or 0, alerts
   end
-  return last_interval, last_burst, last_start
+  return last_interval, last_burst, last_start, last_alerts
 end
 
 -- A cost from ARGV, "COST" or "COST/NEED": "1" is by far the most common,
@@ -412,20 +414,35 @@ local noted = 0
 
 -- Journals the write of `value` over `held` into the quota counter `key`
 -- of `quota` per period, when it enters a period `held` did not count.
-local function note(key, held, value, quota)
-  local s, e = string.match(value, '^q:(%d+):%d+:(%d+)$')
+local function note(key, held, value, quota, alerts)
+  local s, c, e = string.match(value, '^q:(%d+):(%d+):(%d+)$')
   local ps, pe, pc = '0', '0', '0'
+  local before, opened = 0, true
   if held then
     local hs, hc, he = string.match(held, '^q:(%d+):(%d+):(%d+)$')
-    if hs then
-      if tonumber(hs) >= tonumber(s) then
-        return
-      end
+    if hs == s then
+      before, opened = tonumber(hc), false
+    elseif hs then
       ps, pe, pc = hs, he, hc
     end
   end
-  redis.call('RPUSH', journal, string.format('o %s %s %d %s %s %s ', s, e, quota, ps, pe, pc) .. key)
-  noted = noted + 1
+  if opened then
+    redis.call('RPUSH', journal, string.format('o %s %s %d %s %s %s ', s, e, quota, ps, pe, pc) .. key)
+    noted = noted + 1
+  end
+  -- Each alert threshold the count reached: ceil(quota * percent / 100),
+  -- computed as src/algorithm/alerts.rs does (exact in a double).
+  if alerts and alerts ~= '' then
+    local after = tonumber(c)
+    for p in string.gmatch(alerts, '%d+') do
+      p = tonumber(p)
+      local level = math.floor(quota / 100) * p + ceil_div((quota % 100) * p, 100)
+      if before < level and level <= after then
+        redis.call('RPUSH', journal, string.format('a %s %s %d %d %d ', s, e, quota, p, after) .. key)
+        noted = noted + 1
+      end
+    end
+  end
 end
 
 -- How long a reservation's record outlives its time to live, so that a late
@@ -608,8 +625,8 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
           store(key, scratch[x + VALUE], scratch[x + TTL])
           written[key] = scratch[x + VALUE]
           if journal and scratch[x + ALG] == 'q' then
-            local _, burst = read_limit(ARGV[4 + (b + i - 2) * 3 + 1])
-            note(key, scratch[x + HELD], scratch[x + VALUE], burst)
+            local _, burst, _, alerts = read_limit(ARGV[4 + (b + i - 2) * 3 + 1])
+            note(key, scratch[x + HELD], scratch[x + VALUE], burst, alerts)
           end
         end
       end
@@ -709,8 +726,8 @@ local function settle(key, actual, out, written)
   -- Parse every entry before changing anything.
   local entries = {}
   for i = 1, #mask do
-    local alg, interval, burst, debt_max, cost, lines, len, pstart, at = string.match(record,
-      '^([tfsq]) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*)\n()', pos)
+    local alg, interval, burst, debt_max, cost, lines, len, pstart, alerts, at = string.match(record,
+      '^([tfsq]) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*) ?([%d.]*)\n()', pos)
     if not alg then
       return unreadable
     end
@@ -718,7 +735,8 @@ local function settle(key, actual, out, written)
     pos = at + len
     if string.sub(mask, i, i) == '1' then
       entries[#entries + 1] = { alg, tonumber(interval), tonumber(burst), tonumber(debt_max), tonumber(cost),
-        tonumber(lines), string.sub(record, at, at + len - 1), interval .. ':' .. burst, tonumber(pstart) or 0 }
+        tonumber(lines), string.sub(record, at, at + len - 1), interval .. ':' .. burst, tonumber(pstart) or 0,
+        alerts }
     end
   end
   out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 1, actual, estimate, #entries
@@ -741,7 +759,7 @@ local function settle(key, actual, out, written)
       store(bucket, value, ttl)
       written[bucket] = value
       if journal and alg == 'q' then
-        note(bucket, stored, value, burst)
+        note(bucket, stored, value, burst, e[10])
       end
     end
     push(out, ok, bal, third, rst)

@@ -24,6 +24,7 @@ macro_rules! out {
     };
 }
 
+mod alerts;
 mod client;
 mod limits;
 mod plans;
@@ -38,6 +39,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::limits::table::LimitsTable;
 
 pub use crate::options::{parse_duration, parse_duration_or_zero, parse_fraction, parse_ratio};
+pub use alerts::{AlertsCommand, alert_json, alerts};
 pub use client::{
     AcquireArgs, ChargeArgs, CheckArgs, ReleaseArgs, TopArgs, UsageArgs, acquire, charge, check,
     health, release, top, usage,
@@ -72,8 +74,12 @@ pub enum Command {
     Tenants(TenantsCommand),
     /// Ask a running server for a decision and print it.
     Check(CheckArgs),
-    /// Print how much of each quota a tenant has used this period.
+    /// Print how much of each quota a tenant has used this period (or,
+    /// with --periods, every recorded period).
     Usage(UsageArgs),
+    /// The quota alerts: recorded, delivered or waiting.
+    #[command(subcommand)]
+    Alerts(AlertsCommand),
     /// Record usage known after the work on a running server (charged in
     /// full, into debt where the rule allows it).
     Charge(ChargeArgs),

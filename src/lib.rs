@@ -65,6 +65,7 @@
 
 pub use tollgate_engine::{algorithm, clock, engine, ledger, limits, telemetry};
 
+pub mod alerts;
 pub mod api;
 pub mod cli;
 pub mod connections;

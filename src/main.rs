@@ -83,6 +83,10 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
         }
         Command::Check(args) => cli::check(args).await?,
         Command::Usage(args) => cli::usage(args).await?,
+        Command::Alerts(command) => {
+            telemetry::init_logs(LogFormat::Text);
+            cli::alerts(command).await?;
+        }
         Command::Charge(args) => cli::charge(args).await?,
         Command::Acquire(args) => cli::acquire(args).await?,
         Command::Release(args) => cli::release(args).await?,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::alerts::Notifier;
 use crate::api::admin::grpc::{AdminServer, AdminService};
 use crate::api::admin::{self, AdminState};
 use crate::api::envoy::service::{EnvoyRateLimitService, RateLimitServiceServer};
@@ -295,12 +296,14 @@ impl Stop {
 }
 
 /// The loops that run beside the traffic: the limits watcher, the Envoy
-/// configuration's reloads, the stores' sweeper and the usage ledger.
+/// configuration's reloads, the stores' sweeper, the usage ledger and the
+/// quota alerts' notifier.
 struct Background {
     limits: tokio::sync::oneshot::Receiver<()>,
     envoy: tokio::task::JoinHandle<()>,
     sweeper: tokio::task::JoinHandle<()>,
     ledger: tokio::task::JoinHandle<()>,
+    notifier: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Background {
@@ -320,11 +323,16 @@ impl Background {
             .backend
             .spawn_sweeper(config.sweep_interval, stop.stopped());
         let ledger = parts.ledger.clone().spawn(stop.stopped());
+        let notifier = config.alerts().map(|options| {
+            let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
+            Arc::new(Notifier::new(parts.table.clone(), options, clock)).spawn(stop.stopped())
+        });
         Ok(Self {
             limits,
             envoy,
             sweeper,
             ledger,
+            notifier,
         })
     }
 
@@ -333,6 +341,9 @@ impl Background {
         let _ = self.envoy.await;
         let _ = self.sweeper.await;
         let _ = self.ledger.await;
+        if let Some(notifier) = self.notifier {
+            let _ = notifier.await;
+        }
     }
 }
 

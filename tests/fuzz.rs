@@ -631,6 +631,7 @@ fn stored_row() -> impl Strategy<Value = StoredRow> {
                     on_store_unavailable: policy,
                     debt,
                     kind,
+                    alerts: String::new(),
                     updated_at: String::new(),
                 }
             },

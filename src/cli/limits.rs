@@ -127,6 +127,11 @@ pub struct SetArgs {
     /// Settle) may take a bucket; 0 for none.
     #[arg(long, default_value_t = 0)]
     pub debt: i64,
+    /// A quota's alert thresholds, in percent of its count, e.g. 50,80,100
+    /// (1 to 999 %, at most 6): the decision that reaches one records an
+    /// alert, delivered by webhook once per tenant per period.
+    #[arg(long, requires = "quota", value_parser = parse_alerts)]
+    pub alert: Option<crate::algorithm::alerts::Alerts>,
     /// The row's name (default: TENANT-RESOURCE-SCOPE, plus -concurrency,
     /// -quota and -shadow).
     #[arg(long)]
@@ -253,6 +258,7 @@ pub async fn limits(command: LimitsCommand) -> anyhow::Result<()> {
                 args.name,
             )
             .map_err(anyhow::Error::msg)?
+            .with_alerts(args.alert.unwrap_or_default())
             .for_plan(args.plan, named);
             let rule = row.validate()?;
             let table = args.location.open().await?;
@@ -289,6 +295,7 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
         "MODE".into(),
         "STORE_DOWN".into(),
         "DEBT".into(),
+        "ALERTS".into(),
         "UPDATED_AT".into(),
     ]];
     let or = |s: &str, d: &str| {
@@ -310,6 +317,11 @@ pub fn render_rows(rows: &[StoredRow]) -> String {
             shown(&r.mode),
             shown(&r.on_store_unavailable),
             r.debt.to_string(),
+            if r.alerts.is_empty() {
+                "-".to_owned()
+            } else {
+                shown(&r.alerts)
+            },
             shown(&r.updated_at),
         ]);
     }
@@ -329,4 +341,8 @@ fn shown(value: &str) -> String {
     } else {
         format!("{:?}", crate::limits::short(value))
     }
+}
+
+fn parse_alerts(s: &str) -> Result<crate::algorithm::alerts::Alerts, String> {
+    s.parse()
 }

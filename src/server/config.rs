@@ -124,6 +124,24 @@ pub struct ServeConfig {
     /// keyspace; each instance also looks once at start).
     #[arg(long, env = "TOLLGATE_USAGE_SWEEP_EVERY", value_parser = parse_duration, default_value = "10m")]
     pub usage_sweep_every: Duration,
+    /// Where quota alerts are POSTed (http:// or https://): each alert
+    /// threshold a quota counter reaches, once per period, from the outbox
+    /// in the limits database. Without it alerts are recorded and listed
+    /// (`tollgate alerts list`, the status page), not sent.
+    #[arg(long, env = "TOLLGATE_ALERT_WEBHOOK", value_parser = crate::alerts::parse_url)]
+    pub alert_webhook: Option<http::Uri>,
+    /// The key of the HMAC-SHA256 signature over each alert's body, sent in
+    /// the `Tollgate-Signature` header (`sha256=` and hex). Prefer the
+    /// environment variable: arguments are visible to other users.
+    #[arg(long, env = "TOLLGATE_ALERT_SECRET", hide_env_values = true)]
+    pub alert_secret: Option<String>,
+    /// Longest wait for one alert delivery (connect, send, answer).
+    #[arg(long, env = "TOLLGATE_ALERT_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
+    pub alert_timeout: Duration,
+    /// Longest wait between two tries of an undelivered alert: waits double
+    /// from a second up to this.
+    #[arg(long, env = "TOLLGATE_ALERT_RETRY_MAX", value_parser = parse_duration, default_value = "5m")]
+    pub alert_retry_max: Duration,
     /// How often idle in-memory buckets are dropped (not an option: tests
     /// shorten it).
     #[arg(skip = Duration::from_secs(10))]
@@ -262,6 +280,17 @@ impl ServeConfig {
             sweep_every: self.usage_sweep_every,
             ..LedgerOptions::default()
         }
+    }
+
+    /// How quota alerts are delivered; `None` without a webhook.
+    pub fn alerts(&self) -> Option<crate::alerts::AlertOptions> {
+        self.alert_webhook
+            .as_ref()
+            .map(|url| crate::alerts::AlertOptions {
+                timeout: self.alert_timeout,
+                retry_max: self.alert_retry_max,
+                ..crate::alerts::AlertOptions::new(url.clone(), self.alert_secret.clone())
+            })
     }
 
     /// What the engine's stores are built from.

@@ -19,10 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis_servers::{RedisCluster, RedisServer};
+use tollgate_core::algorithm::alerts::Alerts;
 use tollgate_core::algorithm::calendar::Bounds;
 use tollgate_core::algorithm::{Charge, Limit, Op, Rate};
 use tollgate_core::clock::{Clock, ManualClock};
-use tollgate_core::store::journal::{Closed, Journal, QuotaCount, QuotaEvent};
+use tollgate_core::store::journal::{Closed, Entry, Journal, QuotaCount, QuotaEvent};
 use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
     RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
@@ -796,21 +797,115 @@ async fn five_hundred_acquirers_take_exactly_the_cap(h: &Harness) {
     assert_eq!(held(h, &slots("race", "hot"), 100).await, 100);
 }
 
-/// Every event waiting in `h`'s journals (with `sweep`, also those other
+/// Every entry waiting in `h`'s journals (with `sweep`, also those other
 /// instances left), each journal trimmed after it is read.
-async fn journaled(h: &Harness, sweep: bool) -> Vec<QuotaEvent> {
-    let mut events = Vec::new();
+async fn entries(h: &Harness, sweep: bool) -> Vec<Entry> {
+    let mut entries = Vec::new();
     let mut journals = h.journal.pending(sweep).await.unwrap();
     journals.sort();
     for journal in journals {
         let read = h.journal.read(&journal, 100).await.unwrap();
         h.journal.trim(&journal, read.len()).await.unwrap();
-        events.extend(
+        entries.extend(
             read.into_iter()
                 .map(|e| e.expect("a line this build wrote")),
         );
     }
-    events
+    entries
+}
+
+/// The period openings among `h`'s journal entries.
+async fn journaled(h: &Harness, sweep: bool) -> Vec<QuotaEvent> {
+    let entries = entries(h, sweep).await;
+    entries
+        .into_iter()
+        .map(|e| match e {
+            Entry::Opened(e) => e,
+            Entry::Crossed(c) => panic!("no alerts here: {c:?}"),
+        })
+        .collect()
+}
+
+/// A quota of 10 with alerts at 50, 80 and 100 %: each fires once, on the
+/// decision, charge or settle whose count reaches it, and again in the next
+/// period; a dry run, a refusal and a refund fire nothing.
+async fn alert_thresholds_fire_once_each_per_period(h: &Harness) {
+    const DAY: u64 = 86_400_000_000;
+    let alerts: Alerts = "50,80,100".parse().unwrap();
+    let quota = |cost, day: u64| {
+        let start = T0 + day * DAY;
+        let bounds = Bounds {
+            start,
+            end: start + DAY,
+        };
+        Charge::new(Limit::quota(10, bounds).unwrap().with_alerts(alerts), cost)
+    };
+    let kind = BucketKind::Quota {
+        per_key: false,
+        shadow: false,
+    };
+    let b = [BucketKey::new("acme", kind, "", "")];
+    let crossed = |entries: Vec<Entry>| -> Vec<(u16, u64)> {
+        entries
+            .into_iter()
+            .filter_map(|e| match e {
+                Entry::Crossed(c) => {
+                    assert_eq!((c.end - c.start, c.quota, &c.bucket), (DAY, 10, &b[0]));
+                    Some((c.percent, c.used))
+                }
+                Entry::Opened(_) => None,
+            })
+            .collect()
+    };
+    assert!(h.spend(&b, &[quota(4, 0)]).await.allowed);
+    assert_eq!(crossed(entries(h, false).await), []);
+    assert!(h.spend(&b, &[quota(1, 0)]).await.allowed);
+    assert_eq!(crossed(entries(h, false).await), [(50, 5)]);
+    let dry = [quota(5, 0)];
+    assert!(
+        h.store
+            .apply(Request::new(&b, &dry, Op::DRY))
+            .await
+            .unwrap()
+            .allowed
+    );
+    assert!(!h.spend(&b, &[quota(6, 0)]).await.allowed);
+    assert_eq!(crossed(entries(h, false).await), []);
+    // A reservation of 3 reaches 80 %; settled at 1 it gives 2 back (a
+    // refund fires nothing), then a charge after the fact (counted up to
+    // the quota: it has no debt) reaches 80 % a second time (the ledger's
+    // outbox keeps one per threshold) and 100 %.
+    let r = Reservation {
+        id: ReservationId::new("acme"),
+        estimate: 3,
+        lines: vec![1],
+        ttl: 60_000_000,
+    };
+    let reserve = [quota(3, 0)];
+    let attached = Attachment::Reservation(r.clone());
+    let reserved = h
+        .store
+        .apply(Request::new(&b, &reserve, Op::SPEND).attach(&attached))
+        .await
+        .unwrap();
+    assert!(reserved.allowed);
+    assert_eq!(crossed(entries(h, false).await), [(80, 8)]);
+    let settled = h.other.settle(&r.id, 1).await.unwrap();
+    assert_eq!(settled.status, SettleStatus::Settled);
+    assert_eq!(crossed(entries(h, true).await), []);
+    let charge = [quota(5, 0)];
+    h.store
+        .apply(Request::new(&b, &charge, Op::Charge))
+        .await
+        .unwrap();
+    assert_eq!(crossed(entries(h, false).await), [(80, 10), (100, 10)]);
+    // The next day starts over: one decision reaches all three.
+    h.clock.advance(Duration::from_micros(DAY));
+    assert!(h.spend(&b, &[quota(10, 1)]).await.allowed);
+    assert_eq!(
+        crossed(entries(h, false).await),
+        [(50, 10), (80, 10), (100, 10)]
+    );
 }
 
 async fn quota_periods_are_journaled_once_each(h: &Harness) {
@@ -937,4 +1032,5 @@ contract!(
     shadow_caps_never_refuse,
     five_hundred_acquirers_take_exactly_the_cap,
     quota_periods_are_journaled_once_each,
+    alert_thresholds_fire_once_each_per_period,
 );

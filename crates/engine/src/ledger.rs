@@ -7,10 +7,13 @@
 //!
 //! - **The journal** ([`crate::store::journal`]): a decision that moves a
 //!   quota counter into a new period appends an event naming the new
-//!   period and the final count of the one it left. The ledger writes
-//!   events to the table, then trims them from the journal: an instance
-//!   killed in between leaves them for the next drain (its own after a
-//!   restart, or another instance's sweep of every journal).
+//!   period and the final count of the one it left; one whose count
+//!   reaches an alert threshold appends a crossing. The ledger writes
+//!   events to the table (crossings to the `quota_alerts` outbox, from
+//!   which `src/alerts.rs` delivers them), then trims them from the
+//!   journal: an instance killed in between leaves them for the next drain
+//!   (its own after a restart, or another instance's sweep of every
+//!   journal).
 //! - **The counters themselves**: a period that ended with no decision
 //!   after it still holds its final count in its counter, which outlives
 //!   its period by one more period's length. Every [`LedgerOptions::close_every`]
@@ -32,10 +35,10 @@ use parking_lot::Mutex;
 
 use crate::algorithm::Micros;
 use crate::clock::Clock;
-use crate::limits::table::{LimitsTable, PeriodRow, PeriodWrite, TableError};
+use crate::limits::table::{AlertWrite, LimitsTable, PeriodRow, PeriodWrite, TableError};
 use crate::limits::watch::LiveLimits;
 use crate::limits::{Kind, Scope};
-use crate::store::journal::{Journal, QuotaEvent};
+use crate::store::journal::{Entry, Journal};
 use crate::store::{BucketKey, BucketKind, StoreError};
 use crate::telemetry::metrics;
 
@@ -158,58 +161,110 @@ impl Ledger {
     async fn drain_one(&self, journal: &str) -> Result<u64, LedgerError> {
         let mut written = 0;
         loop {
-            let events = self.journal.read(journal, self.options.batch).await?;
-            let n = events.len();
-            let events: Vec<QuotaEvent> = events.into_iter().flatten().collect();
-            if events.len() < n {
+            let entries = self.journal.read(journal, self.options.batch).await?;
+            let n = entries.len();
+            let entries: Vec<Entry> = entries.into_iter().flatten().collect();
+            if entries.len() < n {
                 tracing::warn!(
                     journal,
-                    unreadable = n - events.len(),
+                    unreadable = n - entries.len(),
                     "quota journal entries this build cannot read were dropped"
                 );
             }
-            self.record(&events).await?;
+            self.record(&entries).await?;
             self.journal.trim(journal, n).await?;
-            written += events.len() as u64;
+            written += entries.len() as u64;
             if n < self.options.batch {
                 return Ok(written);
             }
         }
     }
 
-    /// Writes `events`: each opens its period and closes the one it left.
-    async fn record(&self, events: &[QuotaEvent]) -> Result<(), LedgerError> {
-        if events.is_empty() {
+    /// Writes `entries`: each opening opens its period and closes the one
+    /// it left; each crossing goes to the alert outbox.
+    async fn record(&self, entries: &[Entry]) -> Result<(), LedgerError> {
+        if entries.is_empty() {
             return Ok(());
         }
         let rules = self.limits.snapshot();
-        let names: Vec<String> = events
+        let names: Vec<String> = entries
             .iter()
-            .map(|e| rule_name(&rules, &e.bucket))
+            .map(|e| match e {
+                Entry::Opened(e) => rule_name(&rules, &e.bucket),
+                Entry::Crossed(c) => rule_name(&rules, &c.bucket),
+            })
             .collect();
-        let mut writes = Vec::with_capacity(events.len() * 2);
-        for (event, rule) in events.iter().zip(&names) {
-            let base = PeriodWrite {
-                rule,
-                start: event.start,
-                end: event.end,
-                quota: event.quota,
-                used: None,
-                ..describe(&event.bucket)
-            };
-            if let Some(closed) = event.previous {
-                writes.push(PeriodWrite {
-                    start: closed.start,
-                    end: closed.end,
-                    used: Some(closed.count),
-                    ..base.clone()
-                });
+        let mut periods = Vec::new();
+        let mut alerts = Vec::new();
+        let now = self.clock.now();
+        for (entry, rule) in entries.iter().zip(&names) {
+            match entry {
+                Entry::Opened(event) => {
+                    let base = PeriodWrite {
+                        rule,
+                        start: event.start,
+                        end: event.end,
+                        quota: event.quota,
+                        used: None,
+                        ..describe(&event.bucket)
+                    };
+                    if let Some(closed) = event.previous {
+                        periods.push(PeriodWrite {
+                            start: closed.start,
+                            end: closed.end,
+                            used: Some(closed.count),
+                            ..base.clone()
+                        });
+                    }
+                    periods.push(base);
+                }
+                Entry::Crossed(c) => {
+                    let d = describe(&c.bucket);
+                    alerts.push(AlertWrite {
+                        counter: d.counter,
+                        tenant: d.tenant,
+                        scope: d.scope,
+                        resource: d.resource,
+                        key: d.key,
+                        rule,
+                        start: c.start,
+                        end: c.end,
+                        threshold: c.percent,
+                        used: c.used,
+                        quota: c.quota,
+                        detected_at: now,
+                    });
+                }
             }
-            writes.push(base);
         }
-        let closed = self.table.write_periods(&writes).await?;
-        metrics::usage_periods("opened", events.len() as u64);
-        metrics::usage_periods("closed", closed);
+        if !periods.is_empty() {
+            let closed = self.table.write_periods(&periods).await?;
+            let opened = entries
+                .iter()
+                .filter(|e| matches!(e, Entry::Opened(_)))
+                .count();
+            metrics::usage_periods("opened", opened as u64);
+            metrics::usage_periods("closed", closed);
+        }
+        if !alerts.is_empty() {
+            let recorded = self.table.record_alerts(&alerts).await?;
+            for (alert, new) in alerts.iter().zip(recorded) {
+                if new {
+                    metrics::quota_alert(alert.threshold, "detected");
+                    tracing::info!(
+                        tenant = alert.tenant,
+                        key = alert.key,
+                        resource = alert.resource,
+                        rule = alert.rule,
+                        threshold = alert.threshold,
+                        used = alert.used,
+                        limit = alert.quota,
+                        "quota alert: {} % of the quota reached",
+                        alert.threshold
+                    );
+                }
+            }
+        }
         Ok(())
     }
 

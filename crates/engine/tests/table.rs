@@ -23,6 +23,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tollgate_engine::algorithm::alerts::Alerts;
 use tollgate_engine::algorithm::calendar::Cycle;
 use tollgate_engine::algorithm::{Rate, RateUnit};
 use tollgate_engine::limits::table::{
@@ -47,6 +48,7 @@ fn row(name: &str, tenant: &str, resource: &str, burst: u64) -> LimitRow {
         on_store_unavailable: OnStoreUnavailable::Allow,
         debt: 0,
         kind: Kind::Rate,
+        alerts: Alerts::NONE,
     }
 }
 

@@ -44,6 +44,9 @@ pub(super) struct RowRequest {
     on_store_unavailable: String,
     #[serde(default)]
     debt: i64,
+    /// A quota's alert thresholds, `50,80,100`.
+    #[serde(default)]
+    alerts: String,
     name: Option<String>,
 }
 
@@ -97,6 +100,7 @@ pub fn row_json(r: &StoredRow) -> serde_json::Value {
         "mode": r.mode,
         "on_store_unavailable": r.on_store_unavailable,
         "debt": r.debt,
+        "alerts": r.alerts,
         "updated_at": r.updated_at,
     })
 }
@@ -165,7 +169,10 @@ pub(super) async fn set(State(state): State<Arc<AdminState>>, body: axum::body::
         &req.kind,
         req.name,
     ) {
-        Ok(row) => row.for_plan(req.plan, named),
+        Ok(row) => match req.alerts.parse() {
+            Ok(alerts) => row.with_alerts(alerts).for_plan(req.plan, named),
+            Err(e) => return bad(e),
+        },
         Err(e) => return bad(e),
     };
     if let Err(e) = row.validate() {
@@ -578,4 +585,41 @@ pub fn check_tenant_name(name: &str) -> Result<(), String> {
         );
     }
     check_label("tenant", name)
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AlertsQuery {
+    #[serde(default)]
+    pending: bool,
+    limit: Option<usize>,
+}
+
+/// `GET /v1/alerts[?pending=true][&limit=N]`: the quota alert outbox's
+/// counts and its newest alerts (at most 1 000), as `tollgate alerts list`.
+pub(super) async fn alerts(
+    State(state): State<Arc<AdminState>>,
+    query: Result<Query<AlertsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else {
+        return bad("query parameters: pending (true or false), limit (at most 1000)");
+    };
+    let limit = q.limit.unwrap_or(50);
+    if limit > 1_000 {
+        return bad(format!("limit is {limit}; at most 1000 alerts are listed"));
+    }
+    let read = async {
+        let rows = state.table.alerts(q.pending, limit).await?;
+        let counts = state.table.alert_counts().await?;
+        Ok::<_, TableError>((rows, counts))
+    };
+    match read.await {
+        Ok((rows, counts)) => Json(json!({
+            "pending": counts.pending,
+            "delivered": counts.delivered,
+            "alerts": rows.iter().map(crate::cli::alert_json).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(e) => table_error(e),
+    }
 }

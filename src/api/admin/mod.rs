@@ -233,6 +233,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/v1/tenants/{tenant}", get(limits::tenant))
         .route("/v1/usage", get(limits::usage))
         .route("/v1/usage/periods", get(limits::usage_periods))
+        .route("/v1/alerts", get(limits::alerts))
         .route(
             "/v1/tenants/{tenant}/cycle",
             axum::routing::put(limits::set_cycle),

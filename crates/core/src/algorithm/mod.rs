@@ -258,6 +258,8 @@ pub struct Limit {
     debt: u64,
     /// Quotas: the period's first instant (0 for every other algorithm).
     start: Micros,
+    /// Quotas: the thresholds whose crossing is journaled.
+    alerts: alerts::Alerts,
 }
 
 impl Limit {
@@ -280,6 +282,7 @@ impl Limit {
                 interval,
                 debt: 0,
                 start: 0,
+                alerts: alerts::Alerts::NONE,
             }),
             _ => Err(LimitError::TooSlow { burst, rate }),
         }
@@ -312,6 +315,7 @@ impl Limit {
             interval: rate.unit.micros(),
             debt: 0,
             start: 0,
+            alerts: alerts::Alerts::NONE,
         })
     }
 
@@ -331,6 +335,7 @@ impl Limit {
             interval: bounds.end.saturating_sub(bounds.start).max(1),
             debt: 0,
             start: bounds.start,
+            alerts: alerts::Alerts::NONE,
         })
     }
 
@@ -346,6 +351,23 @@ impl Limit {
         }
     }
 
+    /// This quota with alert `thresholds` (nothing for other algorithms:
+    /// only quotas count towards a fixed amount per period).
+    pub fn with_alerts(self, thresholds: alerts::Alerts) -> Self {
+        if self.algorithm != Algorithm::Quota {
+            return self;
+        }
+        Self {
+            alerts: thresholds,
+            ..self
+        }
+    }
+
+    /// A quota's alert thresholds.
+    pub fn alerts(&self) -> alerts::Alerts {
+        self.alerts
+    }
+
     /// A concurrency cap: at most `cap` leases held at once.
     pub fn concurrency(cap: u64) -> Result<Self, LimitError> {
         if cap == 0 {
@@ -357,6 +379,7 @@ impl Limit {
             interval: 1,
             debt: 0,
             start: 0,
+            alerts: alerts::Alerts::NONE,
         })
     }
 
@@ -400,6 +423,7 @@ impl Limit {
             interval: window.clamp(1_000_000, MAX_TOLERANCE),
             debt: 0,
             start: 0,
+            alerts: alerts::Alerts::NONE,
         }
     }
 
@@ -471,6 +495,7 @@ impl Limit {
             interval,
             debt,
             start: self.start,
+            alerts: self.alerts,
         }
     }
 }
@@ -638,6 +663,7 @@ impl Op {
     }
 }
 
+pub mod alerts;
 pub mod calendar;
 pub mod concurrency;
 pub mod plan;

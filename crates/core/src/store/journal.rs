@@ -4,7 +4,8 @@
 //! A decision that writes a quota counter into a period it did not hold
 //! before (the counter's first use, or its first use after a boundary)
 //! appends one [`QuotaEvent`]: the new period, and the final count of the
-//! period it replaced. The ledger (`tollgate_engine::ledger`) records
+//! period it replaced. A decision whose count reaches one of the quota's
+//! alert thresholds ([`crate::algorithm::alerts`]) appends a [`Crossing`]. The ledger (`tollgate_engine::ledger`) records
 //! events in the limits database and trims them only afterwards, so an
 //! instance that dies between the decision and the write loses nothing:
 //! the events wait in the store for any instance to record them.
@@ -15,6 +16,7 @@
 //!
 //! ```text
 //! o START END QUOTA PREVIOUS_START PREVIOUS_END PREVIOUS_COUNT NAME
+//! a START END QUOTA PERCENT USED NAME
 //! ```
 //!
 //! in µs since the Unix epoch, the previous period's fields 0 when the
@@ -43,6 +45,66 @@ pub struct QuotaEvent {
     pub quota: u64,
     /// The period it held before, with that period's final count.
     pub previous: Option<Closed>,
+}
+
+/// A decision's count reached one of its quota's alert thresholds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Crossing {
+    /// The counter.
+    pub bucket: BucketKey,
+    /// The first instant of the period it counts in.
+    pub start: Micros,
+    /// The next period's first instant.
+    pub end: Micros,
+    /// The quota per period.
+    pub quota: u64,
+    /// The threshold reached, in percent of the quota.
+    pub percent: u16,
+    /// The count the decision left.
+    pub used: u64,
+}
+
+impl Crossing {
+    /// The crossing as a journal line, the counter named `name`.
+    pub fn line(&self, name: &str) -> String {
+        format!(
+            "a {} {} {} {} {} {name}",
+            self.start, self.end, self.quota, self.percent, self.used
+        )
+    }
+}
+
+/// One journal entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// A counter entered a period.
+    Opened(QuotaEvent),
+    /// A count reached an alert threshold.
+    Crossed(Crossing),
+}
+
+impl Entry {
+    /// Reads a journal line; `bucket_of` turns the store's name for the
+    /// counter back into its key. `None`: not a line this build writes.
+    pub fn parse(line: &str, bucket_of: impl FnOnce(&str) -> Option<BucketKey>) -> Option<Self> {
+        if line.starts_with("o ") {
+            return QuotaEvent::parse(line, bucket_of).map(Self::Opened);
+        }
+        let mut parts = line.strip_prefix("a ")?.splitn(6, ' ');
+        let mut number = || parts.next()?.parse::<u64>().ok();
+        let (start, end, quota, percent, used) =
+            (number()?, number()?, number()?, number()?, number()?);
+        let bucket = bucket_of(parts.next()?)?;
+        let percent = u16::try_from(percent).ok()?;
+        (start < end && percent > 0).then_some(Self::Crossed(Crossing {
+            bucket,
+            start,
+            end,
+            quota,
+            percent,
+            used,
+        }))
+    }
 }
 
 /// A period a counter left, and what it counted there.
@@ -114,11 +176,7 @@ pub trait Journal: Send + Sync {
 
     /// Up to `max` of the oldest entries of `journal`, parsed (`None` for
     /// an entry this build cannot read), oldest first.
-    fn read<'a>(
-        &'a self,
-        journal: &'a str,
-        max: usize,
-    ) -> JournalFuture<'a, Vec<Option<QuotaEvent>>>;
+    fn read<'a>(&'a self, journal: &'a str, max: usize) -> JournalFuture<'a, Vec<Option<Entry>>>;
 
     /// Drops the `n` oldest entries of `journal`, once recorded.
     fn trim<'a>(&'a self, journal: &'a str, n: usize) -> JournalFuture<'a, ()>;
@@ -175,6 +233,27 @@ mod tests {
     }
 
     #[test]
+    fn a_crossing_reads_back_as_it_was() {
+        let crossing = Crossing {
+            bucket: bucket(),
+            start: 1_000,
+            end: 2_000,
+            quota: 50,
+            percent: 80,
+            used: 41,
+        };
+        let line = crossing.line(bucket().as_str());
+        assert_eq!(
+            line,
+            "a 1000 2000 50 80 41 acme:kq:exports:a key with spaces"
+        );
+        assert_eq!(
+            Entry::parse(&line, BucketKey::parse),
+            Some(Entry::Crossed(crossing))
+        );
+    }
+
+    #[test]
     fn lines_this_build_never_writes_are_not_read() {
         for line in [
             "",
@@ -185,8 +264,11 @@ mod tests {
             "o a 2 3 0 0 0 acme:kq::k",
             "o 1 2 3 0 0 0 acme:k::k",
             "o 1 2 3 0 0 0",
+            "a 1 2 3 0 5 acme:kq::k",
+            "a 1 2 3 80 acme:kq::k",
+            "a 2 1 3 80 5 acme:kq::k",
         ] {
-            assert_eq!(QuotaEvent::parse(line, BucketKey::parse), None, "{line:?}");
+            assert_eq!(Entry::parse(line, BucketKey::parse), None, "{line:?}");
         }
     }
 }

@@ -790,9 +790,34 @@ fn describe_ledger() {
         "Quota periods the usage ledger wrote to the limits database, by step: opened, closed (final count written; once per period across instances), lost (closed without a final count: its counter was gone from the store)."
     );
     describe_counter!(
+        QUOTA_ALERTS,
+        "Quota alert thresholds, by threshold (percent) and result: detected (recorded in the outbox; once per counter, period and threshold across instances), delivered (the webhook answered 2xx), failed (an attempt that is retried with backoff)."
+    );
+    metrics::describe_gauge!(
+        QUOTA_ALERTS_PENDING,
+        "Quota alerts in the outbox not delivered yet (read from the limits database by each instance's notifier)."
+    );
+    describe_counter!(
         LEDGER_ERRORS,
         "Usage ledger steps that failed and will be retried, by step (journal, database)."
     );
+}
+
+/// Quota alerts, by threshold (percent) and result: `detected` (recorded
+/// in the outbox, once per counter, period and threshold), `delivered`,
+/// `failed` (a delivery attempt that will be retried).
+pub const QUOTA_ALERTS: &str = "tollgate_quota_alerts_total";
+/// Quota alerts in the outbox not delivered yet.
+pub const QUOTA_ALERTS_PENDING: &str = "tollgate_quota_alerts_pending";
+
+/// Counts a quota alert's step.
+pub fn quota_alert(threshold: u16, result: &'static str) {
+    counter!(QUOTA_ALERTS, "threshold" => threshold.to_string(), "result" => result).increment(1);
+}
+
+/// Sets the alerts waiting for delivery.
+pub fn quota_alerts_pending(n: u64) {
+    metrics::gauge!(QUOTA_ALERTS_PENDING).set(n as f64);
 }
 
 /// Counts periods the ledger wrote.

@@ -33,7 +33,7 @@ impl Format {
 }
 
 /// The columns, in the order `export` writes them.
-pub const COLUMNS: [&str; 12] = [
+pub const COLUMNS: [&str; 13] = [
     "name",
     "tenant",
     "plan",
@@ -46,6 +46,7 @@ pub const COLUMNS: [&str; 12] = [
     "on_store_unavailable",
     "debt",
     "kind",
+    "alerts",
 ];
 
 /// A line as written: every column but `name`, `burst` and `rate` has the
@@ -75,6 +76,8 @@ struct FileRow {
     debt: i64,
     #[serde(default = "column_default::kind")]
     kind: String,
+    #[serde(default)]
+    alerts: String,
     /// Accepted (an export carries it) and ignored: the table sets it.
     #[serde(default)]
     #[allow(dead_code)]
@@ -97,6 +100,7 @@ impl From<FileRow> for StoredRow {
             on_store_unavailable: r.on_store_unavailable,
             debt: r.debt,
             kind: r.kind,
+            alerts: r.alerts,
             updated_at: String::new(),
         }
     }

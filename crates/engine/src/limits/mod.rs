@@ -36,6 +36,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::algorithm::alerts::Alerts;
 use crate::algorithm::calendar::Period;
 use crate::algorithm::{Limit, Rate, RateUnit};
 
@@ -236,6 +237,10 @@ pub struct StoredRow {
     /// held at once).
     #[serde(default = "column_default::kind")]
     pub kind: String,
+    /// A quota's alert thresholds, in percent of its count (`50,80,100`);
+    /// '' for none.
+    #[serde(default)]
+    pub alerts: String,
     /// When the row last changed (set by the table).
     #[serde(default)]
     pub updated_at: String,
@@ -268,6 +273,8 @@ pub struct LimitRow {
     pub debt: u64,
     /// Rate or concurrency.
     pub kind: Kind,
+    /// A quota's alert thresholds.
+    pub alerts: Alerts,
 }
 
 impl std::str::FromStr for Scope {
@@ -362,7 +369,15 @@ impl LimitRow {
             on_store_unavailable,
             debt,
             kind,
+            alerts: Alerts::NONE,
         })
+    }
+
+    /// The same row with alert thresholds (a quota's only: validation
+    /// refuses them on other rows).
+    pub fn with_alerts(mut self, alerts: Alerts) -> Self {
+        self.alerts = alerts;
+        self
     }
 
     /// The same row for plan `plan` instead of a tenant; unless `named`,
@@ -392,6 +407,7 @@ impl LimitRow {
             on_store_unavailable: policy_str(self.on_store_unavailable).into(),
             debt: i64::try_from(self.debt).unwrap_or(i64::MAX),
             kind: self.kind.as_str().into(),
+            alerts: self.alerts.to_string(),
             updated_at: String::new(),
         }
     }
@@ -420,6 +436,7 @@ impl LimitRow {
             on_store_unavailable: self.on_store_unavailable,
             debt: self.debt,
             kind: self.kind,
+            alerts: self.alerts,
         }
         .shape()
     }
@@ -456,6 +473,7 @@ impl TryFrom<&StoredRow> for LimitRow {
             on_store_unavailable: t.on_store_unavailable,
             debt: t.debt,
             kind: t.kind,
+            alerts: t.alerts,
         })
     }
 }
@@ -473,6 +491,7 @@ struct TypedRow<'a> {
     on_store_unavailable: OnStoreUnavailable,
     debt: u64,
     kind: Kind,
+    alerts: Alerts,
 }
 
 impl TypedRow<'_> {
@@ -540,8 +559,16 @@ impl TypedRow<'_> {
                 Limit::quota(count, bounds)
                     .and_then(|l| l.with_debt(self.debt))
                     .map_err(|e| e.to_string())?
+                    .with_alerts(self.alerts)
             }
         };
+        if self.kind != Kind::Quota && !self.alerts.is_empty() {
+            return Err(format!(
+                "alerts are {}; alert thresholds apply to quotas only (a rate or concurrency \
+                 rule has no amount per period to reach): drop them or make the row a quota",
+                self.alerts
+            ));
+        }
         let rate_text = match self.kind {
             Kind::Rate | Kind::Quota => self.rate.to_string(),
             Kind::Concurrency => format!("{} concurrent", self.burst),
@@ -598,6 +625,7 @@ impl StoredRow {
             debt: u64::try_from(self.debt)
                 .map_err(|_| format!("debt is {}; it must be 0 (no debt) or more", self.debt))?,
             kind: self.kind.parse()?,
+            alerts: self.alerts.parse()?,
         })
     }
 
@@ -781,6 +809,9 @@ impl fmt::Display for Rule {
         }
         if self.limit.debt() > 0 {
             write!(f, ", debt {}", self.limit.debt())?;
+        }
+        if !self.limit.alerts().is_empty() {
+            write!(f, ", alerts at {} %", self.limit.alerts())?;
         }
         f.write_str(")")
     }

@@ -14,11 +14,13 @@ CREATE TABLE IF NOT EXISTS limits (
     on_store_unavailable TEXT        NOT NULL DEFAULT 'allow',
     debt                 BIGINT      NOT NULL DEFAULT 0,
     kind                 TEXT        NOT NULL DEFAULT 'rate',
+    alerts               TEXT        NOT NULL DEFAULT '',
     updated_at           TIMESTAMPTZ NOT NULL DEFAULT now()
 );
--- Tables made before the debt, kind and plan columns get them.
+-- Tables made before the debt, kind, alerts and plan columns get them.
 ALTER TABLE limits ADD COLUMN IF NOT EXISTS debt BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE limits ADD COLUMN IF NOT EXISTS kind TEXT NOT NULL DEFAULT 'rate';
+ALTER TABLE limits ADD COLUMN IF NOT EXISTS alerts TEXT NOT NULL DEFAULT '';
 ALTER TABLE limits ADD COLUMN IF NOT EXISTS plan TEXT NOT NULL DEFAULT '';
 ALTER TABLE limits DROP CONSTRAINT IF EXISTS limits_tenant_resource_scope_mode_key;
 DROP INDEX IF EXISTS limits_slot;
@@ -159,3 +161,30 @@ CREATE TABLE IF NOT EXISTS usage_periods (
 CREATE INDEX IF NOT EXISTS usage_periods_open ON usage_periods (period_end)
     WHERE closed_at IS NULL;
 CREATE INDEX IF NOT EXISTS usage_periods_tenant ON usage_periods (tenant, period_start);
+
+-- The alert outbox: each alert threshold a quota counter reached, once per
+-- counter, period and threshold (`id`, the webhook's idempotency key),
+-- kept until a webhook delivery succeeds (src/alerts.rs). Instants in µs
+-- since the Unix epoch.
+CREATE TABLE IF NOT EXISTS quota_alerts (
+    id           TEXT        NOT NULL PRIMARY KEY,
+    counter      TEXT        NOT NULL,
+    period_start BIGINT      NOT NULL,
+    period_end   BIGINT      NOT NULL,
+    threshold    BIGINT      NOT NULL,
+    tenant       TEXT        NOT NULL,
+    scope        TEXT        NOT NULL,
+    resource     TEXT        NOT NULL,
+    key          TEXT        NOT NULL,
+    rule         TEXT        NOT NULL DEFAULT '',
+    used         BIGINT      NOT NULL,
+    quota        BIGINT      NOT NULL,
+    detected_at  BIGINT      NOT NULL,
+    attempts     BIGINT      NOT NULL DEFAULT 0,
+    next_attempt BIGINT      NOT NULL DEFAULT 0,
+    delivered_at BIGINT,
+    last_error   TEXT        NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS quota_alerts_due ON quota_alerts (next_attempt)
+    WHERE delivered_at IS NULL;
+CREATE INDEX IF NOT EXISTS quota_alerts_detected ON quota_alerts (detected_at);

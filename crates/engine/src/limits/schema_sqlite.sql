@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS limits (
     on_store_unavailable TEXT    NOT NULL DEFAULT 'allow',
     debt                 INTEGER NOT NULL DEFAULT 0,
     kind                 TEXT    NOT NULL DEFAULT 'rate',
+    alerts               TEXT    NOT NULL DEFAULT '',
     updated_at           TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     UNIQUE (tenant, plan, resource, scope, mode, kind)
 );
@@ -147,3 +148,30 @@ CREATE TABLE IF NOT EXISTS usage_periods (
 CREATE INDEX IF NOT EXISTS usage_periods_open ON usage_periods (period_end)
     WHERE closed_at IS NULL;
 CREATE INDEX IF NOT EXISTS usage_periods_tenant ON usage_periods (tenant, period_start);
+
+-- The alert outbox: each alert threshold a quota counter reached, once per
+-- counter, period and threshold (`id`, the webhook's idempotency key),
+-- kept until a webhook delivery succeeds (src/alerts.rs). Instants in µs
+-- since the Unix epoch.
+CREATE TABLE IF NOT EXISTS quota_alerts (
+    id           TEXT    NOT NULL PRIMARY KEY,
+    counter      TEXT    NOT NULL,
+    period_start INTEGER NOT NULL,
+    period_end   INTEGER NOT NULL,
+    threshold    INTEGER NOT NULL,
+    tenant       TEXT    NOT NULL,
+    scope        TEXT    NOT NULL,
+    resource     TEXT    NOT NULL,
+    key          TEXT    NOT NULL,
+    rule         TEXT    NOT NULL DEFAULT '',
+    used         INTEGER NOT NULL,
+    quota        INTEGER NOT NULL,
+    detected_at  INTEGER NOT NULL,
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    next_attempt INTEGER NOT NULL DEFAULT 0,
+    delivered_at INTEGER,
+    last_error   TEXT    NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS quota_alerts_due ON quota_alerts (next_attempt)
+    WHERE delivered_at IS NULL;
+CREATE INDEX IF NOT EXISTS quota_alerts_detected ON quota_alerts (detected_at);

@@ -59,6 +59,7 @@ pub fn default_row() -> LimitRow {
         on_store_unavailable: OnStoreUnavailable::Allow,
         debt: 0,
         kind: Kind::Rate,
+        alerts: crate::algorithm::alerts::Alerts::NONE,
     }
 }
 
@@ -279,10 +280,11 @@ pub struct PlanRow {
 }
 
 const COLUMNS: &str = "id, name, tenant, plan, resource, scope, burst, rate, rate_unit, mode, \
-                       on_store_unavailable, debt, kind";
+                       on_store_unavailable, debt, kind, alerts";
 
 const INSERT: &str = "INSERT INTO limits (name, tenant, plan, resource, scope, burst, rate, rate_unit, \
-                      mode, on_store_unavailable, debt, kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+                      mode, on_store_unavailable, debt, kind, alerts) \
+                      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
 const CLASH: &str = "SELECT tenant, plan, resource, scope FROM limits WHERE name = ? \
                      AND NOT (tenant = ? AND plan = ? AND resource = ? AND scope = ? AND mode = ? AND kind = ?)";
@@ -470,6 +472,18 @@ impl LimitsTable {
                     .await?;
                 }
                 tx.execute(SCHEMA).await?;
+                // Limits tables made before alert thresholds get them.
+                let limit_columns: Vec<String> =
+                    sqlx::query("SELECT name FROM pragma_table_info('limits')")
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .iter()
+                        .map(|r| r.try_get(0))
+                        .collect::<Result<_, _>>()?;
+                if !limit_columns.iter().any(|c| c == "alerts") {
+                    tx.execute("ALTER TABLE limits ADD COLUMN alerts TEXT NOT NULL DEFAULT ''")
+                        .await?;
+                }
                 // Tenants tables made before billing cycles get them.
                 let tenant_columns: Vec<String> =
                     sqlx::query("SELECT name FROM pragma_table_info('tenants')")
@@ -557,7 +571,7 @@ impl LimitsTable {
 
     /// `SELECT`s the rows of `from` (a `FROM` clause and its `WHERE`s,
     /// over table `limits` or a query of its columns) as chunks: one text
-    /// value per [`CHUNK_ROWS`] ids, each row a run of its thirteen values
+    /// value per [`CHUNK_ROWS`] ids, each row a run of its fourteen values
     /// (the id, then [`super::file::COLUMNS`]), each value written as its length in bytes, a comma and
     /// the value. Lengths rather than separators, so no value can be
     /// mistaken for the next (a name may hold any character). The database
@@ -869,7 +883,7 @@ impl LimitsTable {
             "{INSERT} ON CONFLICT {CONFLICT_TARGET} DO UPDATE SET name = excluded.name, \
              burst = excluded.burst, rate = excluded.rate, rate_unit = excluded.rate_unit, \
              on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, \
-             updated_at = {}",
+             alerts = excluded.alerts, updated_at = {}",
             self.now()
         );
         self.execute(&sql, &insert_binds(row)).await?;
@@ -1085,10 +1099,11 @@ impl LimitsTable {
         let stage = "CREATE TEMPORARY TABLE tollgate_import (line BIGINT NOT NULL, name TEXT NOT NULL, \
                      tenant TEXT NOT NULL, plan TEXT NOT NULL, resource TEXT NOT NULL, scope TEXT NOT NULL, \
                      burst BIGINT NOT NULL, rate BIGINT NOT NULL, rate_unit TEXT NOT NULL, mode TEXT NOT NULL, \
-                     on_store_unavailable TEXT NOT NULL, debt BIGINT NOT NULL, kind TEXT NOT NULL)";
+                     on_store_unavailable TEXT NOT NULL, debt BIGINT NOT NULL, kind TEXT NOT NULL, \
+                     alerts TEXT NOT NULL)";
         let cols = "line, name, tenant, plan, resource, scope, burst, rate, rate_unit, mode, \
-                    on_store_unavailable, debt, kind";
-        let one = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+                    on_store_unavailable, debt, kind, alerts";
+        let one = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
         let clash = "SELECT s.line, s.name, l.tenant, l.plan FROM tollgate_import s JOIN limits l \
                      ON l.name = s.name AND NOT (l.tenant = s.tenant AND l.plan = s.plan AND \
                      l.resource = s.resource AND l.scope = s.scope AND l.mode = s.mode AND l.kind = s.kind) \
@@ -1097,11 +1112,13 @@ impl LimitsTable {
                        (SELECT 1 FROM plans p WHERE p.name = s.plan) ORDER BY s.line LIMIT 1";
         let upsert = format!(
             "INSERT INTO limits (name, tenant, plan, resource, scope, burst, rate, rate_unit, mode, \
-             on_store_unavailable, debt, kind) SELECT name, tenant, plan, resource, scope, burst, rate, \
-             rate_unit, mode, on_store_unavailable, debt, kind FROM tollgate_import WHERE true \
+             on_store_unavailable, debt, kind, alerts) SELECT name, tenant, plan, resource, scope, \
+             burst, rate, rate_unit, mode, on_store_unavailable, debt, kind, alerts \
+             FROM tollgate_import WHERE true \
              ON CONFLICT {CONFLICT_TARGET} DO UPDATE SET name = excluded.name, burst = excluded.burst, \
              rate = excluded.rate, rate_unit = excluded.rate_unit, \
-             on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, updated_at = {}",
+             on_store_unavailable = excluded.on_store_unavailable, debt = excluded.debt, \
+             alerts = excluded.alerts, updated_at = {}",
             self.now()
         );
         with_pool!(self, pool => {
@@ -1113,7 +1130,7 @@ impl LimitsTable {
                     "INSERT INTO tollgate_import ({cols}) VALUES {}",
                     vec![one; chunk.len()].join(", ")
                 );
-                let mut binds = Vec::with_capacity(chunk.len() * 13);
+                let mut binds = Vec::with_capacity(chunk.len() * 14);
                 for (line, row) in chunk {
                     binds.push(Bind::Int(*line as i64));
                     binds.extend(insert_binds(row));
@@ -1191,6 +1208,7 @@ fn insert_binds(row: &StoredRow) -> Vec<Bind<'_>> {
         Bind::Text(&row.on_store_unavailable),
         Bind::Int(row.debt),
         Bind::Text(&row.kind),
+        Bind::Text(&row.alerts),
     ]
 }
 
@@ -1227,7 +1245,8 @@ where
         on_store_unavailable: r.try_get(10)?,
         debt: r.try_get(11)?,
         kind: r.try_get(12)?,
-        updated_at: r.try_get(13)?,
+        alerts: r.try_get(13)?,
+        updated_at: r.try_get(14)?,
     })
 }
 
@@ -1278,6 +1297,7 @@ fn chunk_rows(chunk: Option<&str>, sink: &mut (dyn ChangeSink + Send)) -> Result
             on_store_unavailable: String::new(),
             debt: 0,
             kind: String::new(),
+            alerts: String::new(),
             updated_at: String::new(),
         };
         let mut bad = None;
@@ -1294,6 +1314,7 @@ fn chunk_rows(chunk: Option<&str>, sink: &mut (dyn ChangeSink + Send)) -> Result
         row.on_store_unavailable = next()?.to_owned();
         row.debt = number("debt", next()?);
         row.kind = next()?.to_owned();
+        row.alerts = next()?.to_owned();
         if let Some((what, value)) = bad {
             row.scope = format!("(the {what} column holds {value:?}, not a whole number)");
         }
@@ -1323,5 +1344,7 @@ where
     Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?))
 }
 
+mod alerts;
 mod periods;
+pub use alerts::{AlertCounts, AlertRow, AlertWrite, alert_id};
 pub use periods::{PeriodFilter, PeriodRow, PeriodWrite};

@@ -26,6 +26,7 @@ pub(crate) fn row(
         on_store_unavailable: "allow".into(),
         debt: 0,
         kind: "rate".into(),
+        alerts: String::new(),
         updated_at: String::new(),
     }
 }

@@ -1,5 +1,5 @@
 //! The in-process store's quota journal: one bounded queue of
-//! [`QuotaEvent`]s, appended under the stripe locks of the decision that
+//! [`Entry`]s, appended under the stripe locks of the decision that
 //! caused each (see [`crate::store::journal`]).
 
 use std::collections::VecDeque;
@@ -14,7 +14,9 @@ use super::MemoryStore;
 use crate::algorithm::window::quota_end;
 use crate::algorithm::{Charge, State};
 use crate::store::BucketKey;
-use crate::store::journal::{Closed, Journal, JournalFuture, QuotaCount, QuotaEvent};
+use crate::store::journal::{
+    Closed, Crossing, Entry, Journal, JournalFuture, QuotaCount, QuotaEvent,
+};
 
 /// Most events the queue holds. A ledger that cannot write (its database
 /// down) for long enough to fill it loses the newest events, counted in
@@ -27,7 +29,7 @@ const NAME: &str = "memory";
 
 #[derive(Default)]
 pub(super) struct MemoryJournal {
-    events: Mutex<VecDeque<QuotaEvent>>,
+    events: Mutex<VecDeque<Entry>>,
     notify: Notify,
     dropped: AtomicU64,
 }
@@ -46,28 +48,51 @@ impl MemoryJournal {
             return;
         }
         let State::Window(new) = new else { return };
-        let previous = match old {
-            Some(State::Window(old)) if old.start >= new.start => return,
-            Some(State::Window(old)) => Some(Closed {
-                start: old.start,
-                end: quota_end(*old),
-                count: old.count,
-            }),
+        let old = match old {
+            Some(State::Window(old)) => Some(old),
             _ => None,
         };
-        let event = QuotaEvent {
-            bucket: bucket.clone(),
-            start: new.start,
-            end: quota_end(*new),
-            quota: charge.limit.burst(),
-            previous,
+        let (start, end, quota) = (new.start, quota_end(*new), charge.limit.burst());
+        let mut entries: Vec<Entry> = Vec::new();
+        let before = match old {
+            Some(old) if old.start == new.start => old.count,
+            Some(old) if old.start > new.start => return,
+            _ => 0,
         };
-        let mut events = self.events.lock();
-        if events.len() >= MAX_EVENTS {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+        if old.is_none_or(|old| old.start < new.start) {
+            entries.push(Entry::Opened(QuotaEvent {
+                bucket: bucket.clone(),
+                start,
+                end,
+                quota,
+                previous: old.map(|old| Closed {
+                    start: old.start,
+                    end: quota_end(*old),
+                    count: old.count,
+                }),
+            }));
+        }
+        for percent in charge.limit.alerts().crossed(quota, before, new.count) {
+            entries.push(Entry::Crossed(Crossing {
+                bucket: bucket.clone(),
+                start,
+                end,
+                quota,
+                percent,
+                used: new.count,
+            }));
+        }
+        if entries.is_empty() {
             return;
         }
-        events.push_back(event);
+        let mut events = self.events.lock();
+        for entry in entries {
+            if events.len() >= MAX_EVENTS {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            } else {
+                events.push_back(entry);
+            }
+        }
         drop(events);
         self.notify.notify_one();
     }
@@ -96,11 +121,7 @@ impl Journal for MemoryStore {
         })))
     }
 
-    fn read<'a>(
-        &'a self,
-        _journal: &'a str,
-        max: usize,
-    ) -> JournalFuture<'a, Vec<Option<QuotaEvent>>> {
+    fn read<'a>(&'a self, _journal: &'a str, max: usize) -> JournalFuture<'a, Vec<Option<Entry>>> {
         let events = self.journal_or_none().map_or_else(Vec::new, |j| {
             j.events
                 .lock()

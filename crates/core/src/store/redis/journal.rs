@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{RedisStore, Shared};
-use crate::store::journal::{Journal, JournalFuture, QuotaCount, QuotaEvent};
+use crate::store::journal::{Entry, Journal, JournalFuture, QuotaCount};
 use crate::store::{BucketKey, StoreError};
 
 /// The journals script calls reported appending to, since the ledger last
@@ -124,11 +124,7 @@ impl Journal for RedisStore {
         })
     }
 
-    fn read<'a>(
-        &'a self,
-        journal: &'a str,
-        max: usize,
-    ) -> JournalFuture<'a, Vec<Option<QuotaEvent>>> {
+    fn read<'a>(&'a self, journal: &'a str, max: usize) -> JournalFuture<'a, Vec<Option<Entry>>> {
         Box::pin(async move {
             let last = max.max(1) as i64 - 1;
             let lines: Vec<String> = self
@@ -141,7 +137,7 @@ impl Journal for RedisStore {
                 .await?;
             Ok(lines
                 .iter()
-                .map(|line| QuotaEvent::parse(line, |key| self.shared.bucket_of(key)))
+                .map(|line| Entry::parse(line, |key| self.shared.bucket_of(key)))
                 .collect())
         })
     }

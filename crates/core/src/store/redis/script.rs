@@ -91,7 +91,10 @@ pub(super) fn record_body(
         let l = &charge.limit;
         let start = l
             .period()
-            .map(|p| format!(" {}", p.start))
+            .map(|p| match l.alerts() {
+                a if a.is_empty() => format!(" {}", p.start),
+                a => format!(" {} {}", p.start, a.script_field()),
+            })
             .unwrap_or_default();
         body.push_str(&format!(
             "{} {} {} {} {} {} {}{start}\n{key}",
@@ -184,6 +187,10 @@ pub(super) fn evalsha(
         if let Some(period) = c.limit.period() {
             field.push(':');
             field.push_str(itoa::Buffer::new().format(period.start));
+            if !c.limit.alerts().is_empty() {
+                field.push(':');
+                field.push_str(&c.limit.alerts().script_field());
+            }
         }
         evalsha.arg(field.as_str());
         if c.need > c.cost {
