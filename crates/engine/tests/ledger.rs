@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate_engine::algorithm::Limit;
+use tollgate_engine::algorithm::alerts::Alerts;
 use tollgate_engine::algorithm::calendar::{Bounds, Cycle, Period};
 use tollgate_engine::algorithm::{Micros, Op};
 use tollgate_engine::clock::{Clock, ManualClock};
@@ -29,7 +30,7 @@ use tollgate_engine::engine::{
     OverCapacity, RedisConfig, Unmatched,
 };
 use tollgate_engine::ledger::{Closing, Ledger, LedgerOptions};
-use tollgate_engine::limits::table::{LimitsTable, PeriodFilter, PeriodRow};
+use tollgate_engine::limits::table::{AlertWrite, LimitsTable, PeriodFilter, PeriodRow, alert_id};
 use tollgate_engine::limits::watch::LiveLimits;
 use tollgate_engine::telemetry::top::TopLimited;
 
@@ -97,13 +98,22 @@ fn counter(key: &str) -> BucketKey {
 
 /// Spends 1 from `key`'s daily quota of 3 (UTC days); true if admitted.
 async fn spend(i: &Instance, key: &str) -> bool {
+    spend_alerting(i, key, Alerts::NONE).await
+}
+
+/// [`spend`], the quota alerting at `alerts`.
+async fn spend_alerting(i: &Instance, key: &str, alerts: Alerts) -> bool {
     let utc = Cycle::default();
     let mut demand = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
     demand.items.push(Item::new("acme", "exports", key, 1));
     demand.lines.push(Line {
         item: 0,
         bucket: counter(key),
-        allowance: Allowance::Limited(Limit::quota(3, Bounds { start: 0, end: 1 }).unwrap()),
+        allowance: Allowance::Limited(
+            Limit::quota(3, Bounds { start: 0, end: 1 })
+                .unwrap()
+                .with_alerts(alerts),
+        ),
         enforce: true,
         on_store_unavailable: OnStoreUnavailable::Allow,
         label: "exports-per-day",
@@ -336,4 +346,182 @@ async fn in_memory_periods_close_at_their_final_count() {
         i.ledger.period(&counter("alice"), D0 + 1).await.unwrap(),
         None
     );
+}
+
+/// Three instances spend keys up to their quota of 3 with alerts at 50 and
+/// 100 %: the outbox holds each key's two alerts once, however many
+/// instances drained them or how often.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_threshold_is_recorded_once_across_instances() {
+    let server = redis::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.db");
+    let path = path.to_str().unwrap();
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        let table = LimitsTable::open(path).await.unwrap();
+        instances.push(instance(Some(&server.url()), &table).await);
+    }
+    let alerts: Alerts = "50,100".parse().unwrap();
+    for k in 0..10 {
+        for n in 0..4 {
+            let admitted = spend_alerting(&instances[(k + n) % 3], &format!("k{k}"), alerts).await;
+            assert_eq!(admitted, n < 3);
+        }
+    }
+    for _ in 0..2 {
+        for i in &instances {
+            i.ledger.drain(true).await.unwrap();
+        }
+    }
+    let table = LimitsTable::open(path).await.unwrap();
+    let recorded = table.alerts(false, 100).await.unwrap();
+    assert_eq!(recorded.len(), 20);
+    let mut seen: Vec<(String, u16, u64)> = recorded
+        .iter()
+        .map(|a| (a.key.clone(), a.threshold, a.used))
+        .collect();
+    seen.sort();
+    let mut want: Vec<(String, u16, u64)> = (0..10)
+        .flat_map(|k| [(format!("k{k}"), 50, 2), (format!("k{k}"), 100, 3)])
+        .collect();
+    want.sort();
+    assert_eq!(seen, want);
+    let a = &recorded[0];
+    assert_eq!(
+        (
+            a.tenant.as_str(),
+            a.resource.as_str(),
+            a.scope.as_str(),
+            a.quota
+        ),
+        ("acme", "exports", "key", 3)
+    );
+    assert_eq!((a.start, a.end), (D0, D1));
+    assert_eq!(a.id, alert_id(&a.counter, a.start, a.threshold));
+    assert_eq!(a.id.len(), 32);
+}
+
+fn alert<'a>(counter: &'a str, threshold: u16) -> AlertWrite<'a> {
+    AlertWrite {
+        counter,
+        tenant: "acme",
+        scope: "tenant",
+        resource: "",
+        key: "",
+        rule: "acme-monthly",
+        start: D0,
+        end: D1,
+        threshold,
+        used: 80,
+        quota: 100,
+        detected_at: D0 + HOUR,
+    }
+}
+
+/// The outbox: an alert recorded twice is kept once; a claim holds it for
+/// its lease; a failure schedules the next try; a delivery ends it; and a
+/// claim takes a page, whatever the outbox holds.
+async fn the_outbox_claims_retries_and_delivers(table: &LimitsTable) {
+    let counter = "acme:tq::";
+    assert_eq!(
+        table.record_alerts(&[alert(counter, 80)]).await.unwrap(),
+        [true]
+    );
+    assert_eq!(
+        table
+            .record_alerts(&[alert(counter, 80), alert(counter, 100)])
+            .await
+            .unwrap(),
+        [false, true]
+    );
+    let ids = [alert_id(counter, D0, 80), alert_id(counter, D0, 100)];
+    // Due alerts are claimed oldest due first, then by id.
+    let (first, second) = if ids[0] < ids[1] {
+        (&ids[0], &ids[1])
+    } else {
+        (&ids[1], &ids[0])
+    };
+    let claimed = table.claim_alerts(1_000, 500, 1).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!((&claimed[0].id, claimed[0].attempts), (first, 1));
+    // Held for its lease: the next claim takes the other alert only.
+    let other = table.claim_alerts(1_200, 500, 10).await.unwrap();
+    assert_eq!(other.len(), 1);
+    assert_eq!(&other[0].id, second);
+    assert!(table.claim_alerts(1_400, 500, 10).await.unwrap().is_empty());
+    table
+        .alert_failed(first, 5_000, "the webhook answered 500")
+        .await
+        .unwrap();
+    table.alert_delivered(second, 1_450).await.unwrap();
+    assert!(table.claim_alerts(4_999, 500, 10).await.unwrap().is_empty());
+    let again = table.claim_alerts(5_000, 500, 10).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(
+        (
+            &again[0].id,
+            again[0].attempts,
+            again[0].last_error.as_str()
+        ),
+        (first, 2, "the webhook answered 500")
+    );
+    table.alert_delivered(first, 5_100).await.unwrap();
+    assert!(
+        table
+            .claim_alerts(u64::MAX / 2, 500, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let counts = table.alert_counts().await.unwrap();
+    assert_eq!((counts.pending, counts.delivered), (0, 2));
+    let listed = table.alerts(false, 10).await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(
+        listed
+            .iter()
+            .all(|a| a.delivered_at.is_some() && a.last_error.is_empty())
+    );
+    assert!(table.alerts(true, 10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn the_outbox_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.db");
+    let table = LimitsTable::open(path.to_str().unwrap()).await.unwrap();
+    the_outbox_claims_retries_and_delivers(&table).await;
+}
+
+#[tokio::test]
+async fn the_outbox_on_postgres() {
+    let pg = postgres::Postgres::start();
+    let table = LimitsTable::open(&pg.url()).await.unwrap();
+    the_outbox_claims_retries_and_delivers(&table).await;
+}
+
+/// An outbox of a million undelivered alerts: a claim reads one page of
+/// them (the notifier's memory is a page, not the outbox).
+#[tokio::test]
+async fn a_million_alerts_are_claimed_a_page_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.db");
+    let table = LimitsTable::open(path.to_str().unwrap()).await.unwrap();
+    table
+        .execute_sql(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 999999) \
+             INSERT INTO quota_alerts (id, counter, period_start, period_end, threshold, tenant, \
+             scope, resource, key, used, quota, detected_at) \
+             SELECT printf('%032d', i), 't' || i || ':tq::', 0, 1, 100, 't' || i, 'tenant', '', '', \
+             10, 10, i FROM n",
+        )
+        .await
+        .unwrap();
+    assert_eq!(table.alert_counts().await.unwrap().pending, 1_000_000);
+    let page = table.claim_alerts(10, 1_000, 64).await.unwrap();
+    assert_eq!(page.len(), 64);
+    assert_eq!(page[0].id, format!("{:032}", 0));
+    let next = table.claim_alerts(10, 1_000, 64).await.unwrap();
+    assert_eq!(next[0].id, format!("{:032}", 64));
 }
