@@ -172,34 +172,45 @@ impl Notifier {
             })
             .buffer_unordered(self.options.concurrency.max(1));
         let results: Vec<_> = tries.collect().await;
-        let mut delivered = 0;
-        for (alert, result) in results {
-            let threshold = alert.threshold;
+        let now = self.clock.now();
+        let mut delivered = Vec::new();
+        let mut failed = Vec::new();
+        for (alert, result) in &results {
             match result {
                 Ok(()) => {
-                    self.table
-                        .alert_delivered(&alert.id, self.clock.now())
-                        .await?;
-                    metrics::quota_alert(threshold, "delivered");
-                    delivered += 1;
+                    metrics::quota_alert(alert.threshold, "delivered");
+                    delivered.push(alert.id.as_str());
                 }
                 Err(why) => {
                     let wait = backoff(alert.attempts, self.options.retry_max);
-                    let next = self.clock.now() + wait.as_micros() as Micros;
-                    metrics::quota_alert(threshold, "failed");
-                    tracing::warn!(
-                        id = alert.id,
-                        tenant = alert.tenant,
-                        threshold,
-                        attempts = alert.attempts,
-                        retry_in = ?wait,
-                        "quota alert not delivered: {why}"
-                    );
-                    self.table.alert_failed(&alert.id, next, &why).await?;
+                    metrics::quota_alert(alert.threshold, "failed");
+                    let next = now + wait.as_micros() as Micros;
+                    failed.push((alert.id.as_str(), next, why.as_str()));
                 }
             }
         }
-        Ok(delivered)
+        // One line per pass, not per alert: a receiver down for an hour
+        // must not flood the log.
+        if let Some((id, _, why)) = failed.first() {
+            tracing::warn!(
+                failed = failed.len(),
+                delivered = delivered.len(),
+                first = id,
+                "quota alerts not delivered, retried with backoff: {why}"
+            );
+        }
+        for (alert, result) in &results {
+            if result.is_ok() {
+                tracing::info!(
+                    id = alert.id,
+                    tenant = alert.tenant,
+                    threshold = alert.threshold,
+                    "quota alert delivered"
+                );
+            }
+        }
+        self.table.settle_alerts(now, &delivered, &failed).await?;
+        Ok(delivered.len())
     }
 
     /// POSTs one alert; `Err` says why it did not land.

@@ -7,6 +7,7 @@
 mod common;
 
 mod admin_access;
+mod alerts;
 mod api;
 mod architecture;
 mod bad_input;

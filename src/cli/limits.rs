@@ -130,7 +130,7 @@ pub struct SetArgs {
     /// A quota's alert thresholds, in percent of its count, e.g. 50,80,100
     /// (1 to 999 %, at most 6): the decision that reaches one records an
     /// alert, delivered by webhook once per tenant per period.
-    #[arg(long, requires = "quota", value_parser = parse_alerts)]
+    #[arg(long, value_parser = parse_alerts)]
     pub alert: Option<crate::algorithm::alerts::Alerts>,
     /// The row's name (default: TENANT-RESOURCE-SCOPE, plus -concurrency,
     /// -quota and -shadow).

@@ -183,7 +183,8 @@ CREATE TABLE IF NOT EXISTS quota_alerts (
     attempts     BIGINT      NOT NULL DEFAULT 0,
     next_attempt BIGINT      NOT NULL DEFAULT 0,
     delivered_at BIGINT,
-    last_error   TEXT        NOT NULL DEFAULT ''
+    last_error   TEXT        NOT NULL DEFAULT '',
+    claim        TEXT        NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS quota_alerts_due ON quota_alerts (next_attempt)
     WHERE delivered_at IS NULL;

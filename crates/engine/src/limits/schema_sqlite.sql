@@ -170,7 +170,8 @@ CREATE TABLE IF NOT EXISTS quota_alerts (
     attempts     INTEGER NOT NULL DEFAULT 0,
     next_attempt INTEGER NOT NULL DEFAULT 0,
     delivered_at INTEGER,
-    last_error   TEXT    NOT NULL DEFAULT ''
+    last_error   TEXT    NOT NULL DEFAULT '',
+    claim        TEXT    NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS quota_alerts_due ON quota_alerts (next_attempt)
     WHERE delivered_at IS NULL;

@@ -102,6 +102,13 @@ pub fn alert_id(counter: &str, start: Micros, threshold: u16) -> String {
         .collect()
 }
 
+/// A claim's mark: 32 random hex digits.
+fn claim_token() -> String {
+    let mut bytes = [0u8; 16];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 const ALERT_COLUMNS: &str = "id, counter, tenant, scope, resource, key, rule, period_start, \
      period_end, threshold, used, quota, detected_at, attempts, next_attempt, delivered_at, \
      last_error";
@@ -178,46 +185,70 @@ impl LimitsTable {
 
     /// Claims up to `limit` undelivered alerts due at `now` (the oldest
     /// due first) until `now + lease`: another instance claims them only
-    /// once that passes. Each claim counts as an attempt.
+    /// once that passes. Each claim counts as an attempt. One statement
+    /// claims the page (an alert claimed by another instance meanwhile is
+    /// no longer due, and is left out), one reads it back.
     pub async fn claim_alerts(
         &self,
         now: Micros,
         lease: Micros,
         limit: usize,
     ) -> Result<Vec<AlertRow>, TableError> {
-        let sql = format!(
-            "SELECT {ALERT_COLUMNS} FROM quota_alerts WHERE delivered_at IS NULL \
-             AND next_attempt <= ? ORDER BY next_attempt, id LIMIT ?"
-        );
-        let due = self
-            .alert_rows(&sql, &[Bind::Int(int(now)), Bind::Int(int(limit as u64))])
-            .await?;
-        let claim = "UPDATE quota_alerts SET next_attempt = ?, attempts = attempts + 1 \
-             WHERE id = ? AND next_attempt = ? AND delivered_at IS NULL";
-        let mut claimed = Vec::with_capacity(due.len());
-        for mut alert in due {
-            let binds = [
-                Bind::Int(int(now + lease)),
-                Bind::Text(&alert.id),
-                Bind::Int(int(alert.next_attempt)),
-            ];
-            if self.execute(claim, &binds).await? > 0 {
-                alert.attempts += 1;
-                alert.next_attempt = now + lease;
-                claimed.push(alert);
-            }
+        let token = claim_token();
+        let claim = "UPDATE quota_alerts SET claim = ?, next_attempt = ?, attempts = attempts + 1 \
+             WHERE delivered_at IS NULL AND next_attempt <= ? AND id IN (SELECT id FROM \
+             quota_alerts WHERE delivered_at IS NULL AND next_attempt <= ? \
+             ORDER BY next_attempt, id LIMIT ?)";
+        let binds = [
+            Bind::Text(&token),
+            Bind::Int(int(now + lease)),
+            Bind::Int(int(now)),
+            Bind::Int(int(now)),
+            Bind::Int(int(limit as u64)),
+        ];
+        if self.execute(claim, &binds).await? == 0 {
+            return Ok(Vec::new());
         }
-        Ok(claimed)
+        let sql = format!(
+            "SELECT {ALERT_COLUMNS} FROM quota_alerts WHERE claim = ? AND delivered_at IS NULL \
+             ORDER BY id"
+        );
+        self.alert_rows(&sql, &[Bind::Text(&token)]).await
+    }
+
+    /// Records what became of claimed alerts, in one transaction: those
+    /// `delivered` at `now`, and those that `failed`, each with when its
+    /// next try is due and why it failed.
+    pub async fn settle_alerts(
+        &self,
+        now: Micros,
+        delivered: &[&str],
+        failed: &[(&str, Micros, &str)],
+    ) -> Result<(), TableError> {
+        let done = "UPDATE quota_alerts SET delivered_at = ?, last_error = '' WHERE id = ?";
+        let retry = "UPDATE quota_alerts SET next_attempt = ?, last_error = ? \
+             WHERE id = ? AND delivered_at IS NULL";
+        with_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            for id in delivered {
+                bound!(sqlx::query(self.sql(done)), &[Bind::Int(int(now)), Bind::Text(id)])
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            for (id, next, error) in failed {
+                let binds = [Bind::Int(int(*next)), Bind::Text(error), Bind::Text(id)];
+                bound!(sqlx::query(self.sql(retry)), &binds)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
     }
 
     /// Marks an alert delivered at `now`.
     pub async fn alert_delivered(&self, id: &str, now: Micros) -> Result<(), TableError> {
-        self.execute(
-            "UPDATE quota_alerts SET delivered_at = ?, last_error = '' WHERE id = ?",
-            &[Bind::Int(int(now)), Bind::Text(id)],
-        )
-        .await?;
-        Ok(())
+        self.settle_alerts(now, &[id], &[]).await
     }
 
     /// Records a failed try: the next is due at `next_attempt`.
@@ -227,17 +258,8 @@ impl LimitsTable {
         next_attempt: Micros,
         error: &str,
     ) -> Result<(), TableError> {
-        self.execute(
-            "UPDATE quota_alerts SET next_attempt = ?, last_error = ? \
-             WHERE id = ? AND delivered_at IS NULL",
-            &[
-                Bind::Int(int(next_attempt)),
-                Bind::Text(error),
-                Bind::Text(id),
-            ],
-        )
-        .await?;
-        Ok(())
+        self.settle_alerts(0, &[], &[(id, next_attempt, error)])
+            .await
     }
 
     /// The most recently detected alerts (only undelivered ones with
