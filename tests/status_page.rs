@@ -1,7 +1,8 @@
 //! The admin port's status page, loaded in headless Chromium (Debian's
 //! `chromium`): after its scripts ran, the page shows the store's health,
 //! decisions by outcome, the most limited tenants, the tenants in debt,
-//! the tenants holding the most concurrency slots and the limits in force.
+//! the tenants holding the most concurrency slots, those nearest their
+//! quota, the quota alerts and the limits in force.
 
 use crate::common;
 
@@ -30,9 +31,36 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
             Some("batch-slots".into()),
         )
         .unwrap(),
+        tollgate::limits::LimitRow::from_request(
+            "saas".into(),
+            String::new(),
+            "tenant",
+            0,
+            "10/month",
+            "enforce",
+            "allow",
+            0,
+            "quota",
+            Some("monthly".into()),
+        )
+        .unwrap()
+        .with_alerts("80,100".parse().unwrap()),
+        row("saas-keys", "saas", "", "key", 100, "100/second"),
     ])
     .await;
     let mut client = server.client().await;
+    // 8 of the saas tenant's 10 a month: the 80 % alert, recorded (no
+    // webhook: it waits).
+    let mut saas = req("saas", "k");
+    saas.cost = 8;
+    assert!(ask(&mut client, saas).await.allowed);
+    for _ in 0..100 {
+        let (_, alerts) = server.http_get("/v1/alerts").await.unwrap();
+        if alerts.contains("\"pending\":1") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     for _ in 0..7 {
         ask(&mut client, req("scraper", "bot-1")).await;
     }
@@ -87,8 +115,8 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         assert!(words[at + 1].parse::<f64>().is_ok(), "{rates}");
         words[at + 2].parse().unwrap()
     };
-    // Three decisions and three acquires (an acquire is a decision too).
-    assert_eq!(total("allowed"), 6, "{rates}");
+    // Four decisions and three acquires (an acquire is a decision too).
+    assert_eq!(total("allowed"), 7, "{rates}");
     assert_eq!(total("rejected"), 5, "{rates}");
     for outcome in [
         "error",
@@ -112,8 +140,22 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
         holding.contains("tenant key slots held all expire within batch c 3 600 s"),
         "{holding}"
     );
+    let quotas = section("quotas");
+    assert!(
+        quotas.contains("tenant quota used limit share period ends in saas monthly 8 10 80 %"),
+        "{quotas}"
+    );
+    let alerts = section("alerts");
+    assert!(
+        alerts.contains("Quota alerts (1 waiting, 0 delivered)"),
+        "{alerts}"
+    );
+    assert!(
+        alerts.contains("saas (tenant-wide) monthly 80 % 8 10 waiting, 0 tries"),
+        "{alerts}"
+    );
     let limits = section("limits");
-    assert!(limits.contains("Limits in force (4)"), "{limits}");
+    assert!(limits.contains("Limits in force (6)"), "{limits}");
     assert!(
         limits.contains("per-key rate (default) (any) key 2 1/hour 0 enforce allow"),
         "{limits}"

@@ -271,6 +271,7 @@ pub fn write_row(out: &mut impl Write, format: Format, row: &StoredRow) -> std::
                 &row.on_store_unavailable,
                 &debt,
                 &row.kind,
+                &row.alerts,
             ];
             let line: Vec<String> = fields.iter().map(|f| csv_field(f)).collect();
             writeln!(out, "{}", line.join(","))
@@ -311,11 +312,13 @@ mod tests {
 
     #[test]
     fn csv_and_jsonl_round_trip_and_bad_lines_are_named() {
-        let csv = "name,tenant,burst,rate,rate_unit\n\
-                   a,acme,10,100,minute\n\
-                   \"b.quoted\",globex,5,1,second\n";
+        let csv = "name,tenant,burst,rate,rate_unit,kind,alerts\n\
+                   a,acme,10,100,minute,rate,\n\
+                   \"b.quoted\",globex,5,1,second,rate,\n\
+                   m,acme,0,1000,month,quota,\"50,80,100\"\n";
         let rows = read_rows(csv.as_bytes(), Format::Csv).unwrap();
-        assert_eq!(rows.len(), 2);
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[2].1.alerts, "50,80,100");
         assert_eq!((rows[0].0, rows[0].1.tenant.as_str()), (2, "acme"));
         assert_eq!(rows[1].1.name, "b.quoted");
         assert_eq!(
