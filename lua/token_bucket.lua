@@ -236,49 +236,33 @@ local function apply_tokens(stored, now, interval, burst, debt_max, cost, need, 
     string.format('%d:%s', now + after, limit), after
 end
 
--- Fixed (alg "f") or sliding ("s") window counter, or a quota ("q": a
--- fixed window over the period [pstart, pstart + window) the caller names),
--- with the same ops; a refund uncounts tokens charged at `since` while that
--- window still counts.
-local function apply_window(stored, now, alg, window, max, debt_max, cost, need, op, since, pstart)
+-- What the last quota apply_window saw, for the journal (note()): whether
+-- the counter enters a period it did not hold (then the period it held,
+-- if any: start, end, count), the count before this decision in the
+-- period counted, the count after it, and that period's bounds.
+local q_open, q_ps, q_pe, q_pc, q_before, q_after, q_start, q_stop = false, 0, 0, 0, 0, 0, 0, 0
+
+-- Fixed (alg "f") or sliding ("s") window counter; a refund uncounts
+-- tokens charged at `since` while that window still counts.
+local function apply_window(stored, now, alg, window, max, debt_max, cost, need, op, since)
   local sliding = alg == 's'
-  local start, stop
+  local start = floor_div(now, window) * window
   local count, prev = 0, 0
-  if alg == 'q' then
-    -- A period stored that began later is counted in instead (an instance
-    -- whose clock runs ahead turned it already); `now` outside the period
-    -- counted is taken as its nearest instant.
-    start, stop = pstart, pstart + window
-    if stored then
-      local s, c, e = string.match(stored, '^q:(%d+):(%d+):(%d+)$')
-      if s then
-        s, c, e = tonumber(s), tonumber(c), tonumber(e)
-        if s > start then
-          start, count, stop = s, c, e
-        elseif s == start then
-          count = c
-        end
+  if stored then
+    local s, c, p = string.match(stored, '^w:(%d+):(%d+):(%d+)$')
+    if s then
+      s, c, p = tonumber(s), tonumber(c), tonumber(p)
+      if s > start then
+        -- The clock went back: keep the stored window.
+        start, count, prev, now = s, c, p, s
+      elseif s == start then
+        count, prev = c, p
+      elseif s + window == start then
+        count, prev = 0, c
       end
     end
-    now = math.min(math.max(now, start), stop - 1)
-  else
-    start = floor_div(now, window) * window
-    if stored then
-      local s, c, p = string.match(stored, '^w:(%d+):(%d+):(%d+)$')
-      if s then
-        s, c, p = tonumber(s), tonumber(c), tonumber(p)
-        if s > start then
-          -- The clock went back: keep the stored window.
-          start, count, prev, now = s, c, p, s
-        elseif s == start then
-          count, prev = c, p
-        elseif s + window == start then
-          count, prev = 0, c
-        end
-      end
-    end
-    stop = start + window
   end
+  local stop = start + window
   if not sliding then
     prev = 0
   end
@@ -323,14 +307,53 @@ local function apply_window(stored, now, alg, window, max, debt_max, cost, need,
     local applied = math.min(cost, math.max(max + debt_max - used, 0))
     count, used, third = count + applied, used + applied, cost - applied
   end
-  if alg == 'q' then
-    -- A counter outlives its period by one more period's length: expiry
-    -- runs on Redis's clock, and a Redis clock that jumps ahead must not
-    -- forget a period the instances still name.
-    return true, max - used, third, reset(count), string.format('q:%d:%d:%d', start, count, stop),
-      stop + window - now
-  end
   return true, max - used, third, reset(count), string.format('w:%d:%d:%d', start, count, prev), idle - now
+end
+
+-- A quota ("q"): a count over the period [pstart, pstart + window) the
+-- caller names. A period stored that began later is counted in instead (an
+-- instance whose clock runs ahead turned it already); `now` outside the
+-- period counted is taken as its nearest instant; a refund uncounts tokens
+-- charged at `since` only while their period counts. What it saw is left
+-- in the q_* values for the journal.
+local function apply_quota(stored, now, window, max, debt_max, cost, need, op, since, pstart)
+  local start, stop, count = pstart, pstart + window, 0
+  q_open, q_ps, q_pe, q_pc = true, 0, 0, 0
+  if stored then
+    local s, c, e = string.match(stored, '^q:(%d+):(%d+):(%d+)$')
+    if s then
+      s, c, e = tonumber(s), tonumber(c), tonumber(e)
+      if s > start then
+        start, count, stop, q_open = s, c, e, false
+      elseif s == start then
+        count, q_open = c, false
+      else
+        q_ps, q_pe, q_pc = s, e, c
+      end
+    end
+  end
+  q_before, q_start, q_stop = count, start, stop
+  now = math.min(math.max(now, start), stop - 1)
+  local third = 0
+  if op == 'r' then
+    if since >= start and since < stop then
+      count = math.max(count - cost, 0)
+    end
+  elseif op == 'd' then
+    if count + need > max then
+      return false, max - count, stop - now, count == 0 and 0 or stop - now
+    end
+    count = count + cost
+  elseif op == 'c' then
+    local applied = math.min(cost, math.max(max + debt_max - count, 0))
+    count, third = count + applied, cost - applied
+  end
+  q_after = count
+  -- A counter outlives its period by one more period's length: expiry
+  -- runs on Redis's clock, and a Redis clock that jumps ahead must not
+  -- forget a period the instances still name.
+  return true, max - count, third, count == 0 and 0 or stop - now,
+    string.format('q:%d:%d:%d', start, count, stop), stop + window - now
 end
 
 -- Applies `op` to a bucket of algorithm `alg` ("t", "f" or "s"). `limit`
@@ -339,8 +362,10 @@ end
 local function apply(stored, now, alg, interval, burst, debt_max, cost, need, op, since, limit, pstart)
   if alg == 't' then
     return apply_tokens(stored, now, interval, burst, debt_max, cost, need, limit, op)
+  elseif alg == 'q' then
+    return apply_quota(stored, now, interval, burst, debt_max, cost, need, op, since, pstart)
   end
-  return apply_window(stored, now, alg, interval, burst, debt_max, cost, need, op, since, pstart)
+  return apply_window(stored, now, alg, interval, burst, debt_max, cost, need, op, since)
 end
 
 -- A bucket's rule field: its algorithm's letter, then "1" (enforced) or
@@ -412,38 +437,28 @@ margin_ms, record_cap = tonumber(margin_ms), tonumber(record_cap)
 local journal = journaled == 'j' and KEYS[#KEYS]
 local noted = 0
 
--- Journals the write of `value` over `held` into the quota counter `key`
--- of `quota` per period, when it enters a period `held` did not count.
-local function note(key, held, value, quota, alerts)
-  local s, c, e = string.match(value, '^q:(%d+):(%d+):(%d+)$')
-  local ps, pe, pc = '0', '0', '0'
-  local before, opened = 0, true
-  if held then
-    local hs, hc, he = string.match(held, '^q:(%d+):(%d+):(%d+)$')
-    if hs == s then
-      before, opened = tonumber(hc), false
-    elseif hs then
-      ps, pe, pc = hs, he, hc
-    end
-  end
-  if opened then
-    redis.call('RPUSH', journal, string.format('o %s %s %d %s %s %s ', s, e, quota, ps, pe, pc) .. key)
+-- Journals the write into the quota counter `key` (of `quota` per period,
+-- alerting at `alerts`) that the last quota apply_window described (q_*):
+-- the period it enters, if new, and each alert threshold it reaches.
+local function note(key, quota, alerts, open, ps, pe, pc, before, after, start, stop)
+  if open then
+    redis.call('RPUSH', journal, string.format('o %d %d %d %d %d %d ', start, stop, quota, ps, pe, pc) .. key)
     noted = noted + 1
   end
   -- Each alert threshold the count reached: ceil(quota * percent / 100),
   -- computed as src/algorithm/alerts.rs does (exact in a double).
   if alerts and alerts ~= '' then
-    local after = tonumber(c)
     for p in string.gmatch(alerts, '%d+') do
       p = tonumber(p)
       local level = math.floor(quota / 100) * p + ceil_div((quota % 100) * p, 100)
       if before < level and level <= after then
-        redis.call('RPUSH', journal, string.format('a %s %s %d %d %d ', s, e, quota, p, after) .. key)
+        redis.call('RPUSH', journal, string.format('a %d %d %d %d %d ', start, stop, quota, p, after) .. key)
         noted = noted + 1
       end
     end
   end
 end
+
 
 -- How long a reservation's record outlives its time to live, so that a late
 -- settle is answered "expired" rather than "unknown" (src/store/reservation.rs,
@@ -560,7 +575,9 @@ end
 -- held, its algorithm. One table for every request of the call: each table
 -- is an allocation, and garbage to collect.
 local scratch = {}
-local SLOTS, ADMITS, VALUE, TTL, HELD, ALG = 5, 1, 2, 3, 4, 5
+local SLOTS, ADMITS, VALUE, TTL, HELD, ALG = 15, 1, 2, 3, 4, 5
+-- A quota's, for the journal: burst, alerts, then the q_* of its decision.
+local QBURST, QALERTS, QOPEN, QPS, QPE, QPC, QBEFORE, QAFTER, QSTART, QSTOP = 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 
 local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member)
   local all_allowed = true
@@ -576,7 +593,7 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     local a = 4 + (b + i - 2) * 3
     local alg, enforced, debt_max = read_rule(ARGV[a])
     local limit = ARGV[a + 1]
-    local interval, burst, pstart = read_limit(limit)
+    local interval, burst, pstart, alerts = read_limit(limit)
     local cost, need = read_cost(ARGV[a + 2])
     local ok, balance, third, reset, value, ttl
     if alg == 'l' then
@@ -597,6 +614,17 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     else
       ok, balance, third, reset, value, ttl = apply(held, now, alg, interval, burst, debt_max, cost, need, op, 0,
         limit, pstart)
+      if alg == 'q' and journal then
+        if q_open or alerts ~= '' then
+          scratch[x + QBURST], scratch[x + QALERTS], scratch[x + QOPEN], scratch[x + QPS], scratch[x + QPE] =
+            burst, alerts, q_open, q_ps, q_pe
+          scratch[x + QPC], scratch[x + QBEFORE], scratch[x + QAFTER], scratch[x + QSTART], scratch[x + QSTOP] =
+            q_pc, q_before, q_after, q_start, q_stop
+        else
+          -- The usual case: the period held before, no thresholds.
+          scratch[x + QOPEN], scratch[x + QALERTS] = false, ''
+        end
+      end
     end
     if not ok and enforced then
       all_allowed = false
@@ -624,9 +652,10 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
         else
           store(key, scratch[x + VALUE], scratch[x + TTL])
           written[key] = scratch[x + VALUE]
-          if journal and scratch[x + ALG] == 'q' then
-            local _, burst, _, alerts = read_limit(ARGV[4 + (b + i - 2) * 3 + 1])
-            note(key, scratch[x + HELD], scratch[x + VALUE], burst, alerts)
+          if journal and scratch[x + ALG] == 'q' and (scratch[x + QOPEN] or scratch[x + QALERTS] ~= '') then
+            note(key, scratch[x + QBURST], scratch[x + QALERTS], scratch[x + QOPEN], scratch[x + QPS],
+              scratch[x + QPE], scratch[x + QPC], scratch[x + QBEFORE], scratch[x + QAFTER], scratch[x + QSTART],
+              scratch[x + QSTOP])
           end
         end
       end
@@ -759,7 +788,7 @@ local function settle(key, actual, out, written)
       store(bucket, value, ttl)
       written[bucket] = value
       if journal and alg == 'q' then
-        note(bucket, stored, value, burst, e[10])
+        note(bucket, burst, e[10], q_open, q_ps, q_pe, q_pc, q_before, q_after, q_start, q_stop)
       end
     end
     push(out, ok, bal, third, rst)
