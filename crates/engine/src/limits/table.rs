@@ -291,14 +291,30 @@ const CLASH: &str = "SELECT tenant, plan, resource, scope FROM limits WHERE name
 
 const CONFLICT_TARGET: &str = "(tenant, plan, resource, scope, mode, kind)";
 
-/// The billing cycle's columns of `tenants`, as SQLite adds them to a table
-/// made before them.
-const CYCLE_COLUMNS: [(&str, &str); 4] = [
-    ("time_zone", "TEXT NOT NULL DEFAULT 'UTC'"),
-    ("cycle_day", "INTEGER NOT NULL DEFAULT 1"),
-    ("cycle_month", "INTEGER NOT NULL DEFAULT 1"),
-    ("cycle_weekday", "TEXT NOT NULL DEFAULT 'monday'"),
+/// Columns added after their table was first made (the alert thresholds of
+/// `limits`, the billing cycle of `tenants`), as SQLite adds them to a table
+/// made before them (PostgreSQL's schema adds them `IF NOT EXISTS`).
+const ADDED_COLUMNS: [(&str, &str, &str); 5] = [
+    ("limits", "alerts", "TEXT NOT NULL DEFAULT ''"),
+    ("tenants", "time_zone", "TEXT NOT NULL DEFAULT 'UTC'"),
+    ("tenants", "cycle_day", "INTEGER NOT NULL DEFAULT 1"),
+    ("tenants", "cycle_month", "INTEGER NOT NULL DEFAULT 1"),
+    ("tenants", "cycle_weekday", "TEXT NOT NULL DEFAULT 'monday'"),
 ];
+
+/// The columns a SQLite table has (none when it does not exist).
+async fn sqlite_columns(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    table: &str,
+) -> Result<Vec<String>, sqlx::Error> {
+    let sql = format!("SELECT name FROM pragma_table_info('{table}')");
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .fetch_all(&mut **tx)
+        .await?
+        .iter()
+        .map(|r| r.try_get(0))
+        .collect()
+}
 
 /// A `tenants` row's columns as read, for the loader.
 const TENANT_COLUMNS: &str = "tenant, plan, time_zone, cycle_day, cycle_month, cycle_weekday";
@@ -433,13 +449,7 @@ impl LimitsTable {
         match &self.pool {
             Pool::Sqlite(pool) => {
                 let mut tx = pool.begin().await?;
-                let columns: Vec<String> =
-                    sqlx::query("SELECT name FROM pragma_table_info('limits')")
-                        .fetch_all(&mut *tx)
-                        .await?
-                        .iter()
-                        .map(|r| r.try_get(0))
-                        .collect::<Result<_, _>>()?;
+                let columns = sqlite_columns(&mut tx, "limits").await?;
                 let exists = !columns.is_empty();
                 let has = |c: &str| columns.iter().any(|n| n == c);
                 if exists && !has("plan") {
@@ -472,29 +482,14 @@ impl LimitsTable {
                     .await?;
                 }
                 tx.execute(SCHEMA).await?;
-                // Limits tables made before alert thresholds get them.
-                let limit_columns: Vec<String> =
-                    sqlx::query("SELECT name FROM pragma_table_info('limits')")
-                        .fetch_all(&mut *tx)
+                // Tables made before a column was added get it.
+                for (table, column, definition) in ADDED_COLUMNS {
+                    if !sqlite_columns(&mut tx, table)
                         .await?
                         .iter()
-                        .map(|r| r.try_get(0))
-                        .collect::<Result<_, _>>()?;
-                if !limit_columns.iter().any(|c| c == "alerts") {
-                    tx.execute("ALTER TABLE limits ADD COLUMN alerts TEXT NOT NULL DEFAULT ''")
-                        .await?;
-                }
-                // Tenants tables made before billing cycles get them.
-                let tenant_columns: Vec<String> =
-                    sqlx::query("SELECT name FROM pragma_table_info('tenants')")
-                        .fetch_all(&mut *tx)
-                        .await?
-                        .iter()
-                        .map(|r| r.try_get(0))
-                        .collect::<Result<_, _>>()?;
-                for (column, definition) in CYCLE_COLUMNS {
-                    if !tenant_columns.iter().any(|c| c == column) {
-                        let sql = format!("ALTER TABLE tenants ADD COLUMN {column} {definition}");
+                        .any(|c| c == column)
+                    {
+                        let sql = format!("ALTER TABLE {table} ADD COLUMN {column} {definition}");
                         tx.execute(sqlx::AssertSqlSafe(sql)).await?;
                     }
                 }
