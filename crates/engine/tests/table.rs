@@ -1466,3 +1466,44 @@ async fn a_tenants_table_from_before_cycles_is_migrated() {
         Some(("gold".into(), ny))
     );
 }
+
+/// A limits table made before alert thresholds gets the column, its rows
+/// without thresholds; a quota row then keeps the thresholds written.
+#[tokio::test]
+async fn a_limits_table_from_before_alerts_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    let location = path.to_str().unwrap();
+    {
+        let table = LimitsTable::open(location).await.unwrap();
+        table
+            .execute_sql("ALTER TABLE limits DROP COLUMN alerts")
+            .await
+            .unwrap();
+        table.close().await;
+    }
+    let table = LimitsTable::open(location).await.unwrap();
+    let rows = table.rows().await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].alerts, "");
+    let quota = LimitRow::from_request(
+        "acme".into(),
+        String::new(),
+        "tenant",
+        0,
+        "1000/month",
+        "enforce",
+        "allow",
+        0,
+        "quota",
+        Some("acme-monthly".into()),
+    )
+    .unwrap()
+    .with_alerts("80,100".parse().unwrap());
+    table.upsert(&quota).await.unwrap();
+    let rows = table.rows().await.unwrap();
+    let stored = rows.iter().find(|r| r.name == "acme-monthly").unwrap();
+    assert_eq!(stored.alerts, "80,100");
+    let rule = stored.validate().unwrap();
+    assert_eq!(rule.limit.alerts().to_string(), "80,100");
+}
