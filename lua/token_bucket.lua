@@ -316,15 +316,29 @@ end
 -- period counted is taken as its nearest instant; a refund uncounts tokens
 -- charged at `since` only while their period counts. What it saw is left
 -- in the q_* values for the journal.
+local qs_start, qs_window, qs_start_s, qs_stop_s = -1, -1, '', ''
 local function apply_quota(stored, now, window, max, debt_max, cost, need, op, since, pstart)
+  -- The period's bounds as the stored value writes them, kept from the
+  -- last call (the quotas of a call mostly share a period).
+  if pstart ~= qs_start or window ~= qs_window then
+    qs_start, qs_window = pstart, window
+    qs_start_s, qs_stop_s = string.format('%d', pstart), string.format('%d', pstart + window)
+  end
   local start, stop, count = pstart, pstart + window, 0
+  local named = true
   q_open, q_ps, q_pe, q_pc = true, 0, 0, 0
-  if stored then
+  local c2 = stored and string.find(stored, ':', 3, true)
+  if c2 and string.sub(stored, 3, c2 - 1) == qs_start_s then
+    -- The usual case, the period named: only the count is read.
+    local c3 = string.find(stored, ':', c2 + 1, true)
+    count = c3 and tonumber(string.sub(stored, c2 + 1, c3 - 1)) or 0
+    q_open = false
+  elseif stored then
     local s, c, e = string.match(stored, '^q:(%d+):(%d+):(%d+)$')
     if s then
       s, c, e = tonumber(s), tonumber(c), tonumber(e)
       if s > start then
-        start, count, stop, q_open = s, c, e, false
+        start, count, stop, q_open, named = s, c, e, false, false
       elseif s == start then
         count, q_open = c, false
       else
@@ -352,8 +366,15 @@ local function apply_quota(stored, now, window, max, debt_max, cost, need, op, s
   -- A counter outlives its period by one more period's length: expiry
   -- runs on Redis's clock, and a Redis clock that jumps ahead must not
   -- forget a period the instances still name.
-  return true, max - count, third, count == 0 and 0 or stop - now,
-    string.format('q:%d:%d:%d', start, count, stop), stop + window - now
+  local value
+  if named then
+    -- A count below 10^14 prints exactly as a number ("%.14g").
+    local c = count < 1e14 and count or string.format('%d', count)
+    value = 'q:' .. qs_start_s .. ':' .. c .. ':' .. qs_stop_s
+  else
+    value = string.format('q:%d:%d:%d', start, count, stop)
+  end
+  return true, max - count, third, count == 0 and 0 or stop - now, value, stop + window - now
 end
 
 -- Applies `op` to a bucket of algorithm `alg` ("t", "f" or "s"). `limit`
@@ -376,6 +397,8 @@ end
 local function read_rule(s)
   if s == 't1' then
     return 't', true, 0
+  elseif s == 'q1' then
+    return 'q', true, 0
   end
   local alg = string.sub(s, 1, 1)
   if #s == 2 and string.find('tfslq', alg, 1, true) then
