@@ -179,8 +179,17 @@ async fn a_transaction_of_a_hundred_thousand_rows_applies_whole() {
             (format!("bulk-t{i}"), 100 + (i % 7) as u64)
         );
     }
-    let (_, body) = server.http_get("/v1/limits?limit=1").await.unwrap();
-    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // The status follows the swap of the rules (on the idle thread, which
+    // a busy machine may hold back for a moment): read until it has.
+    let mut v = serde_json::Value::Null;
+    for _ in 0..500 {
+        let (_, body) = server.http_get("/v1/limits?limit=1").await.unwrap();
+        v = serde_json::from_str(&body).unwrap();
+        if v["status"]["rules"] == N + 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert_eq!(v["status"]["rules"], N + 1);
     assert_eq!(v["status"]["tenants"], N);
     server.stop().await;
