@@ -289,8 +289,8 @@ impl Notifier {
                     }
                 };
                 if counted.elapsed() >= Duration::from_secs(10) {
-                    if let Ok(counts) = self.table.alert_counts().await {
-                        metrics::quota_alerts_pending(counts.pending);
+                    if let Ok(pending) = self.table.pending_alerts().await {
+                        metrics::quota_alerts_pending(pending);
                     }
                     counted = tokio::time::Instant::now();
                 }

@@ -476,6 +476,7 @@ async fn the_outbox_claims_retries_and_delivers(table: &LimitsTable) {
     );
     let counts = table.alert_counts().await.unwrap();
     assert_eq!((counts.pending, counts.delivered), (0, 2));
+    assert_eq!(table.pending_alerts().await.unwrap(), 0);
     let listed = table.alerts(false, 10).await.unwrap();
     assert_eq!(listed.len(), 2);
     assert!(
@@ -519,6 +520,7 @@ async fn a_million_alerts_are_claimed_a_page_at_a_time() {
         .await
         .unwrap();
     assert_eq!(table.alert_counts().await.unwrap().pending, 1_000_000);
+    assert_eq!(table.pending_alerts().await.unwrap(), 1_000_000);
     let page = table.claim_alerts(10, 1_000, 64).await.unwrap();
     assert_eq!(page.len(), 64);
     assert_eq!(page[0].id, format!("{:032}", 0));

@@ -277,7 +277,19 @@ impl LimitsTable {
         self.alert_rows(&sql, &[Bind::Int(int(limit as u64))]).await
     }
 
-    /// How many alerts wait, and how many were delivered.
+    /// How many alerts wait: read through the index of undelivered alerts,
+    /// so it costs what waits, never the delivered history.
+    pub async fn pending_alerts(&self) -> Result<u64, TableError> {
+        let sql = "SELECT COUNT(*) FROM quota_alerts WHERE delivered_at IS NULL";
+        with_pool!(self, pool => {
+            let r = sqlx::query(self.sql(sql)).fetch_one(pool).await?;
+            Ok(u64::try_from(r.try_get::<i64, _>(0)?).unwrap_or_default())
+        })
+    }
+
+    /// How many alerts wait, and how many were delivered (a pass over
+    /// the outbox: for `tollgate alerts list` and `/v1/alerts`, not for
+    /// anything periodic).
     pub async fn alert_counts(&self) -> Result<AlertCounts, TableError> {
         let sql = "SELECT COUNT(*) - COUNT(delivered_at), COUNT(delivered_at) FROM quota_alerts";
         with_pool!(self, pool => {
