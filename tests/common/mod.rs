@@ -160,6 +160,7 @@ impl TestServer {
                 listening = true;
                 break;
             }
+            server.panic_if_ended("listening").await;
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(
@@ -184,19 +185,24 @@ impl TestServer {
             if matches!(self.http_get("/readyz").await, Ok((200, _))) {
                 return;
             }
-            let ended = {
-                let mut task = self.task.lock();
-                match task.as_ref() {
-                    Some(t) if t.is_finished() => task.take(),
-                    _ => None,
-                }
-            };
-            if let Some(ended) = ended {
-                panic!("the server stopped before it was ready: {:?}", ended.await);
-            }
+            self.panic_if_ended("ready").await;
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("server did not become ready");
+    }
+
+    /// Fails the test with the server's own error when it has stopped.
+    async fn panic_if_ended(&self, before: &str) {
+        let ended = {
+            let mut task = self.task.lock();
+            match task.as_ref() {
+                Some(t) if t.is_finished() => task.take(),
+                _ => None,
+            }
+        };
+        if let Some(ended) = ended {
+            panic!("the server stopped before it was {before}: {:?}", ended.await);
+        }
     }
 
     pub fn url(&self) -> String {
