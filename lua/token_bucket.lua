@@ -31,6 +31,10 @@ ARGV[2]   the requests, comma-separated, each its number of buckets and its
             Nd        decide without spending (a dry run)
             Nc        charge usage after the fact, in full, into debt down
                       to each bucket's floor; never refused
+            NrSINCE   refund: give each bucket its cost back, a token
+                      bucket never above its capacity, a window or quota
+                      only while the one counting at SINCE (µs) still
+                      counts; never refused
             NvTTL     reserve: decide and spend like Ns and, when allowed,
                       write the record (its key follows the N buckets, then
                       with a CAP in ARGV[3] the tenant's record set) that
@@ -584,7 +588,8 @@ local function px(us)
   return string.format('%d', math.max(ceil_div(us, 1000) + margin_ms, 1))
 end
 
--- Decides (op 'd') or charges (op 'c') the request whose keys are
+-- Decides (op 'd'), charges (op 'c') or refunds (op 'r', tokens charged
+-- at `since`) the request whose keys are
 -- KEYS[first .. first + n - 1] and whose fields start at bucket `b`, and
 -- appends its answer to `out`. `snapshot` is read_all()'s and `written`
 -- what earlier requests of this call stored since (key -> value), which
@@ -602,7 +607,7 @@ local SLOTS, ADMITS, VALUE, TTL, HELD, ALG = 15, 1, 2, 3, 4, 5
 -- A quota's, for the journal: burst, alerts, then the q_* of its decision.
 local QBURST, QALERTS, QOPEN, QPS, QPE, QPC, QBEFORE, QAFTER, QSTART, QSTOP = 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 
-local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member)
+local function decide_request(first, n, b, op, spend, out, snapshot, written, grant, member, since)
   local all_allowed = true
   local o = #out
   for i = 1, n do
@@ -620,9 +625,9 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
     local cost, need = read_cost(ARGV[a + 2])
     local ok, balance, third, reset, value, ttl
     if alg == 'l' then
-      -- A concurrency cap: only an acquire takes a slot; a charge only
-      -- reports.
-      if op == 'c' then
+      -- A concurrency cap: only an acquire takes a slot; a charge or a
+      -- refund only reports.
+      if op ~= 'd' then
         need = 0
       end
       ok, balance, third, reset, ttl = apply_leases(KEYS[k], burst, need, grant)
@@ -635,8 +640,8 @@ local function decide_request(first, n, b, op, spend, out, snapshot, written, gr
       ok, balance, third, reset, value, ttl = apply_tokens(held, now, interval, burst, debt_max, cost, need, limit,
         op)
     else
-      ok, balance, third, reset, value, ttl = apply(held, now, alg, interval, burst, debt_max, cost, need, op, 0,
-        limit, pstart)
+      ok, balance, third, reset, value, ttl = apply(held, now, alg, interval, burst, debt_max, cost, need, op,
+        since or 0, limit, pstart)
       if alg == 'q' and journal then
         if q_open or alerts ~= '' then
           scratch[x + QBURST], scratch[x + QALERTS], scratch[x + QOPEN], scratch[x + QPS], scratch[x + QPE] =
@@ -881,13 +886,13 @@ end
 -- call writes nothing.
 -- (Three slots per request in one array: each table is an allocation.)
 local requests, count, keys, buckets = {}, 0, 0, 0
-for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcvuaxe])(%d*)') do
+for n, mode, arg in string.gmatch(ARGV[2], '(%d+)([sdcrvuaxe])(%d*)') do
   n = tonumber(n)
   requests[count * 3 + 1], requests[count * 3 + 2], requests[count * 3 + 3] = n, mode, tonumber(arg) or 0
   count = count + 1
   keys = keys + n
   buckets = buckets + n
-  if mode ~= 's' and mode ~= 'd' and mode ~= 'c' then
+  if mode ~= 's' and mode ~= 'd' and mode ~= 'c' and mode ~= 'r' then
     keys = keys + 1
   end
   if mode == 'v' and record_cap then
@@ -919,9 +924,11 @@ for q = 0, count - 1 do
     end
     first = first + 1
   else
-    local grant, member, records, full
+    local grant, member, records, full, since
     if mode == 'a' then
       grant, member = now + arg, ARGV[extra]
+    elseif mode == 'r' then
+      since = arg
     elseif mode == 'v' and record_cap then
       -- The tenant's records, scored by when each is gone.
       records = KEYS[first + n + 1]
@@ -934,8 +941,9 @@ for q = 0, count - 1 do
         end
       end
     end
-    local ok = not full and decide_request(first, n, b, mode == 'c' and 'c' or 'd', mode ~= 'd', out, snapshot,
-      written, grant, member)
+    local op = (mode == 'c' or mode == 'r') and mode or 'd'
+    local ok = not full and decide_request(first, n, b, op, mode ~= 'd', out, snapshot, written, grant, member,
+      since)
     first, b = first + n, b + n
     if mode == 'v' then
       if ok then

@@ -136,12 +136,39 @@ async fn a_rejected_descriptor_consumes_nothing_from_the_others() {
             r.statuses[0].limit_remaining, 3,
             "the address was not charged"
         );
+        // Its window still ends with the minute, as envoyproxy/ratelimit
+        // answers (nothing counted in it yet).
+        assert_eq!(
+            r.statuses[0].duration_until_reset,
+            Some(prost_types::Duration {
+                seconds: (60 - INTO_MINUTE) as i64,
+                nanos: 0
+            })
+        );
         assert_eq!(r.statuses[1].code(), Code::OverLimit);
         assert_eq!(
             r.statuses[1].current_limit.as_ref().unwrap().name,
             "free-plan"
         );
     }
+    // A limit of zero refuses; the other descriptor's window ends with its
+    // hour (an hour window, 20 s in).
+    let r = ask(
+        &mut client,
+        request(vec![
+            descriptor(&[("banned", "x")]),
+            descriptor(&[("path", "/api/v1/export")]),
+        ]),
+    )
+    .await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    assert_eq!(r.statuses[0].code(), Code::OverLimit);
+    assert_eq!(r.statuses[1].limit_remaining, 2);
+    let into_hour = (common::T0 / 1_000_000 % 3600) as i64;
+    assert_eq!(
+        r.statuses[1].duration_until_reset.map(|d| d.seconds),
+        Some(3600 - into_hour)
+    );
     server.stop().await;
 }
 

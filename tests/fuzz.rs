@@ -507,12 +507,16 @@ fn descriptor() -> impl Strategy<Value = RateLimitDescriptor> {
         prop::collection::vec(entry, 0..20),
         prop::option::of(limit),
         prop::option::of(any::<u64>()),
+        any::<bool>(),
     )
-        .prop_map(|(entries, limit, hits_addend)| RateLimitDescriptor {
-            entries,
-            limit,
-            hits_addend,
-        })
+        .prop_map(
+            |(entries, limit, hits_addend, is_negative_hits)| RateLimitDescriptor {
+                entries,
+                limit,
+                hits_addend,
+                is_negative_hits,
+            },
+        )
 }
 
 #[test]

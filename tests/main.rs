@@ -24,6 +24,7 @@ mod envoy_fixtures;
 mod envoy_hostile;
 mod envoy_llm;
 mod envoy_metrics;
+mod envoy_refunds;
 mod examples;
 mod fairness;
 mod fuzz;

@@ -114,6 +114,11 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
             2..=3 => Step::Reserve,
             4..=5 => Step::Settle,
             6 => Step::Decide(Op::DRY),
+            // A refund of tokens charged up to two windows of the
+            // longest limit ago (or, now and then, in the future).
+            7 => Step::Decide(Op::Refund {
+                since: now - rng.below(120_000_000) + rng.below(2_000_000),
+            }),
             _ => Step::Decide(Op::SPEND),
         };
         let lines = 1 + rng.below(2);
@@ -133,7 +138,7 @@ async fn differential(sequence: Sequence) -> (u32, u32, u32) {
                 } else {
                     1 + rng.below(limit.burst() + 1)
                 };
-                if matches!(op, Step::Charge) {
+                if matches!(op, Step::Charge | Step::Decide(Op::Refund { .. })) {
                     // After the fact: anything up to several bursts, and
                     // now and then the largest cost there is.
                     cost = if rng.below(10) == 0 {

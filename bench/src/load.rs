@@ -360,6 +360,7 @@ impl Client {
                             }],
                             limit: None,
                             hits_addend: None,
+                            is_negative_hits: false,
                         }],
                         hits_addend: 1,
                     })

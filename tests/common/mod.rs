@@ -201,7 +201,10 @@ impl TestServer {
             }
         };
         if let Some(ended) = ended {
-            panic!("the server stopped before it was {before}: {:?}", ended.await);
+            panic!(
+                "the server stopped before it was {before}: {:?}",
+                ended.await
+            );
         }
     }
 

@@ -30,7 +30,9 @@
 //! or `year` (where envoyproxy/ratelimit's `unit: month` is a fixed window
 //! of its own), on the billing cycle `time_zone` (IANA, default `UTC`),
 //! `cycle_day`, `cycle_month` and `cycle_weekday` give it (see
-//! docs/limits.md, Quotas).
+//! docs/limits.md, Quotas). `refunds: true` lets Envoy give tokens back
+//! (descriptors with `is_negative_hits`) to a `token_bucket` rule; at the
+//! top of a file it is every token bucket rule's default there.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -65,6 +67,7 @@ const VALID_KEYS: &[&str] = &[
     "cycle_day",
     "cycle_month",
     "cycle_weekday",
+    "refunds",
 ];
 
 /// A configuration error, `FILE: what is wrong`.
@@ -112,6 +115,9 @@ pub struct EnvoyRule {
     /// `algorithm: quota`: the calendar period and the billing cycle its
     /// periods follow.
     pub calendar: Option<(Period, Arc<Cycle>)>,
+    /// `refunds`: descriptors with `is_negative_hits` give tokens back to
+    /// this rule's buckets (token buckets only).
+    pub refunds: bool,
 }
 
 #[derive(Debug, Default)]
@@ -194,9 +200,17 @@ impl EnvoyConfig {
         if self.domains.contains_key(&domain) {
             return Err(err(format!("duplicate domain '{domain}' in config file")));
         }
+        // A window cannot take a refund from Envoy, which does not say
+        // when the tokens were charged: the domain's default is for its
+        // token buckets.
+        let refunds = bool_field(&root, "refunds").map_err(err)?;
         let mut node = Node::default();
         let mut rules = 0;
-        load_descriptors(&mut node, &root["descriptors"], &domain, &mut rules).map_err(err)?;
+        let parent = Parent {
+            key: &domain,
+            refunds,
+        };
+        load_descriptors(&mut node, &root["descriptors"], &parent, &mut rules).map_err(err)?;
         self.rules += rules;
         self.domains.insert(domain, node);
         Ok(())
@@ -242,10 +256,17 @@ impl EnvoyConfig {
     }
 }
 
+/// Where descriptors are loaded: under which key, with the domain's
+/// default for `refunds`.
+struct Parent<'a> {
+    key: &'a str,
+    refunds: bool,
+}
+
 fn load_descriptors(
     parent: &mut Node,
     list: &Yaml,
-    parent_key: &str,
+    at: &Parent<'_>,
     rules: &mut usize,
 ) -> Result<(), String> {
     let items = match list {
@@ -264,7 +285,7 @@ fn load_descriptors(
         } else {
             format!("{key}_{value}")
         };
-        let full_key = format!("{parent_key}.{final_key}");
+        let full_key = format!("{}.{final_key}", at.key);
         let duplicate = if value.is_empty() {
             parent.any_value.contains_key(&key)
         } else {
@@ -287,10 +308,15 @@ fn load_descriptors(
                 &full_key,
                 shadow,
                 detailed_metric,
+                at.refunds,
             )?));
             *rules += 1;
         }
-        load_descriptors(&mut node, &item["descriptors"], &full_key, rules)?;
+        let below = Parent {
+            key: &full_key,
+            refunds: at.refunds,
+        };
+        load_descriptors(&mut node, &item["descriptors"], &below, rules)?;
         if value.is_empty() {
             parent.any_value.insert(key, node);
         } else if value.contains('*') {
@@ -307,6 +333,7 @@ fn load_rule(
     full_key: &str,
     shadow: bool,
     detailed_metric: bool,
+    domain_refunds: bool,
 ) -> Result<EnvoyRule, String> {
     let unlimited = bool_field(y, "unlimited")?;
     let unit_text = string_field(y, "unit")?.unwrap_or_default();
@@ -449,6 +476,25 @@ fn load_rule(
             ));
         }
     };
+    let refunds = match &y["refunds"] {
+        Yaml::Boolean(true) if algorithm != Algorithm::TokenBucket || unlimited => {
+            return Err(format!(
+                "rate limit {full_key}: refunds are for algorithm token_bucket: Envoy does not say \
+                 when refunded tokens were charged, and a window cannot tell whether it still \
+                 counts them"
+            ));
+        }
+        Yaml::Boolean(b) => *b,
+        Yaml::Null | Yaml::BadValue => {
+            domain_refunds && algorithm == Algorithm::TokenBucket && !unlimited
+        }
+        other => {
+            return Err(format!(
+                "refunds must be true or false, got {}",
+                show(other)
+            ));
+        }
+    };
     let kind = if unlimited {
         RuleKind::Unlimited
     } else if requests_per_unit == 0 {
@@ -485,6 +531,7 @@ fn load_rule(
         detailed_metric,
         on_store_unavailable,
         calendar,
+        refunds,
     })
 }
 
@@ -708,6 +755,19 @@ mod tests {
             (
                 "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: year, requests_per_unit: 1, algorithm: token_bucket, debt: 1000}\n",
                 "config/edge.yaml: rate limit x.a: a debt of 1000 below a burst of 1 takes too long to refill; lower the debt",
+            ),
+            (
+                "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, refunds: true}\n",
+                "config/edge.yaml: rate limit x.a: refunds are for algorithm token_bucket: Envoy does not say \
+                 when refunded tokens were charged, and a window cannot tell whether it still counts them",
+            ),
+            (
+                "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: token_bucket, refunds: yes}\n",
+                "config/edge.yaml: refunds must be true or false, got yes",
+            ),
+            (
+                "domain: x\nrefunds: 1\ndescriptors: []\n",
+                "config/edge.yaml: error loading config file: refunds must be true or false, got 1",
             ),
         ];
         for (text, expected) in cases {

@@ -114,17 +114,103 @@ impl RateLimitService for EnvoyRateLimitService {
         check(req).map_err(refuse)?;
         let charging = charging(req).map_err(refuse)?;
         let matched = self.matched(req, request_hits).map_err(refuse)?;
+        let mut shares = shares(req, &matched).map_err(refuse)?;
+        if charging {
+            net(&matched, &mut shares);
+        }
         // The tenant part of bucket names, and the tenant the top-limited
         // views count rejections under: `~DOMAIN`, percent-encoded.
         let tenant = encode_domain(&req.domain);
-        let op = if charging { Op::Charge } else { Op::SPEND };
+        // Refunds first, so the decision of the same request sees them.
+        let refunded = match shares.iter().any(|s| s.refund) {
+            true => {
+                let op = Op::Refund {
+                    since: UNKNOWN_SINCE,
+                };
+                Some(self.decide(&tenant, &matched, &shares, op, &span).await?)
+            }
+            false => None,
+        };
+        let decided = match shares.iter().any(|s| !s.refund) {
+            true => {
+                let op = if charging { Op::Charge } else { Op::SPEND };
+                Some(self.decide(&tenant, &matched, &shares, op, &span).await?)
+            }
+            false => None,
+        };
+
+        let (mut nth_refund, mut nth_decided) = (0, 0);
+        let statuses = shares
+            .iter()
+            .zip(&matched)
+            .map(|(share, found)| {
+                let (answer, nth) = match share.refund {
+                    true => (refunded.as_ref(), &mut nth_refund),
+                    false => (decided.as_ref(), &mut nth_decided),
+                };
+                let a = answer.map(|answer| &answer.items[*nth]);
+                *nth += 1;
+                match (found, a) {
+                    (Some((m, _)), Some(a)) => self.status(&m.rule, a),
+                    _ => DescriptorStatus {
+                        code: Code::Ok as i32,
+                        ..Default::default()
+                    },
+                }
+            })
+            .collect();
+        let headers = decided
+            .as_ref()
+            .or(refunded.as_ref())
+            .and_then(|a| a.headers);
+        let response_headers_to_add = match (self.options.response_headers, headers) {
+            (true, Some(headers)) => headers
+                .pairs()
+                .map(|(key, value)| HeaderValue {
+                    key: key.into(),
+                    value,
+                    raw_value: Vec::new(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let overall = if decided.as_ref().is_none_or(|a| a.allowed) {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        Ok(Response::new(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            response_headers_to_add,
+            ..Default::default()
+        }))
+    }
+}
+
+impl EnvoyRateLimitService {
+    /// Decides, charges or refunds (as `op` says) the descriptors whose
+    /// shares are refunds (for [`Op::Refund`]) or not (any other op), as
+    /// one demand: one item per descriptor, in order.
+    async fn decide(
+        &self,
+        tenant: &str,
+        matched: &Matched,
+        shares: &[Share],
+        op: Op,
+        span: &tracing::Span,
+    ) -> Result<engine::Answer, Status> {
+        let refund = matches!(op, Op::Refund { .. });
         let mut demand = Demand::new(Api::Envoy, op, OverCapacity::Reject);
         demand.shadow = self.options.shadow_mode;
-        for (i, found) in matched.iter().enumerate() {
-            let cost = found.as_ref().map_or(request_hits, |(_, hits)| *hits);
+        for (found, share) in matched.iter().zip(shares) {
+            if share.refund != refund {
+                continue;
+            }
+            let i = demand.items.len();
             let key = found.as_ref().map_or("", |(m, _)| m.counter.as_str());
             let key = truncate(key, caps::MAX_KEY_BYTES);
-            demand.items.push(Item::new(&tenant, "", key, cost));
+            demand.items.push(Item::new(tenant, "", key, share.cost));
             let Some((m, _)) = found else { continue };
             let allowance = match m.rule.kind {
                 RuleKind::Unlimited => Allowance::Unlimited,
@@ -140,7 +226,7 @@ impl RateLimitService for EnvoyRateLimitService {
             demand.lines.push(Line {
                 item: i,
                 bucket: BucketKey::new(
-                    &tenant,
+                    tenant,
                     BucketKind::Envoy {
                         overridden: m.overridden,
                     },
@@ -159,73 +245,52 @@ impl RateLimitService for EnvoyRateLimitService {
                 calendar: m.rule.calendar.as_ref().map(|(p, c)| (*p, &**c)),
             });
         }
-        let decided = self.engine.decide(&mut demand, &span);
+        let decided = self.engine.decide(&mut demand, span);
         // Log events inside belong to the decision's span when it is traced.
-        let answer = if span.is_disabled() {
+        if span.is_disabled() {
             decided.await
         } else {
             decided.instrument(span.clone()).await
         }
-        .map_err(status::from_decide_error)?;
-
-        let statuses = answer
-            .items
-            .iter()
-            .zip(&matched)
-            .map(|(a, found)| {
-                let Some((m, _)) = found else {
-                    return DescriptorStatus {
-                        code: Code::Ok as i32,
-                        ..Default::default()
-                    };
-                };
-                let rule = &m.rule;
-                // In global shadow mode every descriptor that would be over
-                // still says so, while the overall answer is OK.
-                let over = !a.allowed || (self.options.shadow_mode && a.shadow);
-                let code = if over { Code::OverLimit } else { Code::Ok };
-                match rule.kind {
-                    RuleKind::Unlimited => DescriptorStatus {
-                        code: code as i32,
-                        limit_remaining: u32::MAX,
-                        ..Default::default()
-                    },
-                    _ => DescriptorStatus {
-                        code: code as i32,
-                        current_limit: Some(current_limit(rule)),
-                        limit_remaining: u32::try_from(a.remaining).unwrap_or(u32::MAX),
-                        duration_until_reset: Some(duration(a.reset_after)),
-                        quota: None,
-                    },
-                }
-            })
-            .collect();
-        let response_headers_to_add = match (self.options.response_headers, answer.headers) {
-            (true, Some(headers)) => headers
-                .pairs()
-                .map(|(key, value)| HeaderValue {
-                    key: key.into(),
-                    value,
-                    raw_value: Vec::new(),
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
-        let overall = if answer.allowed {
-            Code::Ok
-        } else {
-            Code::OverLimit
-        };
-        Ok(Response::new(RateLimitResponse {
-            overall_code: overall as i32,
-            statuses,
-            response_headers_to_add,
-            ..Default::default()
-        }))
+        .map_err(status::from_decide_error)
     }
-}
 
-impl EnvoyRateLimitService {
+    /// A matched descriptor's status.
+    fn status(&self, rule: &EnvoyRule, a: &engine::ItemAnswer) -> DescriptorStatus {
+        // In global shadow mode every descriptor that would be over still
+        // says so, while the overall answer is OK.
+        let over = !a.allowed || (self.options.shadow_mode && a.shadow);
+        let code = if over { Code::OverLimit } else { Code::Ok };
+        match rule.kind {
+            RuleKind::Unlimited => DescriptorStatus {
+                code: code as i32,
+                limit_remaining: u32::MAX,
+                ..Default::default()
+            },
+            _ => DescriptorStatus {
+                code: code as i32,
+                current_limit: Some(current_limit(rule)),
+                limit_remaining: u32::try_from(a.remaining).unwrap_or(u32::MAX),
+                duration_until_reset: Some(duration(self.reset_after(rule, a))),
+                quota: None,
+            },
+        }
+    }
+
+    /// When the descriptor's limit resets. A fixed window that counts
+    /// nothing yet (a request refused by another descriptor spent nothing
+    /// in it) still ends with its unit, as envoyproxy/ratelimit reports.
+    fn reset_after(&self, rule: &EnvoyRule, a: &engine::ItemAnswer) -> crate::algorithm::Micros {
+        match rule.kind {
+            RuleKind::Limited(limit)
+                if a.reset_after == 0 && limit.algorithm() == Algorithm::FixedWindow =>
+            {
+                let window = rule.unit.micros();
+                window - self.engine.now() % window
+            }
+            _ => a.reset_after,
+        }
+    }
     /// Looks each descriptor up as envoyproxy/ratelimit does; a matched
     /// rule that `replaces` another drops it from this request.
     fn matched(&self, req: &RateLimitRequest, request_hits: u64) -> Result<Matched, DecideError> {
@@ -317,19 +382,123 @@ fn check_descriptor(i: usize, d: &RateLimitDescriptor) -> Result<(), DecideError
 }
 
 /// Whether the request charges usage after the fact: every descriptor
-/// carries [`CHARGE_ENTRY`], or none does.
+/// that is not a refund carries [`CHARGE_ENTRY`], or none does.
 fn charging(req: &RateLimitRequest) -> Result<bool, DecideError> {
     let marked = |d: &RateLimitDescriptor| d.entries.iter().any(|e| e.key == CHARGE_ENTRY);
-    let n = req.descriptors.iter().filter(|d| marked(d)).count();
-    if n != 0 && n != req.descriptors.len() {
+    let adding = req.descriptors.iter().filter(|d| !d.is_negative_hits);
+    let (n, of) = adding.fold((0, 0), |(n, of), d| (n + usize::from(marked(d)), of + 1));
+    if n != 0 && n != of {
         return Err(DecideError::InvalidBatch(format!(
-            "{n} of {} descriptors carry the {CHARGE_ENTRY} entry: a request either charges usage \
+            "{n} of {of} descriptors carry the {CHARGE_ENTRY} entry: a request either charges usage \
              after the fact (every descriptor carries it, as the rate limit applied on stream done) \
-             or is decided (none does), not both",
-            req.descriptors.len()
+             or is decided (none does), not both"
         )));
     }
     Ok(n != 0)
+}
+
+/// A refund's `since`: Envoy does not say when the tokens were charged.
+/// Only token buckets take refunds (see `EnvoyRule::refunds`), and they
+/// need no time; a window would give nothing back.
+const UNKNOWN_SINCE: crate::algorithm::Micros = 0;
+
+/// What one descriptor asks of its bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Share {
+    /// Tokens to decide, charge or give back.
+    cost: u64,
+    /// Given back (`is_negative_hits`).
+    refund: bool,
+}
+
+/// Each descriptor's share. A refund must reach a rule that takes refunds
+/// and give back no more than its bucket can hold; one that matches no
+/// rule, or a rule without a bucket (unlimited, or a limit of zero), gives
+/// back nothing and is no error.
+fn shares(req: &RateLimitRequest, matched: &Matched) -> Result<Vec<Share>, DecideError> {
+    let mut shares = Vec::with_capacity(matched.len());
+    for (i, (d, found)) in req.descriptors.iter().zip(matched).enumerate() {
+        let cost = found
+            .as_ref()
+            .map_or(u64::from(req.hits_addend.max(1)), |(_, hits)| *hits);
+        let refund = d.is_negative_hits;
+        if refund && found.is_none() {
+            shares.push(Share { cost: 0, refund });
+            continue;
+        }
+        if let (true, Some((m, _))) = (refund, found) {
+            let RuleKind::Limited(limit) = m.rule.kind else {
+                shares.push(Share { cost: 0, refund });
+                continue;
+            };
+            let rule = if m.rule.full_key.is_empty() {
+                "the limit sent with it".to_owned()
+            } else {
+                format!("rule {}", m.rule.full_key)
+            };
+            if !m.rule.refunds {
+                crate::telemetry::metrics::refund_refused(Api::Envoy.label(), "not_enabled");
+                return Err(DecideError::InvalidField(format!(
+                    "descriptors[{i}] gives back {cost} hits (is_negative_hits), but {rule} takes \
+                     no refunds; set refunds: true on a token_bucket rule, or in its domain, to allow them"
+                )));
+            }
+            let capacity = limit.burst().saturating_add(limit.debt());
+            if cost > capacity {
+                crate::telemetry::metrics::refund_refused(Api::Envoy.label(), "over_capacity");
+                return Err(DecideError::InvalidField(format!(
+                    "descriptors[{i}] gives back {cost} hits (is_negative_hits), more than {rule} \
+                     ever holds ({capacity}: its burst plus its debt)"
+                )));
+            }
+        }
+        shares.push(Share { cost, refund });
+    }
+    Ok(shares)
+}
+
+/// Nets a charge after the fact: on each bucket that a request both
+/// charges and refunds (the estimate given back, the actual usage charged,
+/// as Envoy sends them when the stream ends), only the difference is
+/// applied, as a settle applies it: the larger side keeps the difference,
+/// the other side is zeroed, and all are applied in the larger side's
+/// call.
+fn net(matched: &Matched, shares: &mut [Share]) {
+    let bucket = |i: usize| {
+        matched[i]
+            .as_ref()
+            .filter(|(m, _)| matches!(m.rule.kind, RuleKind::Limited(_)))
+            .map(|(m, _)| (m.counter.as_str(), m.overridden))
+    };
+    for i in 0..shares.len() {
+        let Some(this) = bucket(i) else { continue };
+        if !shares[i].refund || (0..i).any(|j| bucket(j) == Some(this) && shares[j].refund) {
+            continue;
+        }
+        // The first refund of this bucket: net every share of it.
+        let same: Vec<usize> = (0..shares.len())
+            .filter(|&j| bucket(j) == Some(this))
+            .collect();
+        let sum = |refund: bool| -> u64 {
+            same.iter()
+                .filter(|&&j| shares[j].refund == refund)
+                .fold(0u64, |t, &j| t.saturating_add(shares[j].cost))
+        };
+        let (given, charged) = (sum(true), sum(false));
+        let (mut give, mut charge) = (given.saturating_sub(charged), charged.saturating_sub(given));
+        for &j in &same {
+            let left = if shares[j].refund {
+                &mut give
+            } else {
+                &mut charge
+            };
+            shares[j].cost = shares[j].cost.min(*left);
+            *left -= shares[j].cost;
+            // Every share of the bucket in the one call that applies the
+            // difference, so each answers what the bucket holds after it.
+            shares[j].refund = given > charged;
+        }
+    }
 }
 
 /// `s` cut to at most `max` bytes, at a character boundary.
@@ -418,6 +587,7 @@ fn override_rule(
             detailed_metric: false,
             on_store_unavailable: OnStoreUnavailable::Allow,
             calendar: None,
+            refunds: false,
         }),
         counter,
         overridden: true,

@@ -5,7 +5,9 @@
 //! cannot admit the same cost again before `retry_after`, whatever any
 //! instance does meanwhile (others only spend tokens). So for that long this
 //! instance can answer "no" itself, without a Redis round trip: a client
-//! hammering an exhausted key costs Redis nothing.
+//! hammering an exhausted key costs Redis nothing. A refund through this
+//! instance lifts its buckets' cached rejections; one through another
+//! instance is seen when the cached wait is over.
 //!
 //! The trade-off, measured in BENCHMARKS.md: it can only reject more, never
 //! admit more. A cheaper request than the one that was rejected, or a limit
@@ -135,6 +137,19 @@ impl DenyCache {
         }
     }
 
+    /// Forgets the buckets a refund gave tokens back to: they may admit
+    /// before their cached wait is over.
+    pub fn forget(&self, buckets: &[BucketKey]) {
+        if self.until.is_empty() {
+            return;
+        }
+        for bucket in buckets {
+            if self.until.remove(bucket).is_some() {
+                self.bytes.fetch_sub(entry_bytes(bucket), Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Drops the rejections whose wait is over.
     fn drop_expired(&self, now: Micros) {
         let mut freed = 0;
@@ -171,7 +186,10 @@ impl Wrapper for DenyCacheLayer {
         if !matches!(r.op, Op::Decide { .. }) {
             // Charges, refunds and acquires always reach the store (a slot
             // can free up at any moment: a refused acquire is not
-            // remembered).
+            // remembered), and a refund lifts what was cached.
+            if matches!(r.op, Op::Refund { .. }) {
+                self.cache.forget(r.buckets);
+            }
             return self.inner.apply(r);
         }
         if let Some(outcome) = self.cache.check(r.buckets, r.charges) {
@@ -193,6 +211,9 @@ impl Wrapper for DenyCacheLayer {
 
     fn apply_now(&self, r: Request<'_>) -> Option<Result<Applied, StoreError>> {
         if !matches!(r.op, Op::Decide { .. }) {
+            if matches!(r.op, Op::Refund { .. }) {
+                self.cache.forget(r.buckets);
+            }
             return self.inner.apply_now(r);
         }
         if let Some(outcome) = self.cache.check(r.buckets, r.charges) {

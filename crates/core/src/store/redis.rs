@@ -257,9 +257,14 @@ impl RedisStore {
                     .iter()
                     .any(|k| coalesce::hash_tag(k) != coalesce::hash_tag(&keys[0]))
         };
-        if split(&keys) && matches!((op, attach), (Op::DRY | Op::Charge, None)) {
-            // Reads and unconditional charges need no atomicity across
-            // slots: each slot's part is applied on its own.
+        if split(&keys)
+            && matches!(
+                (op, attach),
+                (Op::DRY | Op::Charge | Op::Refund { .. }, None)
+            )
+        {
+            // Reads and unconditional charges and refunds need no atomicity
+            // across slots: each slot's part is applied on its own.
             return self.decide_per_slot(buckets, charges, op, &keys).await;
         }
         let kind = match (op, attach) {
@@ -295,10 +300,10 @@ impl RedisStore {
             }
             (Op::Decide { spend }, None) => Kind::Decide { spend },
             (Op::Charge, None) => Kind::Charge,
-            (Op::Refund { .. } | Op::Acquire { .. }, None) => {
+            (Op::Refund { since }, None) => Kind::Refund { since },
+            (Op::Acquire { .. }, None) => {
                 return Err(StoreError::Unsupported(
-                    "refunds are made by settling a reservation, and leases by acquiring one"
-                        .into(),
+                    "leases are taken by acquiring one".into(),
                 ));
             }
         };
@@ -348,7 +353,7 @@ impl RedisStore {
         }
     }
 
-    /// A dry run or a charge over buckets on several slots
+    /// A dry run, a charge or a refund over buckets on several slots
     /// (`--redis-spread-keys`): one call per slot, verdicts in order.
     async fn decide_per_slot(
         &self,
@@ -370,6 +375,7 @@ impl RedisStore {
                 .collect();
             let kind = match op {
                 Op::Decide { spend } => Kind::Decide { spend },
+                Op::Refund { since } => Kind::Refund { since },
                 _ => Kind::Charge,
             };
             let request = Request {

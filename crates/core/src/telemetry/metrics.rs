@@ -455,8 +455,12 @@ pub const RESERVATIONS: &str = "tollgate_reservations_total";
 pub const RESERVED_TOKENS: &str = "tollgate_reserved_tokens_total";
 /// Settles, by API and status.
 pub const SETTLES: &str = "tollgate_settles_total";
-/// Tokens given back by settles that used less than the estimate, by API.
+/// Tokens given back by settles that used less than the estimate and by
+/// refunds (Envoy's `is_negative_hits`), by API.
 pub const REFUNDED_TOKENS: &str = "tollgate_refunded_tokens_total";
+/// Refunds refused, by API and `reason`: `not_enabled` (the rule does not
+/// take refunds) or `over_capacity` (more than the bucket can hold).
+pub const REFUNDS_REFUSED: &str = "tollgate_refunds_refused_total";
 /// Tokens charged after the work, by API and `phase`: `settle` (what a
 /// settle charged beyond its estimate) or `charge` (usage reported after
 /// the fact).
@@ -479,7 +483,11 @@ fn describe_budgets() {
     );
     describe_counter!(
         REFUNDED_TOKENS,
-        "Tokens given back by settles whose actual cost was below the estimate, by API."
+        "Tokens given back by settles whose actual cost was below the estimate and by refunds, by API."
+    );
+    describe_counter!(
+        REFUNDS_REFUSED,
+        "Refunds refused, by API and reason (not_enabled, over_capacity)."
     );
     describe_counter!(
         CHARGED_TOKENS,
@@ -566,6 +574,16 @@ pub fn settle_outcome(api: &'static str, status: &'static str) {
 pub fn settled(api: &'static str, refunded: u64, charged: u64) {
     add_tokens(REFUNDED_TOKENS, api, "", refunded);
     add_tokens(CHARGED_TOKENS, api, "settle", charged);
+}
+
+/// Counts tokens given back by a refund.
+pub fn refunded(api: &'static str, tokens: u64) {
+    add_tokens(REFUNDED_TOKENS, api, "", tokens);
+}
+
+/// Counts a refused refund.
+pub fn refund_refused(api: &'static str, reason: &'static str) {
+    counter!(REFUNDS_REFUSED, "api" => api, "reason" => reason).increment(1);
 }
 
 /// Counts usage charged after the fact.

@@ -365,6 +365,9 @@ pub struct Answer {
     /// The tightest item's header values, for APIs that answer a whole
     /// request with one set of headers.
     pub headers: Option<Headers>,
+    /// Tokens of a charge after the fact left unapplied at debt floors,
+    /// counted once per bucket (lines sharing a bucket share its verdict).
+    pub forgiven: u64,
 }
 
 /// Decides demands with one store.
@@ -395,6 +398,11 @@ impl Engine {
     pub fn with_unmatched(mut self, unmatched: Unmatched) -> Self {
         self.unmatched = unmatched;
         self
+    }
+
+    /// The engine's clock, now.
+    pub fn now(&self) -> Micros {
+        self.clock.now()
     }
 
     /// Decides a demand: validates it, applies it to the store as one
@@ -695,7 +703,9 @@ impl Engine {
                 }
             })
             .collect();
-        summary::summarise(demand, lines, degraded)
+        let mut answer = summary::summarise(demand, lines, degraded);
+        answer.forgiven = outcome.map_or(0, |o| o.verdicts.iter().map(|v| v.forgiven).sum());
+        answer
     }
 
     /// Counts the answer's items by outcome and deciding rule (one counter
@@ -766,8 +776,8 @@ impl Engine {
         }
     }
 
-    /// Records usage charged after the fact: tokens charged and forgiven,
-    /// and the tenants left in debt.
+    /// Records usage charged after the fact (tokens charged and forgiven,
+    /// and the tenants left in debt) or refunded (tokens given back).
     fn record_charge(&self, demand: &Demand<'_>, answer: &Answer, span: &tracing::Span) {
         let api = demand.api.label();
         let mut charged = 0u64;
@@ -778,9 +788,15 @@ impl Engine {
                 self.top.record_debt(item.tenant, item.key, a.debt);
             }
         }
-        let forgiven: u64 = answer.lines.iter().map(|v| v.forgiven).sum();
+        if matches!(demand.op, Op::Refund { .. }) {
+            metrics::refunded(api, charged);
+            if !span.is_disabled() {
+                span.record("outcome", "refunded");
+            }
+            return;
+        }
         metrics::charged(api, charged);
-        metrics::forgiven(api, forgiven);
+        metrics::forgiven(api, answer.forgiven);
         if !span.is_disabled() {
             span.record("outcome", "charged");
         }

@@ -198,6 +198,7 @@ pub(super) fn summarise(
         items,
         lines,
         headers,
+        forgiven: 0,
     }
 }
 

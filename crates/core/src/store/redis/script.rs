@@ -32,6 +32,7 @@ impl Request {
 pub(super) enum Kind {
     Decide { spend: bool },
     Charge,
+    Refund { since: Micros },
     Reserve { ttl: Micros, body: String },
     Settle { actual: u64 },
     Acquire { ttl: Micros, member: String },
@@ -46,6 +47,10 @@ impl Kind {
             Self::Decide { spend: true } => shape.push('s'),
             Self::Decide { spend: false } => shape.push('d'),
             Self::Charge => shape.push('c'),
+            Self::Refund { since } => {
+                shape.push('r');
+                shape.push_str(itoa::Buffer::new().format(*since));
+            }
             Self::Reserve { ttl, .. } => {
                 shape.push('v');
                 shape.push_str(itoa::Buffer::new().format(*ttl));
