@@ -21,6 +21,7 @@ use tollgate::server::StoreSpec;
 /// `user=tiny` refills 10 a second, to watch a debt being paid off.
 const RULES: &str = "\
 domain: llm
+refunds: true
 descriptors:
   - key: user
     rate_limit: {algorithm: token_bucket, unit: day, requests_per_unit: 1000, burst: 5000, debt: 50000}
@@ -112,17 +113,45 @@ async fn ask(port: u16, user: &str, tokens: u64) -> HttpResponse {
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envoy_charges_reported_usage_exactly_across_three_instances() {
+/// A real Envoy running `deploy/envoy/llm/FILE` with its ports replaced:
+/// the Tollgate endpoint by every one of `servers`.
+async fn envoy_before(servers: &[TestServer], file: &str, upstream_port: u16) -> Envoy {
     let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/llm");
-    // The documented rules load, with their debt.
-    let documented = std::fs::read_to_string(format!("{deploy}/ratelimit/llm.yaml")).unwrap();
-    let loaded =
-        tollgate::api::envoy::config::EnvoyConfig::load(&[("llm.yaml".into(), documented)])
-            .unwrap();
-    assert_eq!(loaded.rules(), 2);
+    let endpoints: String = servers
+        .iter()
+        .map(|s| {
+            format!(
+                "\n              - endpoint:\n                  address:\n                    \
+                 socket_address: {{ address: 127.0.0.1, port_value: {} }}",
+                s.grpc.port()
+            )
+        })
+        .collect();
+    let template = std::fs::read_to_string(format!("{deploy}/{file}")).unwrap();
+    let one_endpoint = "\n              - endpoint:\n                  address:\n                    \
+                        socket_address: { address: 127.0.0.1, port_value: 50051 }";
+    assert!(
+        template.contains(one_endpoint),
+        "the Tollgate endpoint moved"
+    );
+    Envoy::start(1, |listeners, admin| {
+        template
+            .replace(one_endpoint, &endpoints)
+            .replace(
+                "port_value: 10000",
+                &format!("port_value: {}", listeners[0]),
+            )
+            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            // A loaded machine must not let a decision time out into
+            // failure_mode_deny: false (admitted, never charged).
+            .replace("timeout: 0.25s", "timeout: 10s")
+    })
+    .await
+}
 
-    let redis = RedisServer::start();
+/// Three instances on `redis`, loading [`RULES`].
+async fn three_instances(redis: &RedisServer) -> (Vec<TestServer>, tempfile::TempDir) {
     let rules = tempfile::tempdir().unwrap();
     std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
     let mut servers = Vec::new();
@@ -139,35 +168,23 @@ async fn envoy_charges_reported_usage_exactly_across_three_instances() {
             .await,
         );
     }
+    (servers, rules)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_charges_reported_usage_exactly_across_three_instances() {
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/llm");
+    // The documented rules load, with their debt.
+    let documented = std::fs::read_to_string(format!("{deploy}/ratelimit/llm.yaml")).unwrap();
+    let loaded =
+        tollgate::api::envoy::config::EnvoyConfig::load(&[("llm.yaml".into(), documented)])
+            .unwrap();
+    assert_eq!(loaded.rules(), 2);
+
+    let redis = RedisServer::start();
+    let (servers, _rules) = three_instances(&redis).await;
     let (upstream_port, reported) = llm_upstream().await;
-    let endpoints: String = servers
-        .iter()
-        .map(|s| {
-            format!(
-                "\n              - endpoint:\n                  address:\n                    \
-                 socket_address: {{ address: 127.0.0.1, port_value: {} }}",
-                s.grpc.port()
-            )
-        })
-        .collect();
-    let template = std::fs::read_to_string(format!("{deploy}/envoy.yaml")).unwrap();
-    let one_endpoint = "\n              - endpoint:\n                  address:\n                    \
-                        socket_address: { address: 127.0.0.1, port_value: 50051 }";
-    assert!(
-        template.contains(one_endpoint),
-        "the Tollgate endpoint moved"
-    );
-    let envoy = Envoy::start(1, |listeners, admin| {
-        template
-            .replace(one_endpoint, &endpoints)
-            .replace(
-                "port_value: 10000",
-                &format!("port_value: {}", listeners[0]),
-            )
-            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
-            .replace("port_value: 9901", &format!("port_value: {admin}"))
-    })
-    .await;
+    let envoy = envoy_before(&servers, "envoy.yaml", upstream_port).await;
     let port = envoy.listeners[0];
     let mut conn = redis::Client::open(redis.url().as_str())
         .unwrap()
@@ -369,4 +386,188 @@ async fn envoy_charges_usage_reported_in_a_trailer() {
         .unwrap();
     let full = full_at(&mut conn, "frank");
     assert_eq!((full - redis_now(&mut conn)).div_ceil(SLOW_INTERVAL), total);
+}
+
+/// The fake LLM of the reserving deployment: answers with the usage the
+/// request asks for (`x-want-tokens`) in `x-usage-tokens`; `x-fail` makes
+/// it answer 502 with no usage. Requests of user `dave` are held until
+/// `release` is notified (`held` counts them), so that they are all in
+/// flight together.
+struct Reserving {
+    port: u16,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+async fn reserving_upstream() -> Reserving {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let held = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let (h, r) = (held.clone(), release.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let app = axum::Router::new().fallback(move |headers: HeaderMap| {
+        let (held, release) = (h.clone(), r.clone());
+        async move {
+            let text = |name: &str| {
+                headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            if text("x-user") == "dave" {
+                held.fetch_add(1, Ordering::SeqCst);
+                release.acquire().await.unwrap().forget();
+            }
+            let mut out = HeaderMap::new();
+            if !text("x-fail").is_empty() {
+                return (axum::http::StatusCode::BAD_GATEWAY, out, "upstream failed");
+            }
+            let tokens: u64 = text("x-want-tokens").parse().unwrap_or(1);
+            out.insert("x-usage-tokens", HeaderValue::from(tokens));
+            (axum::http::StatusCode::OK, out, "a completion")
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Reserving {
+        port,
+        held,
+        release,
+    }
+}
+
+/// A request through Envoy estimating `estimate` tokens and using `used`.
+async fn reserve(port: u16, user: &str, estimate: u64, used: u64, fail: bool) -> HttpResponse {
+    let (estimate, used) = (estimate.to_string(), used.to_string());
+    let mut headers = vec![
+        ("x-user", user),
+        ("x-max-tokens", estimate.as_str()),
+        ("x-want-tokens", used.as_str()),
+    ];
+    if fail {
+        headers.push(("x-fail", "1"));
+    }
+    get(port, "/v1/chat/completions", &headers).await
+}
+
+/// Waits until the instances have given back `refunded` tokens and charged
+/// `charged` after the fact, in all.
+async fn settled(servers: &[TestServer], refunded: u64, charged: u64) {
+    let totals = || async {
+        let (_, metrics) = servers[0].http_get("/metrics").await.unwrap();
+        let count = |series: &str| common::envoy::sample(&metrics, series).unwrap_or(0);
+        (
+            count("tollgate_refunded_tokens_total{api=\"envoy\"}"),
+            count("tollgate_charged_tokens_total{api=\"envoy\",phase=\"charge\"}"),
+        )
+    };
+    for _ in 0..1000 {
+        if totals().await == (refunded, charged) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "refunded and charged {:?}, not {:?}",
+        totals().await,
+        (refunded, charged)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_reserves_estimates_and_settles_reported_usage_exactly() {
+    let redis = RedisServer::start();
+    let (servers, _rules) = three_instances(&redis).await;
+    let upstream = reserving_upstream().await;
+    let envoy = envoy_before(&servers, "reserve.yaml", upstream.port).await;
+    let port = envoy.listeners[0];
+    let mut conn = redis::Client::open(redis.url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+
+    // One request at a time: each spends its estimate, and its stream's
+    // end gives back the estimate and charges the usage; Tollgate applies
+    // the difference. Usage below and above the estimate.
+    let (mut refunded, mut charged, mut used_total) = (0, 0, 0);
+    for (estimate, used) in [(1000, 250), (800, 731), (2000, 1200), (500, 900), (64, 64)] {
+        let r = reserve(port, "erin", estimate, used, false).await;
+        assert_eq!(r.status, 200, "{:?}", r.headers);
+        refunded += estimate.saturating_sub(used);
+        charged += used.saturating_sub(estimate);
+        used_total += used;
+        settled(&servers, refunded, charged).await;
+    }
+    // An upstream that fails reports no usage: the estimate comes back.
+    let r = reserve(port, "erin", 700, 0, true).await;
+    assert_eq!(r.status, 502);
+    refunded += 700;
+    settled(&servers, refunded, charged).await;
+    // Tokens recorded in Redis equal the tokens reported, exactly.
+    let full = full_at(&mut conn, "erin");
+    assert_eq!(
+        (full - redis_now(&mut conn)).div_ceil(SLOW_INTERVAL),
+        used_total
+    );
+    // A request without an estimate is charged the default (1024), and a
+    // client's own x-tollgate-admitted header changes nothing.
+    let r = get(
+        port,
+        "/v1/chat/completions",
+        &[
+            ("x-user", "erin"),
+            ("x-want-tokens", "10"),
+            ("x-tollgate-admitted", "1"),
+        ],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    refunded += 1024 - 10;
+    settled(&servers, refunded, charged).await;
+    used_total += 10;
+
+    // Fifty concurrent requests of 400 tokens each (20 000 together) on a
+    // bucket of 5 000: the estimates admit 12 while all are in flight, and
+    // the other 38 are refused, and give nothing back.
+    let calls: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(async move { reserve(port, "dave", 400, 100, false).await }))
+        .collect();
+    let mut answers = Vec::new();
+    let mut pending = calls;
+    for _ in 0..3000 {
+        let (done, running): (Vec<_>, Vec<_>) = pending.into_iter().partition(|c| c.is_finished());
+        pending = running;
+        for call in done {
+            answers.push(call.await.unwrap().status);
+        }
+        let held = upstream.held.load(std::sync::atomic::Ordering::SeqCst);
+        if answers.len() + held == 50 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        upstream.held.load(std::sync::atomic::Ordering::SeqCst),
+        12,
+        "admitted while in flight"
+    );
+    assert_eq!(answers, vec![429; 38]);
+    upstream.release.add_permits(12);
+    for call in pending {
+        assert_eq!(call.await.unwrap().status, 200);
+    }
+    refunded += 12 * 300;
+    settled(&servers, refunded, charged).await;
+    let full = full_at(&mut conn, "dave");
+    assert_eq!(
+        (full - redis_now(&mut conn)).div_ceil(SLOW_INTERVAL),
+        12 * 100
+    );
+    let full = full_at(&mut conn, "erin");
+    assert_eq!(
+        (full - redis_now(&mut conn)).div_ceil(SLOW_INTERVAL),
+        used_total
+    );
+    drop(envoy);
 }
