@@ -239,7 +239,11 @@ impl Parts {
         });
         let backend = Backend::build(&config.backend(), clock)?;
         let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
-        let engine = Arc::new(backend.engine(clock.clone(), top.clone(), config.unmatched));
+        let engine = Arc::new(
+            backend
+                .engine(clock.clone(), top.clone(), config.unmatched)
+                .with_header_style(config.rate_limit_headers),
+        );
         let store = backend.handle();
         let ledger = Arc::new(backend.ledger(
             table.clone(),

@@ -32,9 +32,8 @@ async fn default_limit_lets_a_burst_through_then_answers_an_honest_429() {
     assert_eq!(
         first.headers,
         headers(&[
-            ("RateLimit-Limit", "30"),
-            ("RateLimit-Remaining", "29"),
-            ("RateLimit-Reset", "1")
+            ("RateLimit-Policy", "\"default-per-key\";q=30;w=3"),
+            ("RateLimit", "\"default-per-key\";r=29;t=1")
         ])
     );
 
@@ -51,9 +50,8 @@ async fn default_limit_lets_a_burst_through_then_answers_an_honest_429() {
     assert_eq!(
         rejected.headers,
         headers(&[
-            ("RateLimit-Limit", "30"),
-            ("RateLimit-Remaining", "0"),
-            ("RateLimit-Reset", "3"),
+            ("RateLimit-Policy", "\"default-per-key\";q=30;w=3"),
+            ("RateLimit", "\"default-per-key\";r=0;t=3"),
             ("Retry-After", "1"),
         ])
     );
@@ -631,4 +629,62 @@ async fn batch_decisions_are_counted_per_item_by_rule_and_outcome() {
     assert_eq!(value(tokens, "rejected", "count-b"), 8);
     assert_eq!(value(decisions, "rejected", "count-a"), 0);
     server.stop().await;
+}
+
+/// `--rate-limit-headers`: the current draft's fields list every enforced
+/// rule that applies (a shadow rule is not advertised); the old fields
+/// give the tightest rule; `both` gives both.
+#[tokio::test]
+async fn rate_limit_header_styles_list_every_rule_or_the_tightest() {
+    use tollgate::engine::HeaderStyle;
+    let mut shadow = row("trial", "acme", "", "key", 1, "1/hour");
+    shadow.mode = tollgate::limits::Mode::Shadow;
+    let rows = [
+        row("per-user", "acme", "", "key", 10, "10/second"),
+        row("acme-total", "acme", "", "tenant", 100, "100/minute"),
+        shadow,
+    ];
+    let draft = "\"per-user\";q=10;w=1, \"acme-total\";q=100;w=60";
+    let state = "\"per-user\";r=9;t=1, \"acme-total\";r=99;t=1";
+    for (style, expected) in [
+        (
+            HeaderStyle::Draft11,
+            headers(&[("RateLimit-Policy", draft), ("RateLimit", state)]),
+        ),
+        (
+            HeaderStyle::Legacy,
+            headers(&[
+                ("RateLimit-Limit", "10"),
+                ("RateLimit-Remaining", "9"),
+                ("RateLimit-Reset", "1"),
+            ]),
+        ),
+        (
+            HeaderStyle::Both,
+            headers(&[
+                ("RateLimit-Policy", draft),
+                ("RateLimit", state),
+                ("RateLimit-Limit", "10"),
+                ("RateLimit-Remaining", "9"),
+                ("RateLimit-Reset", "1"),
+            ]),
+        ),
+    ] {
+        let server = TestServer::launch(Some(&rows), |c| c.rate_limit_headers = style).await;
+        let mut client = server.client().await;
+        let r = ask(&mut client, req("acme", "alice")).await;
+        assert_eq!(r.headers, expected, "{style:?}");
+        // Refused by the user's rule: Retry-After in every style.
+        let r = ask(
+            &mut client,
+            ShouldAllowRequest {
+                cost: 10,
+                ..req("acme", "alice")
+            },
+        )
+        .await;
+        assert!(!r.allowed);
+        assert_eq!(r.headers.get("Retry-After").map(String::as_str), Some("1"));
+        server.stop().await;
+    }
 }

@@ -35,7 +35,10 @@ fn first_five_minutes() {
     assert!(line.starts_with("ALLOWED   remaining 29/30"), "{line}");
     assert!(line.contains("rule default-per-key (600/minute)"), "{line}");
     assert!(
-        line.contains("RateLimit-Limit: 30, RateLimit-Remaining: 29, RateLimit-Reset: 1"),
+        line.contains(
+            "RateLimit: \"default-per-key\";r=29;t=1, \
+             RateLimit-Policy: \"default-per-key\";q=30;w=3"
+        ),
         "{line}"
     );
 

@@ -85,11 +85,15 @@ async fn fixed_window_per_value_with_exact_remaining_and_reset() {
             s.duration_until_reset.as_ref().unwrap().seconds as u64,
             60 - INTO_MINUTE
         );
+        // draft-ietf-httpapi-ratelimit-headers-11, named by the rule.
         assert_eq!(
-            header(&r, "RateLimit-Remaining"),
-            Some(left.to_string().as_str())
+            header(&r, "RateLimit-Policy"),
+            Some("\"edge.remote_address\";q=3;w=60")
         );
-        assert_eq!(header(&r, "RateLimit-Limit"), Some("3"));
+        assert_eq!(
+            header(&r, "RateLimit"),
+            Some(format!("\"edge.remote_address\";r={left};t={}", 60 - INTO_MINUTE).as_str())
+        );
     }
     let r = ask(
         &mut client,

@@ -49,37 +49,49 @@ async fn envoy_asks_tollgate_and_answers_429_with_headers() {
     .await;
     let (open_port, closed_port) = (envoy.listeners[0], envoy.listeners[1]);
 
-    // Within the limit: through to the upstream, with the headers.
-    for left in ["2", "1", "0"] {
+    // The server's clock stands at T0, so every figure is known exactly:
+    // the fixed one-minute window T0 falls in ends in 40 s.
+    let to_minute = 60 - (common::T0 / 1_000_000) % 60;
+    // Within the limit: through to the upstream, with the RateLimit fields
+    // of draft-ietf-httpapi-ratelimit-headers-11, one member per rule.
+    let policy = "\"edge.api_key\";q=3;w=60, \"edge.generic_key_api\";q=200;w=1";
+    for (n, left) in [2, 1, 0].into_iter().enumerate() {
         let r = get(open_port, "key-1").await;
         assert_eq!(r.status, 200);
         assert_eq!(r.body, "hello from upstream");
         assert_eq!(
-            r.header("ratelimit-remaining"),
-            Some(left),
+            r.header("ratelimit-policy"),
+            Some(policy),
             "{:?}",
             r.headers
         );
-        assert_eq!(r.header("ratelimit-limit"), Some("3"));
+        let state = format!(
+            "\"edge.api_key\";r={left};t={to_minute}, \"edge.generic_key_api\";r={};t=1",
+            199 - n
+        );
+        assert_eq!(r.header("ratelimit"), Some(state.as_str()));
+        assert_eq!(r.header("ratelimit-remaining"), None, "not the old fields");
+        if n == 0 {
+            sf_lists_parse(&[policy, &state]);
+        }
     }
-    // Beyond it: Envoy answers 429 with the rate-limit headers.
+    // Beyond it: Envoy answers 429 with the fields and Retry-After.
     let r = get(open_port, "key-1").await;
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-envoy-ratelimited"), Some("true"));
-    assert_eq!(r.header("ratelimit-remaining"), Some("0"));
+    assert_eq!(r.header("ratelimit-policy"), Some(policy));
+    let state = r.header("ratelimit").unwrap();
+    assert!(
+        state.starts_with(&format!("\"edge.api_key\";r=0;t={to_minute}, ")),
+        "{state}"
+    );
+    sf_lists_parse(&[policy, state]);
     let retry: u64 = r
         .header("retry-after")
         .expect("Retry-After")
         .parse()
         .unwrap();
-    // The server's clock stands at T0, so the wait is known exactly: the
-    // rest of the fixed one-minute window T0 falls in (40 s).
-    let expected = 60 - (common::T0 / 1_000_000) % 60;
-    assert_eq!(retry, expected);
-    assert_eq!(
-        r.header("ratelimit-reset"),
-        Some(expected.to_string().as_str())
-    );
+    assert_eq!(retry, to_minute);
     assert!(!r.body.contains("hello from upstream"));
     // Another key is untouched.
     assert_eq!(get(open_port, "key-2").await.status, 200);
@@ -97,4 +109,30 @@ async fn envoy_asks_tollgate_and_answers_429_with_headers() {
         "failure_mode_deny: true refuses it"
     );
     drop(envoy);
+}
+
+/// Each value parses as a structured field List (RFC 9651) with Python's
+/// `http_sfv`, a parser written apart from Tollgate.
+fn sf_lists_parse(values: &[&str]) {
+    let script = "import http_sfv, sys\n\
+                  for value in sys.argv[1:]:\n\
+                  \x20   parsed = http_sfv.List()\n\
+                  \x20   parsed.parse(value.encode())\n\
+                  \x20   print(repr([(i.value, dict(i.params)) for i in parsed]))\n";
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(values)
+        .output()
+        .expect("python3 runs (scripts/test installs http-sfv)");
+    assert!(
+        out.status.success(),
+        "http_sfv refused {values:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let parsed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        parsed.contains("('edge.api_key', {'q': 3, 'w': 60})"),
+        "{parsed}"
+    );
 }

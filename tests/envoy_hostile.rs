@@ -219,9 +219,8 @@ async fn generous_zero_and_malformed_overrides() {
     assert_eq!(
         headers,
         [
-            ("RateLimit-Limit", "0"),
-            ("RateLimit-Remaining", "0"),
-            ("RateLimit-Reset", "1")
+            ("RateLimit-Policy", "\"edge.banned\";q=0;w=1"),
+            ("RateLimit", "\"edge.banned\";r=0;t=1")
         ]
     );
     // A zero beside a limit with room: the other descriptor is not charged.

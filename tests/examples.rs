@@ -93,15 +93,24 @@ fn check(command: Command) {
         let (status, response) = get(port, "customer-1");
         assert_eq!(status, 200, "{response}");
         assert!(response.contains("hello from the application"));
-        assert!(
-            response.contains(&format!("ratelimit-remaining: {left}\r\n")),
-            "{response}"
-        );
+        let state = response
+            .lines()
+            .find_map(|l| l.strip_prefix("ratelimit: "))
+            .unwrap_or_else(|| panic!("no RateLimit field in {response}"));
+        assert!(state.contains(&format!(";r={left};t=")), "{response}");
+        assert!(response.contains("ratelimit-policy: "), "{response}");
     }
     let (status, response) = get(port, "customer-1");
     assert_eq!(status, 429, "{response}");
     assert!(response.contains("retry-after: 3600\r\n"), "{response}");
-    assert!(response.contains("ratelimit-limit: 2\r\n"), "{response}");
+    assert!(
+        response.contains("ratelimit-policy: \"shop-any-key\";q=2;w=7200\r\n"),
+        "{response}"
+    );
+    assert!(
+        response.contains("ratelimit: \"shop-any-key\";r=0;t=7200\r\n"),
+        "{response}"
+    );
     assert!(!response.contains("hello from the application"));
     assert_eq!(
         get(port, "customer-2").0,
@@ -136,8 +145,9 @@ fn check_budget(command: Command, error_headers: bool) {
     let remaining = |response: &str| -> u64 {
         response
             .lines()
-            .find_map(|l| l.strip_prefix("ratelimit-remaining: "))
-            .unwrap_or_else(|| panic!("no RateLimit-Remaining in {response}"))
+            .find_map(|l| l.strip_prefix("ratelimit: "))
+            .and_then(|v| v.split(';').find_map(|p| p.strip_prefix("r=")))
+            .unwrap_or_else(|| panic!("no RateLimit remaining (r=) in {response}"))
             .trim()
             .parse()
             .unwrap()
@@ -296,8 +306,16 @@ fn check_slot(command: impl Fn() -> Command) {
         panic!("the slow request never got the slot");
     });
     let refused = wait_held(other);
-    assert!(refused.contains("ratelimit-limit: 1\r\n"), "{refused}");
-    assert!(refused.contains("ratelimit-remaining: 0\r\n"), "{refused}");
+    assert!(
+        refused.contains(
+            "ratelimit-policy: \"reports-any-tenant-concurrency\";q=1;qu=\"concurrent-requests\"\r\n"
+        ),
+        "{refused}"
+    );
+    assert!(
+        refused.contains("ratelimit: \"reports-any-tenant-concurrency\";r=0;t="),
+        "{refused}"
+    );
     assert!(refused.contains("retry-after: "), "{refused}");
     assert!(!refused.contains("work done"));
     let (status, response) = slow.join().unwrap();

@@ -9,7 +9,7 @@
 //	    --go-grpc_opt=Mtollgate/v1/tollgate.proto=example.com/tollgate-middleware/tollgatev1 \
 //	    tollgate/v1/tollgate.proto
 //
-// Allowed requests carry the RateLimit-* headers Tollgate returns; rejected
+// Allowed requests carry the RateLimit header fields Tollgate returns; rejected
 // ones get an honest 429 with Retry-After. If Tollgate cannot be reached the
 // request goes through (fail open): the limiter must not become the outage.
 package middleware

@@ -4,7 +4,7 @@
 //                            key: (req) => req.headers["x-api-key"] });
 //   http.createServer((req, res) => limit(req, res, () => handler(req, res)));
 //
-// Allowed requests carry the RateLimit-* headers Tollgate returns; rejected
+// Allowed requests carry the RateLimit header fields Tollgate returns; rejected
 // ones get an honest 429 with Retry-After. If Tollgate cannot be reached the
 // request goes through (fail open): the limiter must not become the outage.
 "use strict";

@@ -20,7 +20,7 @@ process died and its connection dropped) gives the slot back at once:
     app = TollgateSlotMiddleware(app, target="127.0.0.1:50051", tenant="reports",
                                  key=lambda environ: environ.get("HTTP_X_API_KEY", ""))
 
-Allowed requests get the RateLimit-* headers Tollgate returns; rejected ones
+Allowed requests get the RateLimit header fields Tollgate returns; rejected ones
 get an honest 429 with Retry-After and never reach the application. If
 Tollgate cannot be reached the request is let through (fail open) and logged:
 the rate limiter must not become the outage.

@@ -17,7 +17,7 @@ use crate::engine::{
     self, Allowance, Answer, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line,
     OverCapacity, Ttl, caps,
 };
-use crate::engine::{BucketKey, SettleStatus};
+use crate::engine::{BucketKey, Fields, SettleStatus};
 use crate::limits::table::{LimitsTable, PeriodFilter};
 use crate::limits::watch::LiveLimits;
 use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
@@ -50,18 +50,36 @@ struct Decided {
     answer: Answer,
     /// The rule that decided each item.
     deciders: Deciders,
+    /// Each item's header fields.
+    fields: SmallVec<[Fields; 1]>,
 }
 
 impl Decided {
-    /// The answer with the rule that decided each item, from the rule of
-    /// each line.
-    fn new(answer: Answer, line_rules: &LineRules) -> Self {
+    /// The answer `demand` got, with the rule that decided each item (from
+    /// the rule of each line) and each item's header fields.
+    fn new(answer: Answer, line_rules: &LineRules, demand: &Demand<'_>, engine: &Engine) -> Self {
         let deciders = answer
             .items
             .iter()
             .map(|a| a.line.map(|l| line_rules[l].clone()))
             .collect();
-        Self { answer, deciders }
+        let fields = (0..answer.items.len())
+            .map(|i| engine.header_fields(demand, &answer, Some(i)))
+            .collect();
+        Self {
+            answer,
+            deciders,
+            fields,
+        }
+    }
+
+    /// The response for item `i`.
+    fn response(&self, i: usize) -> ShouldAllowResponse {
+        to_response(
+            &self.answer.items[i],
+            self.deciders[i].as_deref(),
+            &self.fields[i],
+        )
     }
 }
 
@@ -186,7 +204,7 @@ impl RateLimiterService {
         let answer = traced(span, self.engine.decide(&mut demand, span))
             .await
             .map_err(status::from_decide_error)?;
-        Ok(Decided::new(answer, &line_rules))
+        Ok(Decided::new(answer, &line_rules, &demand, &self.engine))
     }
 
     /// The demand: per item, a line for each rule that applies, in the
@@ -290,7 +308,7 @@ impl RateLimiterService {
             spend: !req.dry_run,
         };
         let d = self.decide(&asked, false, op, &span).await?;
-        Ok(to_response(&d.answer.items[0], d.deciders[0].as_deref()))
+        Ok(d.response(0))
     }
 
     async fn reserve_one(
@@ -320,9 +338,9 @@ impl RateLimiterService {
         let reserved = traced(&span, self.engine.reserve(&mut demand, asked_ttl, &span))
             .await
             .map_err(status::from_decide_error)?;
-        let d = Decided::new(reserved.answer, &line_rules);
+        let d = Decided::new(reserved.answer, &line_rules, &demand, &self.engine);
         Ok(ReserveResponse {
-            decision: Some(to_response(&d.answer.items[0], d.deciders[0].as_deref())),
+            decision: Some(d.response(0)),
             ttl: reserved
                 .reservation
                 .as_ref()
@@ -459,16 +477,10 @@ impl RateLimiter for RateLimiterService {
             spend: !req.dry_run,
         };
         let d = self.decide(&items, true, op, &span).await?;
-        let (answer, rules) = (d.answer, d.deciders);
         Ok(Response::new(ShouldAllowBatchResponse {
-            allowed: answer.allowed,
-            results: answer
-                .items
-                .iter()
-                .zip(&rules)
-                .map(|(a, r)| to_response(a, r.as_deref()))
-                .collect(),
-            retry_after: Some(duration(answer.retry_after)),
+            allowed: d.answer.allowed,
+            results: (0..d.answer.items.len()).map(|i| d.response(i)).collect(),
+            retry_after: Some(duration(d.answer.retry_after)),
         }))
     }
 
@@ -675,7 +687,11 @@ fn degraded(answer: &ItemAnswer) -> Degraded {
 }
 
 /// Builds the response, including the HTTP header values.
-pub fn to_response(answer: &ItemAnswer, rule: Option<&Rule>) -> ShouldAllowResponse {
+pub fn to_response(
+    answer: &ItemAnswer,
+    rule: Option<&Rule>,
+    fields: &Fields,
+) -> ShouldAllowResponse {
     let Some(rule) = rule else {
         // No rule applied: unlimited, so there is no budget to report.
         return ShouldAllowResponse {
@@ -693,10 +709,10 @@ pub fn to_response(answer: &ItemAnswer, rule: Option<&Rule>) -> ShouldAllowRespo
         limit: rule.limit.burst(),
         limit_name: rule.name.to_string(),
         shadow: answer.shadow,
-        headers: answer
-            .headers
-            .map(|h| h.pairs().map(|(k, v)| (k.to_owned(), v)).collect())
-            .unwrap_or_default(),
+        headers: fields
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect(),
         rate: rule.rate_text.to_string(),
         degraded: degraded(answer) as i32,
         debt: answer.debt,

@@ -16,8 +16,8 @@ use clap::{ArgAction, Args};
 
 use crate::api::admin::AdminAccess;
 use crate::api::envoy::service::EnvoyOptions;
-use crate::engine::Unmatched;
 use crate::engine::backend::BackendOptions;
+use crate::engine::{HeaderStyle, Unmatched};
 use crate::engine::{RedisConfig, breaker, redact, redis};
 use crate::ledger::LedgerOptions;
 use crate::options::{defaults, parse_duration, parse_duration_or_zero, parse_fraction, text};
@@ -172,6 +172,13 @@ pub struct ServeConfig {
     /// or refuse them with FAILED_PRECONDITION.
     #[arg(long, env = "TOLLGATE_UNMATCHED", value_enum, default_value_t)]
     pub unmatched: Unmatched,
+    /// Which RateLimit header fields answers carry (native answers' headers,
+    /// and Envoy's response_headers_to_add): draft-11 (RateLimit-Policy and
+    /// RateLimit, one member per rule), legacy (RateLimit-Limit, -Remaining
+    /// and -Reset of the tightest rule) or both. Retry-After on every
+    /// rejection either way.
+    #[arg(long, env = "TOLLGATE_RATE_LIMIT_HEADERS", value_enum, default_value_t)]
+    pub rate_limit_headers: HeaderStyle,
     /// Prefix of every Redis key.
     #[arg(long, env = "TOLLGATE_REDIS_PREFIX", default_value = redis::DEFAULT_PREFIX)]
     pub redis_prefix: String,

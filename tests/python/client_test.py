@@ -52,9 +52,8 @@ def main(address):
             expect(first.limit == 30, f"limit 30: {first.limit}")
             expect(first.limit_name == "default-per-key", first.limit_name)
             expect(dict(first.headers) == {
-                "RateLimit-Limit": "30",
-                "RateLimit-Remaining": "29",
-                "RateLimit-Reset": "1",
+                "RateLimit-Policy": '"default-per-key";q=30;w=3',
+                "RateLimit": '"default-per-key";r=29;t=1',
             }, dict(first.headers))
 
             # Spend the rest of the burst with one weighted request, then get a 429.

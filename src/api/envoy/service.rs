@@ -29,7 +29,7 @@ use super::config::{EnvoyRule, Match, RuleKind};
 use crate::algorithm::{Algorithm, Limit, Op, Rate, RateUnit};
 use crate::api::{duration, status};
 use crate::engine::{
-    self, Allowance, Api, DecideError, Demand, Engine, Item, Line, OverCapacity, caps,
+    self, Allowance, Api, DecideError, Demand, Engine, Fields, Item, Line, OverCapacity, caps,
 };
 use crate::engine::{BucketKey, BucketKind};
 use crate::limits::OnStoreUnavailable;
@@ -57,8 +57,8 @@ pub struct EnvoyOptions {
     /// Envoy API global shadow mode: count, but never answer OVER_LIMIT.
     #[arg(id = "envoy_shadow_mode", long = "envoy-shadow-mode", env = "TOLLGATE_ENVOY_SHADOW_MODE", action = clap::ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub shadow_mode: bool,
-    /// Add RateLimit-* (and, when over the limit, Retry-After) to Envoy's
-    /// response_headers_to_add.
+    /// Add the RateLimit header fields (as --rate-limit-headers says) and,
+    /// when over the limit, Retry-After to Envoy's response_headers_to_add.
     #[arg(id = "envoy_response_headers", long = "envoy-response-headers", env = "TOLLGATE_ENVOY_RESPONSE_HEADERS", action = clap::ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub response_headers: bool,
 }
@@ -148,7 +148,7 @@ impl RateLimitService for EnvoyRateLimitService {
                     true => (refunded.as_ref(), &mut nth_refund),
                     false => (decided.as_ref(), &mut nth_decided),
                 };
-                let a = answer.map(|answer| &answer.items[*nth]);
+                let a = answer.map(|(answer, _)| &answer.items[*nth]);
                 *nth += 1;
                 match (found, a) {
                     (Some((m, _)), Some(a)) => self.status(&m.rule, a),
@@ -159,22 +159,17 @@ impl RateLimitService for EnvoyRateLimitService {
                 }
             })
             .collect();
-        let headers = decided
-            .as_ref()
-            .or(refunded.as_ref())
-            .and_then(|a| a.headers);
-        let response_headers_to_add = match (self.options.response_headers, headers) {
-            (true, Some(headers)) => headers
-                .pairs()
-                .map(|(key, value)| HeaderValue {
-                    key: key.into(),
-                    value,
-                    raw_value: Vec::new(),
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
-        let overall = if decided.as_ref().is_none_or(|a| a.allowed) {
+        let fields = decided.as_ref().or(refunded.as_ref()).map(|(_, f)| f);
+        let response_headers_to_add = fields
+            .into_iter()
+            .flatten()
+            .map(|(key, value)| HeaderValue {
+                key: (*key).into(),
+                value: value.clone(),
+                raw_value: Vec::new(),
+            })
+            .collect();
+        let overall = if decided.as_ref().is_none_or(|(a, _)| a.allowed) {
             Code::Ok
         } else {
             Code::OverLimit
@@ -191,7 +186,8 @@ impl RateLimitService for EnvoyRateLimitService {
 impl EnvoyRateLimitService {
     /// Decides, charges or refunds (as `op` says) the descriptors whose
     /// shares are refunds (for [`Op::Refund`]) or not (any other op), as
-    /// one demand: one item per descriptor, in order.
+    /// one demand: one item per descriptor, in order. Answers with the
+    /// header fields of the whole answer (none unless the options ask).
     async fn decide(
         &self,
         tenant: &str,
@@ -199,7 +195,7 @@ impl EnvoyRateLimitService {
         shares: &[Share],
         op: Op,
         span: &tracing::Span,
-    ) -> Result<engine::Answer, Status> {
+    ) -> Result<(engine::Answer, Fields), Status> {
         let refund = matches!(op, Op::Refund { .. });
         let mut demand = Demand::new(Api::Envoy, op, OverCapacity::Reject);
         demand.shadow = self.options.shadow_mode;
@@ -247,12 +243,17 @@ impl EnvoyRateLimitService {
         }
         let decided = self.engine.decide(&mut demand, span);
         // Log events inside belong to the decision's span when it is traced.
-        if span.is_disabled() {
+        let answer = if span.is_disabled() {
             decided.await
         } else {
             decided.instrument(span.clone()).await
         }
-        .map_err(status::from_decide_error)
+        .map_err(status::from_decide_error)?;
+        let fields = match self.options.response_headers {
+            true => self.engine.header_fields(&demand, &answer, None),
+            false => Fields::new(),
+        };
+        Ok((answer, fields))
     }
 
     /// A matched descriptor's status.

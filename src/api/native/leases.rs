@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tonic::{Request, Status};
 
-use super::{Asked, Decided, LineRules, RateLimiterService, duration, to_response, traced};
+use super::{Asked, Decided, LineRules, RateLimiterService, duration, traced};
 use crate::algorithm::{Micros, Op};
 use crate::api::{micros, status};
 use crate::engine::{self, Api, Ttl};
@@ -67,7 +67,7 @@ impl RateLimiterService {
         .await
         .map_err(status::from_decide_error)?;
         let (ttl, in_flight, limit) = (acquired.ttl, acquired.in_flight, acquired.limit);
-        let d = Decided::new(acquired.answer, &line_rules);
+        let d = Decided::new(acquired.answer, &line_rules, &demand, &self.engine);
         let response = AcquireResponse {
             granted: d.answer.allowed,
             lease: acquired
@@ -78,7 +78,7 @@ impl RateLimiterService {
             ttl: acquired.lease.as_ref().map(|_| duration(ttl)),
             in_flight,
             limit,
-            decision: Some(to_response(&d.answer.items[0], d.deciders[0].as_deref())),
+            decision: Some(d.response(0)),
         };
         Ok((response, acquired.lease.map(|id| (id, ttl))))
     }

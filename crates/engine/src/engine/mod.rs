@@ -79,6 +79,7 @@
 pub mod backend;
 pub mod caps;
 mod error;
+pub mod fields;
 mod leases;
 mod summary;
 mod ttl;
@@ -88,6 +89,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 pub use error::DecideError;
+pub use fields::{Fields, HeaderStyle};
 pub use leases::Acquired;
 pub use summary::Headers;
 pub use ttl::Ttl;
@@ -377,6 +379,7 @@ pub struct Engine {
     top: Arc<TopLimited>,
     leases: leases::LeaseBook,
     unmatched: Unmatched,
+    header_style: HeaderStyle,
 }
 
 impl Engine {
@@ -389,7 +392,26 @@ impl Engine {
             top,
             leases: leases::LeaseBook::default(),
             unmatched: Unmatched::Allow,
+            header_style: HeaderStyle::default(),
         }
+    }
+
+    /// Which RateLimit header fields answers carry.
+    pub fn with_header_style(mut self, style: HeaderStyle) -> Self {
+        self.header_style = style;
+        self
+    }
+
+    /// The header fields of `item`'s answer (`None`: of the whole
+    /// answer), in the engine's [`HeaderStyle`]; `demand` is the one
+    /// `answer` decided.
+    pub fn header_fields(
+        &self,
+        demand: &Demand<'_>,
+        answer: &Answer,
+        item: Option<usize>,
+    ) -> Fields {
+        fields::header_fields(self.header_style, demand, answer, item)
     }
 
     /// What to do with a native request no rule applies to. (Envoy's
