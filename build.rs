@@ -20,6 +20,8 @@ fn main() -> Result<(), Box<dyn Error>> {
             &[
                 "proto/tollgate/v1/tollgate.proto",
                 "proto/envoy/service/ratelimit/v3/rls.proto",
+                "proto/envoy/service/discovery/v3/discovery.proto",
+                "proto/ratelimit/config/ratelimit/v3/rls_conf.proto",
             ],
             &["proto"],
         )?;

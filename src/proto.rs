@@ -36,6 +36,13 @@ pub mod envoy {
     }
     /// `envoy.service.*`.
     pub mod service {
+        /// `envoy.service.discovery`.
+        pub mod discovery {
+            /// `envoy.service.discovery.v3`.
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.discovery.v3");
+            }
+        }
         /// `envoy.service.ratelimit`.
         pub mod ratelimit {
             /// `envoy.service.ratelimit.v3`.
@@ -50,6 +57,28 @@ pub mod envoy {
         pub mod v3 {
             include!(concat!(env!("OUT_DIR"), "/envoy.r#type.v3.rs"));
         }
+    }
+}
+
+/// envoyproxy/ratelimit's configuration as an xDS resource.
+pub mod ratelimit {
+    /// `ratelimit.config`.
+    pub mod config {
+        /// `ratelimit.config.ratelimit`.
+        pub mod ratelimit {
+            /// `ratelimit.config.ratelimit.v3`.
+            pub mod v3 {
+                tonic::include_proto!("ratelimit.config.ratelimit.v3");
+            }
+        }
+    }
+}
+
+/// `google.rpc`: the status an xDS NACK carries.
+pub mod google {
+    /// `google.rpc`.
+    pub mod rpc {
+        tonic::include_proto!("google.rpc");
     }
 }
 

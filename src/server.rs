@@ -15,7 +15,7 @@ use crate::alerts::Notifier;
 use crate::api::admin::grpc::{AdminServer, AdminService};
 use crate::api::admin::{self, AdminState};
 use crate::api::envoy::service::{EnvoyRateLimitService, RateLimitServiceServer};
-use crate::api::envoy::{ConfigError, LiveEnvoyConfig};
+use crate::api::envoy::{ConfigError, LiveEnvoyConfig, xds};
 use crate::api::native::{RateLimiterServer, RateLimiterService};
 use crate::clock::Clock;
 use crate::connections::{
@@ -108,6 +108,9 @@ pub enum ServeError {
     /// The admin port's access settings would open it by accident.
     #[error("{0}")]
     Admin(String),
+    /// The xDS management server's address cannot be used.
+    #[error(transparent)]
+    Xds(#[from] xds::XdsAddressError),
 }
 
 /// Serves gRPC and admin HTTP until `shutdown` completes, then stops
@@ -233,9 +236,10 @@ impl Parts {
     async fn open(config: &ServeConfig, clock: &Arc<dyn Clock>) -> Result<Self, ServeError> {
         let table = LimitsTable::open(&config.limits).await?;
         let limits = Arc::new(LiveLimits::load(&table, config.max_limit_rows).await?);
-        let envoy_config = Arc::new(match &config.envoy_config {
-            Some(dir) => LiveEnvoyConfig::load(dir)?,
-            None => LiveEnvoyConfig::empty(),
+        let envoy_config = Arc::new(match (&config.envoy_config, &config.envoy_xds.server) {
+            (Some(dir), _) => LiveEnvoyConfig::load(dir)?,
+            (None, Some(server)) => LiveEnvoyConfig::xds(server),
+            (None, None) => LiveEnvoyConfig::empty(),
         });
         let backend = Backend::build(&config.backend(), clock)?;
         let top = Arc::new(TopLimited::new(128, Duration::from_secs(60), clock.clone()));
@@ -312,11 +316,22 @@ struct Background {
 
 impl Background {
     fn spawn(config: &ServeConfig, parts: &Parts, stop: &Stop) -> Result<Self, ServeError> {
-        let envoy = tokio::spawn(crate::api::envoy::watch(
-            parts.envoy_config.clone(),
-            config.reload_interval,
-            stop.stopped(),
-        ));
+        let envoy = match &config.envoy_xds.server {
+            Some(server) => {
+                let endpoint = xds::endpoint(&config.envoy_xds, server)?;
+                tokio::spawn(xds::follow(
+                    parts.envoy_config.clone(),
+                    config.envoy_xds.clone(),
+                    endpoint,
+                    stop.stopped(),
+                ))
+            }
+            None => tokio::spawn(crate::api::envoy::watch(
+                parts.envoy_config.clone(),
+                config.reload_interval,
+                stop.stopped(),
+            )),
+        };
         let limits = spawn_watch(
             parts.limits.clone(),
             parts.table.clone(),

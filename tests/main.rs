@@ -25,6 +25,7 @@ mod envoy_hostile;
 mod envoy_llm;
 mod envoy_metrics;
 mod envoy_refunds;
+mod envoy_xds;
 mod examples;
 mod fairness;
 mod fuzz;

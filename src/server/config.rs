@@ -16,6 +16,7 @@ use clap::{ArgAction, Args};
 
 use crate::api::admin::AdminAccess;
 use crate::api::envoy::service::EnvoyOptions;
+use crate::api::envoy::xds::XdsOptions;
 use crate::engine::backend::BackendOptions;
 use crate::engine::{HeaderStyle, Unmatched};
 use crate::engine::{RedisConfig, breaker, redact, redis};
@@ -222,8 +223,11 @@ pub struct ServeConfig {
     pub redis_ca_cert: Option<PathBuf>,
     /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
     /// for Envoy's rate limit service API; re-read every reload interval.
-    #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
+    #[arg(long, env = "TOLLGATE_ENVOY_CONFIG", conflicts_with = "envoy_xds")]
     pub envoy_config: Option<PathBuf>,
+    /// The Envoy configuration from an xDS management server instead.
+    #[command(flatten)]
+    pub envoy_xds: XdsOptions,
     /// Options of the Envoy API.
     #[command(flatten)]
     pub envoy_options: EnvoyOptions,

@@ -176,22 +176,39 @@ impl EnvoyConfig {
         self.rules
     }
 
+    /// Loads documents already parsed (an xDS snapshot's resources, made
+    /// into the YAML they stand for), with the files' validation and
+    /// semantics. `name` stands for the file in errors.
+    pub fn load_documents(documents: &[(String, Yaml)]) -> Result<Self, ConfigError> {
+        let mut config = Self::default();
+        for (name, root) in documents {
+            config.load_document(name, root)?;
+        }
+        Ok(config)
+    }
+
     fn load_file(&mut self, file: &str, text: &str) -> Result<(), ConfigError> {
+        let docs = YamlLoader::load_from_str(text).map_err(|e| ConfigError {
+            file: file.to_owned(),
+            message: format!("error loading config file: {e}"),
+        })?;
+        let root = docs.into_iter().next().unwrap_or(Yaml::Null);
+        self.load_document(file, &root)
+    }
+
+    fn load_document(&mut self, file: &str, root: &Yaml) -> Result<(), ConfigError> {
         let err = |message: String| ConfigError {
             file: file.to_owned(),
             message,
         };
-        let docs = YamlLoader::load_from_str(text)
-            .map_err(|e| err(format!("error loading config file: {e}")))?;
-        let root = docs.into_iter().next().unwrap_or(Yaml::Null);
-        if let Yaml::Hash(_) = &root {
-            validate_keys(&root).map_err(err)?;
+        if let Yaml::Hash(_) = root {
+            validate_keys(root).map_err(err)?;
         } else if !matches!(root, Yaml::Null) {
             return Err(err(
                 "error loading config file: the document is not a map".into()
             ));
         }
-        let domain = string_field(&root, "domain")
+        let domain = string_field(root, "domain")
             .map_err(err)?
             .unwrap_or_default();
         if domain.is_empty() {
@@ -203,7 +220,7 @@ impl EnvoyConfig {
         // A window cannot take a refund from Envoy, which does not say
         // when the tokens were charged: the domain's default is for its
         // token buckets.
-        let refunds = bool_field(&root, "refunds").map_err(err)?;
+        let refunds = bool_field(root, "refunds").map_err(err)?;
         let mut node = Node::default();
         let mut rules = 0;
         let parent = Parent {

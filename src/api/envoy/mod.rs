@@ -3,10 +3,12 @@
 //! [`config`] loads the YAML configuration unchanged; [`service`] serves
 //! `envoy.service.ratelimit.v3.RateLimitService` through the engine, as
 //! every API decides. [`LiveEnvoyConfig`] keeps the
-//! configuration directory loaded and hot-reloads it.
+//! configuration directory loaded and hot-reloads it, or ([`xds`]) follows
+//! an xDS management server.
 
 pub mod config;
 pub mod service;
+pub mod xds;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -62,6 +64,21 @@ pub struct EnvoyConfigStatus {
     pub generation: u64,
     /// Why the latest reload failed; cleared by the next success.
     pub last_error: Option<String>,
+    /// With `--envoy-xds`: the management server and what was heard.
+    pub xds: Option<XdsStatus>,
+}
+
+/// What the admin port reports about the xDS management server.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct XdsStatus {
+    /// Its address.
+    pub server: String,
+    /// Whether a stream is open.
+    pub connected: bool,
+    /// The version of the snapshot in force (empty before the first).
+    pub version: String,
+    /// Why the latest stream ended, if it did.
+    pub last_disconnect: Option<String>,
 }
 
 /// The Envoy configuration in force.
@@ -83,6 +100,72 @@ impl LiveEnvoyConfig {
         }
     }
 
+    /// No configuration yet: snapshots from the xDS management server
+    /// `server` will come ([`xds::follow`]).
+    pub fn xds(server: &str) -> Self {
+        let live = Self::empty();
+        live.status.lock().xds = Some(XdsStatus {
+            server: server.to_owned(),
+            ..XdsStatus::default()
+        });
+        live
+    }
+
+    /// The version of the xDS snapshot in force (empty before the first).
+    pub fn xds_version(&self) -> String {
+        let status = self.status.lock();
+        status
+            .xds
+            .as_ref()
+            .map(|x| x.version.clone())
+            .unwrap_or_default()
+    }
+
+    /// Puts a valid snapshot in force.
+    pub fn install_xds(&self, config: EnvoyConfig, version: &str) {
+        let mut status = self.status.lock();
+        status.domains = config.domains();
+        status.rules = config.rules();
+        status.generation += 1;
+        status.last_error = None;
+        if let Some(xds) = &mut status.xds {
+            xds.version = version.to_owned();
+        }
+        self.current.store(Arc::new(config));
+        metrics::envoy_config_reload(true);
+        tracing::info!(
+            version,
+            domains = status.domains,
+            rules = status.rules,
+            "envoy config from xds applied"
+        );
+    }
+
+    /// Records a snapshot refused: the configuration in force stays.
+    pub fn xds_rejected(&self, error: &str) {
+        self.status.lock().last_error = Some(error.to_owned());
+        metrics::envoy_config_reload(false);
+        tracing::error!(
+            error,
+            "envoy config from xds rejected; the last good configuration stays in force"
+        );
+    }
+
+    /// Records a stream opened.
+    pub fn xds_connected(&self) {
+        if let Some(xds) = &mut self.status.lock().xds {
+            xds.connected = true;
+        }
+    }
+
+    /// Records a stream lost, and why.
+    pub fn xds_disconnected(&self, why: &str) {
+        if let Some(xds) = &mut self.status.lock().xds {
+            xds.connected = false;
+            xds.last_disconnect = Some(why.to_owned());
+        }
+    }
+
     /// Loads `dir`. At start-up there is no last good configuration, so an
     /// invalid one is an error.
     pub fn load(dir: &Path) -> Result<Self, ConfigError> {
@@ -95,6 +178,7 @@ impl LiveEnvoyConfig {
             rules: config.rules(),
             generation: 1,
             last_error: None,
+            xds: None,
         };
         tracing::info!(dir = %dir.display(), domains = status.domains, rules = status.rules, "envoy config loaded");
         Ok(Self {
