@@ -210,5 +210,77 @@ fn redis_store(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, algorithm, memory_store, redis_store);
+/// The header fields of an answer, in each style, for 1 and 4 rules: what
+/// `--rate-limit-headers` costs a decision.
+fn header_fields(c: &mut Criterion) {
+    use tollgate::engine::fields::header_fields;
+    use tollgate::engine::{
+        Allowance, Answer, Api, Demand, HeaderStyle, Headers, Item, ItemAnswer, Line, OverCapacity,
+    };
+    use tollgate::limits::OnStoreUnavailable;
+    use tollgate::telemetry::metrics::Outcome;
+    let mut g = c.benchmark_group("header_fields");
+    g.throughput(Throughput::Elements(1));
+    let names = ["r4-key", "r4-all", "r4-api-key", "r4-api-all"];
+    let verdict = tollgate::algorithm::Verdict {
+        allowed: true,
+        remaining: 999_999_999,
+        debt: 0,
+        forgiven: 0,
+        retry_after: 0,
+        reset_after: 1_000,
+    };
+    for rules in [1, 4] {
+        let mut demand = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+        demand.items.push(Item::new("r4", "api", "k1", 1));
+        for name in &names[..rules] {
+            demand.lines.push(Line {
+                item: 0,
+                bucket: BucketKey::new("r4", BucketKind::KEY, "api", "k1"),
+                allowance: Allowance::Limited(limit()),
+                enforce: true,
+                on_store_unavailable: OnStoreUnavailable::Allow,
+                label: name,
+                calendar: None,
+            });
+        }
+        let headers = Headers {
+            limit: 30,
+            remaining: 29,
+            reset: 1,
+            retry_after: None,
+        };
+        let item = ItemAnswer {
+            allowed: true,
+            shadow: false,
+            remaining: 29,
+            debt: 0,
+            retry_after: 0,
+            reset_after: 1_000,
+            line: Some(0),
+            degraded: None,
+            outcome: Outcome::Allowed,
+            headers: Some(headers),
+        };
+        let answer = Answer {
+            allowed: true,
+            retry_after: 0,
+            items: [item].into_iter().collect(),
+            lines: std::iter::repeat_n(verdict, rules).collect(),
+            headers: Some(headers),
+            forgiven: 0,
+        };
+        for (style, name) in [
+            (HeaderStyle::Draft11, "draft11"),
+            (HeaderStyle::Legacy, "legacy"),
+        ] {
+            g.bench_function(format!("{name}_{rules}_rules"), |b| {
+                b.iter(|| black_box(header_fields(style, &demand, &answer, Some(0))))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, algorithm, memory_store, redis_store, header_fields);
 criterion_main!(benches);

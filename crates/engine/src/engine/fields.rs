@@ -117,45 +117,37 @@ fn structured(demand: &Demand<'_>, answer: &Answer, item: Option<usize>) -> (Str
             None => members.push(member),
         }
     }
-    let (mut policy, mut state) = (String::new(), String::new());
-    let n = |v: u64| itoa::Buffer::new().format(v).to_owned();
-    for Member {
-        name,
-        quota,
-        window,
-        remaining,
-        reset,
-    } in members
-    {
+    let (mut policy, mut state) = (String::with_capacity(96), String::with_capacity(96));
+    let mut digits = itoa::Buffer::new();
+    for m in members {
         if !policy.is_empty() {
             policy.push_str(", ");
             state.push_str(", ");
         }
-        let name = sf_string(name);
-        policy.push_str(&name);
+        push_sf_string(&mut policy, m.name);
         policy.push_str(";q=");
-        policy.push_str(&n(quota));
-        match window {
+        policy.push_str(digits.format(m.quota));
+        match m.window {
             Some(w) => {
                 policy.push_str(";w=");
-                policy.push_str(&n(w));
+                policy.push_str(digits.format(w));
             }
             None => policy.push_str(";qu=\"concurrent-requests\""),
         }
-        state.push_str(&name);
+        push_sf_string(&mut state, m.name);
         state.push_str(";r=");
-        state.push_str(&n(remaining));
+        state.push_str(digits.format(m.remaining));
         state.push_str(";t=");
-        state.push_str(&n(reset));
+        state.push_str(digits.format(m.reset));
     }
     (policy, state)
 }
 
-/// `s` as a structured field String (RFC 9651): quoted, `"` and `\`
-/// escaped; bytes outside printable ASCII, which a String cannot hold,
+/// Appends `s` as a structured field String (RFC 9651): quoted, `"` and
+/// `\` escaped; bytes outside printable ASCII, which a String cannot hold,
 /// percent-encoded (and `%` itself, so the encoding reads back).
-fn sf_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
+fn push_sf_string(out: &mut String, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     out.push('"');
     for b in s.bytes() {
         match b {
@@ -165,16 +157,25 @@ fn sf_string(s: &str) -> String {
             }
             b'%' => out.push_str("%25"),
             0x20..=0x7e => out.push(b as char),
-            _ => out.push_str(&format!("%{b:02X}")),
+            _ => {
+                out.push('%');
+                out.push(HEX[usize::from(b >> 4)] as char);
+                out.push(HEX[usize::from(b & 15)] as char);
+            }
         }
     }
     out.push('"');
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sf_string(s: &str) -> String {
+        let mut out = String::new();
+        push_sf_string(&mut out, s);
+        out
+    }
 
     #[test]
     fn names_are_structured_field_strings() {
