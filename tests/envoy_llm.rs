@@ -34,6 +34,15 @@ descriptors:
 const SLOW_INTERVAL: u64 = 86_400_000;
 const SLOW_BURST: u64 = 5000;
 
+/// A request header's value, empty when missing.
+fn header_text(headers: &HeaderMap, name: &str) -> String {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// The fake LLM: answers with the usage the request asks for
 /// (`x-want-tokens`) in `x-usage-tokens`, and records what it reported.
 async fn llm_upstream() -> (u16, Arc<Mutex<Vec<(String, u64)>>>) {
@@ -44,13 +53,7 @@ async fn llm_upstream() -> (u16, Arc<Mutex<Vec<(String, u64)>>>) {
     let app = axum::Router::new().fallback(move |headers: HeaderMap| {
         let seen = seen.clone();
         async move {
-            let text = |name: &str| {
-                headers
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or_default()
-                    .to_owned()
-            };
+            let text = |name: &str| header_text(&headers, name);
             let tokens: u64 = text("x-want-tokens").parse().unwrap_or(1);
             seen.lock().push((text("x-user"), tokens));
             let mut out = HeaderMap::new();
@@ -410,13 +413,7 @@ async fn reserving_upstream() -> Reserving {
     let app = axum::Router::new().fallback(move |headers: HeaderMap| {
         let (held, release) = (h.clone(), r.clone());
         async move {
-            let text = |name: &str| {
-                headers
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or_default()
-                    .to_owned()
-            };
+            let text = |name: &str| header_text(&headers, name);
             if text("x-user") == "dave" {
                 held.fetch_add(1, Ordering::SeqCst);
                 release.acquire().await.unwrap().forget();

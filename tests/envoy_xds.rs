@@ -196,7 +196,10 @@ async fn snapshots_are_applied_acked_nacked_and_followed_across_a_restart() {
     let published = std::time::Instant::now();
     publish.send_replace(Some(snapshot("v2", 5, vec![])));
     let ack = next(&mut heard).await;
-    eprintln!("v2 applied and ACKed {:?} after it was published", published.elapsed());
+    eprintln!(
+        "v2 applied and ACKed {:?} after it was published",
+        published.elapsed()
+    );
     assert_eq!((ack.version_info.as_str(), ack.error_detail), ("v2", None));
     assert_eq!(limit(&server).await, 5);
 

@@ -295,4 +295,32 @@ mod tests {
         assert_eq!(cache.len(), 1);
         assert_eq!(cache.bytes(), per_entry);
     }
+
+    /// A refund lifts its buckets' cached rejections (and only theirs),
+    /// bytes included.
+    #[test]
+    fn a_refund_lifts_the_rejections_of_its_buckets() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000_000));
+        let charge = [Charge {
+            limit: Limit::new(1, "1/minute".parse::<Rate>().unwrap()).unwrap(),
+            cost: 1,
+            need: 1,
+            enforce: true,
+        }];
+        let (a, b) = (
+            BucketKey::new("t", BucketKind::KEY, "", "a"),
+            BucketKey::new("t", BucketKind::KEY, "", "b"),
+        );
+        let cache = DenyCache::new(clock.clone(), 100, 1 << 20);
+        cache.remember(std::slice::from_ref(&a), &charge, &rejected(60_000_000));
+        cache.remember(std::slice::from_ref(&b), &charge, &rejected(60_000_000));
+        assert!(cache.check(std::slice::from_ref(&a), &charge).is_some());
+        cache.forget(std::slice::from_ref(&a));
+        assert!(cache.check(&[a], &charge).is_none(), "lifted");
+        assert!(
+            cache.check(std::slice::from_ref(&b), &charge).is_some(),
+            "kept"
+        );
+        assert_eq!((cache.len(), cache.bytes()), (1, entry_bytes(&b)));
+    }
 }
