@@ -160,7 +160,13 @@ impl Notifier {
     /// many were delivered.
     pub async fn pass(&self) -> Result<usize, crate::limits::table::TableError> {
         let now = self.clock.now();
-        let lease = (self.options.timeout + Duration::from_secs(10)).as_micros() as Micros;
+        // Long enough for the whole page: its tries run `concurrency` at a
+        // time, each for at most the timeout, and the marks follow. An
+        // alert whose lease ran out while it was being sent would be sent
+        // again by another instance.
+        let rounds = self.options.page.div_ceil(self.options.concurrency.max(1)) as u32;
+        let lease = (self.options.timeout * rounds + Duration::from_secs(10)).as_micros() as Micros;
+        let claimed_at = now;
         let claimed = self
             .table
             .claim_alerts(now, lease, self.options.page)
@@ -209,8 +215,21 @@ impl Notifier {
                 );
             }
         }
-        self.table.settle_alerts(now, &delivered, &failed).await?;
-        Ok(delivered.len())
+        // What was delivered must be marked, or it is sent again: a busy
+        // database is waited for, up to the lease's end.
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self.table.settle_alerts(now, &delivered, &failed).await {
+                Ok(()) => return Ok(delivered.len()),
+                Err(e) if self.clock.now() + (wait.as_micros() as Micros) < claimed_at + lease => {
+                    metrics::ledger_error("alerts");
+                    tracing::warn!(error = %e, "delivered quota alerts not marked yet; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// POSTs one alert; `Err` says why it did not land.

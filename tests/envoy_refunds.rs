@@ -21,7 +21,8 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 10, algorithm: token_bucket}
 ";
 
-/// Every token bucket rule of this domain takes refunds; its window does not.
+/// Every rule of this domain takes refunds: its window, of tokens charged
+/// at a time the refund gives.
 const LLM: &str = "
 domain: llm
 refunds: true
@@ -112,7 +113,7 @@ async fn refunds_follow_the_settle_rules_and_only_where_enabled() {
     assert_eq!(
         status.message(),
         "descriptors[1] gives back 4 hits (is_negative_hits), but rule edge.ip takes no \
-         refunds; set refunds: true on a token_bucket rule, or in its domain, to allow them"
+         refunds; set refunds: true on it, or in its domain, to allow them"
     );
     assert_eq!(
         carol(&mut client).await,
@@ -175,13 +176,72 @@ async fn refunds_follow_the_settle_rules_and_only_where_enabled() {
         remaining(&mut client, "llm", vec![refund(&llm, 5)]).await,
         (Code::Ok, vec![7])
     );
+    // A window: given back only while the window that counted the tokens
+    // counts. The test clock stands 20 s into a minute (1 700 000 000 s).
+    let route = [("route", "/chat")];
+    let at = |entries: &[(&'static str, &'static str)], since: &'static str| {
+        let mut all = entries.to_vec();
+        all.push(("tollgate.since", since));
+        all
+    };
+    assert_eq!(
+        remaining(&mut client, "llm", vec![spend(&route, 4)]).await,
+        (Code::Ok, vec![6])
+    );
+    let status = refused(&mut client, request_in("llm", vec![refund(&route, 3)])).await;
+    assert_eq!(
+        status.message(),
+        "descriptors[0] gives back 3 hits (is_negative_hits) to rule llm.route, a \
+         fixed_window, without the entry tollgate.since: give the time its tokens were charged \
+         (Unix seconds), so that they come back only while the window that counted them still \
+         counts"
+    );
+    let this_minute = refund(&at(&route, "1700000000.25"), 3);
+    assert_eq!(
+        remaining(&mut client, "llm", vec![this_minute]).await,
+        (Code::Ok, vec![9])
+    );
+    let last_minute = refund(&at(&route, "1699999979"), 1);
+    assert_eq!(
+        remaining(&mut client, "llm", vec![last_minute]).await,
+        (Code::Ok, vec![9]),
+        "tokens of a window that no longer counts are not given back"
+    );
+    for (since, message) in [
+        (
+            "soon",
+            "descriptors[0]: tollgate.since is \"soon\"; give the time the refunded tokens were \
+             charged in Unix seconds, with at most 6 decimals (1733212345 or 1733212345.25)",
+        ),
+        (
+            "1700000000.1234567",
+            "descriptors[0]: tollgate.since is \"1700000000.1234567\"; give the time the refunded \
+             tokens were charged in Unix seconds, with at most 6 decimals (1733212345 or \
+             1733212345.25)",
+        ),
+    ] {
+        let status = refused(
+            &mut client,
+            request_in("llm", vec![refund(&at(&route, since), 1)]),
+        )
+        .await;
+        assert_eq!(status.message(), message);
+    }
     let status = refused(
         &mut client,
-        request_in("llm", vec![refund(&[("route", "/chat")], 1)]),
+        request_in(
+            "llm",
+            vec![
+                refund(&at(&route, "1700000000"), 1),
+                refund(&at(&llm, "1699999000"), 1),
+            ],
+        ),
     )
     .await;
     assert!(
-        status.message().contains("rule llm.route takes no refunds"),
+        status.message().starts_with(
+            "the refunds of one request give tollgate.since 1700000000 and 1699999000"
+        ),
         "{}",
         status.message()
     );
@@ -194,11 +254,15 @@ async fn refunds_follow_the_settle_rules_and_only_where_enabled() {
     );
     assert_eq!(
         count("tollgate_refunds_refused_total{api=\"envoy\",reason=\"not_enabled\"}"),
-        2
+        1
+    );
+    assert_eq!(
+        count("tollgate_refunds_refused_total{api=\"envoy\",reason=\"no_since\"}"),
+        1
     );
     assert_eq!(
         count("tollgate_refunded_tokens_total{api=\"envoy\"}"),
-        50 + 100 + 60 + 20 + 40 + 5,
+        50 + 100 + 60 + 20 + 40 + 5 + 3 + 1,
         "tokens refunds gave back, as asked (none where no rule matched)"
     );
     assert_eq!(

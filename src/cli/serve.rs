@@ -329,6 +329,20 @@ mod tests {
             err("redis_spread_keys = true\n")
                 .starts_with("--redis-spread-keys needs --token-slices"),
         );
+        assert_eq!(
+            err("envoy_config = \"envoy\"\nenvoy_xds = \"grpc://127.0.0.1:18000\"\n"),
+            "--envoy-config and --envoy-xds grpc://127.0.0.1:18000 are exclusive: take the Envoy \
+             configuration from files or from an xDS management server"
+        );
+        assert_eq!(
+            err("envoy_xds = \"127.0.0.1:18000\"\n"),
+            "--envoy-xds \"127.0.0.1:18000\": give grpc://HOST:PORT or grpcs://HOST:PORT"
+        );
+        let s = ServeArgs::from_toml("envoy_xds = \"grpc://127.0.0.1:18000\"\n").unwrap();
+        assert_eq!(
+            s.config.envoy_xds.server.as_deref(),
+            Some("grpc://127.0.0.1:18000")
+        );
         let s = ServeArgs::from_toml("redis_spread_keys = true\ntoken_slices = true\n").unwrap();
         assert!(s.config.redis_spread_keys && s.config.token_slices);
         let s = ServeArgs::from_toml("grpc_max_connections = 7\nidle_timeout = \"0s\"\n").unwrap();

@@ -223,7 +223,7 @@ pub struct ServeConfig {
     pub redis_ca_cert: Option<PathBuf>,
     /// A directory of envoyproxy/ratelimit YAML files (every *.yaml in it)
     /// for Envoy's rate limit service API; re-read every reload interval.
-    #[arg(long, env = "TOLLGATE_ENVOY_CONFIG", conflicts_with = "envoy_xds")]
+    #[arg(long, env = "TOLLGATE_ENVOY_CONFIG")]
     pub envoy_config: Option<PathBuf>,
     /// The Envoy configuration from an xDS management server instead.
     #[command(flatten)]
@@ -279,6 +279,15 @@ impl ServeConfig {
                  them together"
                     .into(),
             );
+        }
+        if let (Some(_), Some(server)) = (&self.envoy_config, &self.envoy_xds.server) {
+            return Err(format!(
+                "--envoy-config and --envoy-xds {server} are exclusive: take the Envoy \
+                 configuration from files or from an xDS management server"
+            ));
+        }
+        if let Some(server) = &self.envoy_xds.server {
+            crate::api::envoy::xds::endpoint(&self.envoy_xds, server).map_err(|e| e.to_string())?;
         }
         Ok(())
     }

@@ -31,8 +31,8 @@
 //! of its own), on the billing cycle `time_zone` (IANA, default `UTC`),
 //! `cycle_day`, `cycle_month` and `cycle_weekday` give it (see
 //! docs/limits.md, Quotas). `refunds: true` lets Envoy give tokens back
-//! (descriptors with `is_negative_hits`) to a `token_bucket` rule; at the
-//! top of a file it is every token bucket rule's default there.
+//! (descriptors with `is_negative_hits`); at the top of a file it is every
+//! rule's default there.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -116,7 +116,7 @@ pub struct EnvoyRule {
     /// periods follow.
     pub calendar: Option<(Period, Arc<Cycle>)>,
     /// `refunds`: descriptors with `is_negative_hits` give tokens back to
-    /// this rule's buckets (token buckets only).
+    /// this rule's buckets.
     pub refunds: bool,
 }
 
@@ -217,9 +217,6 @@ impl EnvoyConfig {
         if self.domains.contains_key(&domain) {
             return Err(err(format!("duplicate domain '{domain}' in config file")));
         }
-        // A window cannot take a refund from Envoy, which does not say
-        // when the tokens were charged: the domain's default is for its
-        // token buckets.
         let refunds = bool_field(root, "refunds").map_err(err)?;
         let mut node = Node::default();
         let mut rules = 0;
@@ -494,17 +491,8 @@ fn load_rule(
         }
     };
     let refunds = match &y["refunds"] {
-        Yaml::Boolean(true) if algorithm != Algorithm::TokenBucket || unlimited => {
-            return Err(format!(
-                "rate limit {full_key}: refunds are for algorithm token_bucket: Envoy does not say \
-                 when refunded tokens were charged, and a window cannot tell whether it still \
-                 counts them"
-            ));
-        }
         Yaml::Boolean(b) => *b,
-        Yaml::Null | Yaml::BadValue => {
-            domain_refunds && algorithm == Algorithm::TokenBucket && !unlimited
-        }
+        Yaml::Null | Yaml::BadValue => domain_refunds,
         other => {
             return Err(format!(
                 "refunds must be true or false, got {}",
@@ -772,11 +760,6 @@ mod tests {
             (
                 "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: year, requests_per_unit: 1, algorithm: token_bucket, debt: 1000}\n",
                 "config/edge.yaml: rate limit x.a: a debt of 1000 below a burst of 1 takes too long to refill; lower the debt",
-            ),
-            (
-                "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, refunds: true}\n",
-                "config/edge.yaml: rate limit x.a: refunds are for algorithm token_bucket: Envoy does not say \
-                 when refunded tokens were charged, and a window cannot tell whether it still counts them",
             ),
             (
                 "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: token_bucket, refunds: yes}\n",

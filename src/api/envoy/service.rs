@@ -26,7 +26,7 @@ use tracing::Instrument;
 
 use super::LiveEnvoyConfig;
 use super::config::{EnvoyRule, Match, RuleKind};
-use crate::algorithm::{Algorithm, Limit, Op, Rate, RateUnit};
+use crate::algorithm::{Algorithm, Limit, Micros, Op, Rate, RateUnit};
 use crate::api::{duration, status};
 use crate::engine::{
     self, Allowance, Api, DecideError, Demand, Engine, Fields, Item, Line, OverCapacity, caps,
@@ -50,6 +50,12 @@ pub const OVERRIDE_LABEL: &str = "override";
 
 /// The descriptor entry key that marks usage to charge after the fact.
 pub const CHARGE_ENTRY: &str = "tollgate.charge";
+
+/// The descriptor entry key that says when a refund's tokens were charged
+/// (Unix seconds, optionally with a fraction): a window or a quota gives
+/// them back only while the window that counted them still counts. Dropped
+/// before matching, like [`CHARGE_ENTRY`].
+pub const SINCE_ENTRY: &str = "tollgate.since";
 
 /// Service-wide options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
@@ -124,9 +130,8 @@ impl RateLimitService for EnvoyRateLimitService {
         // Refunds first, so the decision of the same request sees them.
         let refunded = match shares.iter().any(|s| s.refund) {
             true => {
-                let op = Op::Refund {
-                    since: UNKNOWN_SINCE,
-                };
+                let since = refund_since(&shares).map_err(refuse)?;
+                let op = Op::Refund { since };
                 Some(self.decide(&tenant, &matched, &shares, op, &span).await?)
             }
             false => None,
@@ -281,7 +286,7 @@ impl EnvoyRateLimitService {
     /// When the descriptor's limit resets. A fixed window that counts
     /// nothing yet (a request refused by another descriptor spent nothing
     /// in it) still ends with its unit, as envoyproxy/ratelimit reports.
-    fn reset_after(&self, rule: &EnvoyRule, a: &engine::ItemAnswer) -> crate::algorithm::Micros {
+    fn reset_after(&self, rule: &EnvoyRule, a: &engine::ItemAnswer) -> Micros {
         match rule.kind {
             RuleKind::Limited(limit)
                 if a.reset_after == 0 && limit.algorithm() == Algorithm::FixedWindow =>
@@ -306,7 +311,7 @@ impl EnvoyRateLimitService {
             let entries: Vec<(&str, &str)> = d
                 .entries
                 .iter()
-                .filter(|e| e.key != CHARGE_ENTRY)
+                .filter(|e| e.key != CHARGE_ENTRY && e.key != SINCE_ENTRY)
                 .map(|e| (e.key.as_str(), e.value.as_str()))
                 .collect();
             let hits = d.hits_addend.unwrap_or(request_hits);
@@ -398,10 +403,9 @@ fn charging(req: &RateLimitRequest) -> Result<bool, DecideError> {
     Ok(n != 0)
 }
 
-/// A refund's `since`: Envoy does not say when the tokens were charged.
-/// Only token buckets take refunds (see `EnvoyRule::refunds`), and they
-/// need no time; a window would give nothing back.
-const UNKNOWN_SINCE: crate::algorithm::Micros = 0;
+/// A refund's `since` when no descriptor gives one ([`SINCE_ENTRY`]): only
+/// token buckets, which need no time, take such a refund.
+const UNKNOWN_SINCE: Micros = 0;
 
 /// What one descriptor asks of its bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -410,6 +414,52 @@ struct Share {
     cost: u64,
     /// Given back (`is_negative_hits`).
     refund: bool,
+    /// A refund's [`SINCE_ENTRY`].
+    since: Option<Micros>,
+}
+
+/// A descriptor's [`SINCE_ENTRY`] as µs since the epoch: `SECONDS` or
+/// `SECONDS.FRACTION` (up to 6 digits).
+fn since_of(i: usize, d: &RateLimitDescriptor) -> Result<Option<Micros>, DecideError> {
+    let Some(e) = d.entries.iter().find(|e| e.key == SINCE_ENTRY) else {
+        return Ok(None);
+    };
+    let (whole, fraction) = e.value.split_once('.').unwrap_or((&e.value, ""));
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let seconds = whole.parse::<u64>().ok().filter(|_| digits(whole));
+    let micros = match (seconds, fraction.len()) {
+        (Some(s), 0) => s.checked_mul(1_000_000),
+        (Some(s), 1..=6) if digits(fraction) => {
+            let scale = 10u64.pow(6 - fraction.len() as u32);
+            let part: u64 = fraction.parse().unwrap_or(0);
+            s.checked_mul(1_000_000)
+                .and_then(|m| m.checked_add(part * scale))
+        }
+        _ => None,
+    };
+    micros.map(Some).ok_or_else(|| {
+        DecideError::InvalidField(format!(
+            "descriptors[{i}]: {SINCE_ENTRY} is {:?}; give the time the refunded tokens were \
+             charged in Unix seconds, with at most 6 decimals (1733212345 or 1733212345.25)",
+            truncate(&e.value, 64)
+        ))
+    })
+}
+
+/// The `since` of a request's refunds: the one time its refunds give, or
+/// [`UNKNOWN_SINCE`].
+fn refund_since(shares: &[Share]) -> Result<Micros, DecideError> {
+    let mut times = shares.iter().filter_map(|s| s.since);
+    let first = times.next();
+    if let Some(other) = times.find(|&t| Some(t) != first) {
+        return Err(DecideError::InvalidBatch(format!(
+            "the refunds of one request give {SINCE_ENTRY} {} and {}: send refunds of tokens \
+             charged at different times in requests of their own",
+            first.unwrap_or_default() as f64 / 1e6,
+            other as f64 / 1e6
+        )));
+    }
+    Ok(first.unwrap_or(UNKNOWN_SINCE))
 }
 
 /// Each descriptor's share. A refund must reach a rule that takes refunds
@@ -423,13 +473,19 @@ fn shares(req: &RateLimitRequest, matched: &Matched) -> Result<Vec<Share>, Decid
             .as_ref()
             .map_or(u64::from(req.hits_addend.max(1)), |(_, hits)| *hits);
         let refund = d.is_negative_hits;
+        let since = if refund { since_of(i, d)? } else { None };
+        let nothing = Share {
+            cost: 0,
+            refund,
+            since,
+        };
         if refund && found.is_none() {
-            shares.push(Share { cost: 0, refund });
+            shares.push(nothing);
             continue;
         }
         if let (true, Some((m, _))) = (refund, found) {
             let RuleKind::Limited(limit) = m.rule.kind else {
-                shares.push(Share { cost: 0, refund });
+                shares.push(nothing);
                 continue;
             };
             let rule = if m.rule.full_key.is_empty() {
@@ -441,7 +497,17 @@ fn shares(req: &RateLimitRequest, matched: &Matched) -> Result<Vec<Share>, Decid
                 crate::telemetry::metrics::refund_refused(Api::Envoy.label(), "not_enabled");
                 return Err(DecideError::InvalidField(format!(
                     "descriptors[{i}] gives back {cost} hits (is_negative_hits), but {rule} takes \
-                     no refunds; set refunds: true on a token_bucket rule, or in its domain, to allow them"
+                     no refunds; set refunds: true on it, or in its domain, to allow them"
+                )));
+            }
+            if since.is_none() && limit.algorithm() != Algorithm::TokenBucket {
+                crate::telemetry::metrics::refund_refused(Api::Envoy.label(), "no_since");
+                return Err(DecideError::InvalidField(format!(
+                    "descriptors[{i}] gives back {cost} hits (is_negative_hits) to {rule}, a {}, \
+                     without the entry {SINCE_ENTRY}: give the time its tokens were charged (Unix \
+                     seconds), so that they come back only while the window that counted them \
+                     still counts",
+                    limit.algorithm().as_str()
                 )));
             }
             let capacity = limit.burst().saturating_add(limit.debt());
@@ -453,7 +519,11 @@ fn shares(req: &RateLimitRequest, matched: &Matched) -> Result<Vec<Share>, Decid
                 )));
             }
         }
-        shares.push(Share { cost, refund });
+        shares.push(Share {
+            cost,
+            refund,
+            since,
+        });
     }
     Ok(shares)
 }

@@ -459,7 +459,9 @@ pub const SETTLES: &str = "tollgate_settles_total";
 /// refunds (Envoy's `is_negative_hits`), by API.
 pub const REFUNDED_TOKENS: &str = "tollgate_refunded_tokens_total";
 /// Refunds refused, by API and `reason`: `not_enabled` (the rule does not
-/// take refunds) or `over_capacity` (more than the bucket can hold).
+/// take refunds), `over_capacity` (more than the bucket can hold) or
+/// `no_since` (a window's refund that does not say when its tokens were
+/// charged).
 pub const REFUNDS_REFUSED: &str = "tollgate_refunds_refused_total";
 /// Tokens charged after the work, by API and `phase`: `settle` (what a
 /// settle charged beyond its estimate) or `charge` (usage reported after
@@ -487,7 +489,7 @@ fn describe_budgets() {
     );
     describe_counter!(
         REFUNDS_REFUSED,
-        "Refunds refused, by API and reason (not_enabled, over_capacity)."
+        "Refunds refused, by API and reason (not_enabled, over_capacity, no_since)."
     );
     describe_counter!(
         CHARGED_TOKENS,
