@@ -569,3 +569,38 @@ async fn envoy_reserves_estimates_and_settles_reported_usage_exactly() {
     );
     drop(envoy);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_reserves_and_settles_usage_reported_in_a_trailer() {
+    let redis = RedisServer::start();
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
+    let (url, dir) = (redis.url(), rules.path().to_owned());
+    let server = TestServer::launch(None, move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.envoy_config = Some(dir);
+        c.store_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let servers = [server];
+    let envoy = envoy_before(&servers, "reserve.yaml", streaming_upstream().await).await;
+    // Usage below, then above, the estimate; each reported in a trailer.
+    let (mut refunded, mut charged, mut used_total) = (0, 0, 0);
+    for (estimate, used) in [(500, 321), (100, 145)] {
+        let r = reserve(envoy.listeners[0], "gina", estimate, used, false).await;
+        assert_eq!(r.status, 200);
+        refunded += estimate.saturating_sub(used);
+        charged += used.saturating_sub(estimate);
+        used_total += used;
+        settled(&servers, refunded, charged).await;
+    }
+    let mut conn = redis::Client::open(redis.url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let full = full_at(&mut conn, "gina");
+    assert_eq!(
+        (full - redis_now(&mut conn)).div_ceil(SLOW_INTERVAL),
+        used_total
+    );
+}
