@@ -424,14 +424,17 @@ fn since_of(i: usize, d: &RateLimitDescriptor) -> Result<Option<Micros>, DecideE
     let Some(e) = d.entries.iter().find(|e| e.key == SINCE_ENTRY) else {
         return Ok(None);
     };
-    let (whole, fraction) = e.value.split_once('.').unwrap_or((&e.value, ""));
+    let (whole, fraction) = match e.value.split_once('.') {
+        Some((whole, fraction)) => (whole, Some(fraction)),
+        None => (e.value.as_str(), None),
+    };
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     let seconds = whole.parse::<u64>().ok().filter(|_| digits(whole));
-    let micros = match (seconds, fraction.len()) {
-        (Some(s), 0) => s.checked_mul(1_000_000),
-        (Some(s), 1..=6) if digits(fraction) => {
-            let scale = 10u64.pow(6 - fraction.len() as u32);
-            let part: u64 = fraction.parse().unwrap_or(0);
+    let micros = match (seconds, fraction) {
+        (Some(s), None) => s.checked_mul(1_000_000),
+        (Some(s), Some(f)) if f.len() <= 6 && digits(f) => {
+            let scale = 10u64.pow(6 - f.len() as u32);
+            let part: u64 = f.parse().unwrap_or(0);
             s.checked_mul(1_000_000)
                 .and_then(|m| m.checked_add(part * scale))
         }
@@ -679,4 +682,49 @@ fn encode_domain(domain: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+
+    fn since(value: &str) -> Result<Option<Micros>, DecideError> {
+        let d = RateLimitDescriptor {
+            entries: vec![Entry {
+                key: SINCE_ENTRY.into(),
+                value: value.into(),
+            }],
+            ..Default::default()
+        };
+        since_of(0, &d)
+    }
+
+    #[test]
+    fn since_reads_unix_seconds_with_up_to_six_decimals() {
+        for (text, micros) in [
+            ("1700000000", 1_700_000_000_000_000),
+            ("1700000000.25", 1_700_000_000_250_000),
+            ("1.5", 1_500_000),
+            ("1.000001", 1_000_001),
+            ("1.123456", 1_123_456),
+            ("0", 0),
+        ] {
+            assert_eq!(since(text).unwrap(), Some(micros), "{text}");
+        }
+        for bad in [
+            "",
+            "1.",
+            ".5",
+            "1.2a",
+            "a",
+            "+1",
+            "-1",
+            "1.1234567",
+            "18446744073710",
+        ] {
+            assert!(since(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(since_of(0, &RateLimitDescriptor::default()).unwrap(), None);
+    }
 }
