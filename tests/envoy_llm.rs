@@ -153,12 +153,12 @@ async fn envoy_before(servers: &[TestServer], file: &str, upstream_port: u16) ->
     .await
 }
 
-/// Three instances on `redis`, loading [`RULES`].
-async fn three_instances(redis: &RedisServer) -> (Vec<TestServer>, tempfile::TempDir) {
+/// `n` instances on `redis`, loading [`RULES`].
+async fn instances(redis: &RedisServer, n: usize) -> (Vec<TestServer>, tempfile::TempDir) {
     let rules = tempfile::tempdir().unwrap();
     std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
     let mut servers = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..n {
         let (url, dir) = (redis.url(), rules.path().to_owned());
         servers.push(
             TestServer::launch(None, move |c| {
@@ -185,7 +185,7 @@ async fn envoy_charges_reported_usage_exactly_across_three_instances() {
     assert_eq!(loaded.rules(), 2);
 
     let redis = RedisServer::start();
-    let (servers, _rules) = three_instances(&redis).await;
+    let (servers, _rules) = instances(&redis, 3).await;
     let (upstream_port, reported) = llm_upstream().await;
     let envoy = envoy_before(&servers, "envoy.yaml", upstream_port).await;
     let port = envoy.listeners[0];
@@ -351,32 +351,9 @@ async fn streaming_upstream() -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_charges_usage_reported_in_a_trailer() {
-    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/llm");
     let redis = RedisServer::start();
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
-    let (url, dir) = (redis.url(), rules.path().to_owned());
-    let server = TestServer::launch(None, move |c| {
-        c.store = StoreSpec::Redis(url);
-        c.envoy_config = Some(dir);
-        c.store_timeout = Duration::from_secs(2);
-    })
-    .await;
-    let upstream_port = streaming_upstream().await;
-    let template = std::fs::read_to_string(format!("{deploy}/envoy.yaml")).unwrap();
-    let grpc = server.grpc.port();
-    let envoy = Envoy::start(1, |listeners, admin| {
-        template
-            .replace(
-                "port_value: 10000",
-                &format!("port_value: {}", listeners[0]),
-            )
-            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
-            .replace("port_value: 50051", &format!("port_value: {grpc}"))
-            .replace("port_value: 9901", &format!("port_value: {admin}"))
-    })
-    .await;
-    let servers = [server];
+    let (servers, _rules) = instances(&redis, 1).await;
+    let envoy = envoy_before(&servers, "envoy.yaml", streaming_upstream().await).await;
     let mut total = 0;
     for tokens in [321, 45, 1000] {
         let r = ask(envoy.listeners[0], "frank", tokens).await;
@@ -476,7 +453,7 @@ async fn settled(servers: &[TestServer], refunded: u64, charged: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_reserves_estimates_and_settles_reported_usage_exactly() {
     let redis = RedisServer::start();
-    let (servers, _rules) = three_instances(&redis).await;
+    let (servers, _rules) = instances(&redis, 3).await;
     let upstream = reserving_upstream().await;
     let envoy = envoy_before(&servers, "reserve.yaml", upstream.port).await;
     let port = envoy.listeners[0];
@@ -573,16 +550,7 @@ async fn envoy_reserves_estimates_and_settles_reported_usage_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_reserves_and_settles_usage_reported_in_a_trailer() {
     let redis = RedisServer::start();
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("llm.yaml"), RULES).unwrap();
-    let (url, dir) = (redis.url(), rules.path().to_owned());
-    let server = TestServer::launch(None, move |c| {
-        c.store = StoreSpec::Redis(url);
-        c.envoy_config = Some(dir);
-        c.store_timeout = Duration::from_secs(2);
-    })
-    .await;
-    let servers = [server];
+    let (servers, _rules) = instances(&redis, 1).await;
     let envoy = envoy_before(&servers, "reserve.yaml", streaming_upstream().await).await;
     // Usage below, then above, the estimate; each reported in a trailer.
     let (mut refunded, mut charged, mut used_total) = (0, 0, 0);

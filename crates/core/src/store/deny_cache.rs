@@ -255,17 +255,22 @@ mod tests {
         }
     }
 
+    /// An enforced charge of 1 on a bucket of 1 a minute.
+    fn one_a_minute() -> Charge {
+        Charge {
+            limit: Limit::new(1, "1/minute".parse::<Rate>().unwrap()).unwrap(),
+            cost: 1,
+            need: 1,
+            enforce: true,
+        }
+    }
+
     /// Full of rejections still running, the cache stops caching (the store
     /// answers instead) rather than growing; expired ones make room again.
     #[test]
     fn holds_no_more_than_its_caps_in_entries_and_bytes() {
         let clock = Arc::new(ManualClock::new(1_700_000_000_000_000));
-        let charge = [Charge {
-            limit: Limit::new(1, "1/minute".parse::<Rate>().unwrap()).unwrap(),
-            cost: 1,
-            need: 1,
-            enforce: true,
-        }];
+        let charge = [one_a_minute()];
         let key = |i: u32| {
             BucketKey::new(
                 "t",
@@ -301,12 +306,7 @@ mod tests {
     #[test]
     fn a_refund_lifts_the_rejections_of_its_buckets() {
         let clock = Arc::new(ManualClock::new(1_700_000_000_000_000));
-        let charge = [Charge {
-            limit: Limit::new(1, "1/minute".parse::<Rate>().unwrap()).unwrap(),
-            cost: 1,
-            need: 1,
-            enforce: true,
-        }];
+        let charge = [one_a_minute()];
         let (a, b) = (
             BucketKey::new("t", BucketKind::KEY, "", "a"),
             BucketKey::new("t", BucketKind::KEY, "", "b"),
