@@ -24,6 +24,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             &[
                 "proto/tollgate/v1/tollgate.proto",
                 "proto/envoy/service/ratelimit/v3/rls.proto",
+                "proto/envoy/service/rate_limit_quota/v3/rlqs.proto",
             ],
             &["proto"],
         )?;

@@ -43,6 +43,13 @@ pub mod envoy {
                 tonic::include_proto!("envoy.service.discovery.v3");
             }
         }
+        /// `envoy.service.rate_limit_quota`.
+        pub mod rate_limit_quota {
+            /// `envoy.service.rate_limit_quota.v3`.
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.rate_limit_quota.v3");
+            }
+        }
         /// `envoy.service.ratelimit`.
         pub mod ratelimit {
             /// `envoy.service.ratelimit.v3`.

@@ -79,6 +79,10 @@ const METHODS: &[(&str, &[&str])] = &[
         "envoy.service.ratelimit.v3.RateLimitService",
         &["ShouldRateLimit"],
     ),
+    (
+        "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
+        &["StreamRateLimitQuotas"],
+    ),
 ];
 
 /// The bounded `method` label of a gRPC path.

@@ -26,7 +26,8 @@ use tollgate_core::clock::{Clock, ManualClock};
 use tollgate_core::store::journal::{Closed, Entry, Journal, QuotaCount, QuotaEvent};
 use tollgate_core::store::{
     Attachment, BucketKey, BucketKind, Lease, LeaseId, LeaseOp, LeaseStatus, MemoryStore,
-    RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Store,
+    RedisConfig, RedisStore, Request, Reservation, ReservationId, SettleStatus, Share, ShareAsk,
+    Store, shares,
 };
 
 /// A time well after the epoch, as the root crate's tests use.
@@ -990,6 +991,125 @@ async fn quota_periods_are_journaled_once_each(h: &Harness) {
     assert_eq!(h.journal.count(&never).await.unwrap(), None);
 }
 
+/// Reports `weight` for `member` to `table` through `store`.
+async fn share(
+    store: &Arc<dyn Store>,
+    table: &BucketKey,
+    member: &str,
+    weight: u64,
+    ttl: u64,
+) -> Share {
+    store
+        .share(ShareAsk {
+            table,
+            member,
+            weight,
+            ttl,
+        })
+        .await
+        .unwrap()
+}
+
+/// Members reporting through two instances divide one limit: grants follow
+/// the weights, grow only into what the others leave, never add up to more
+/// than the whole, and members leave by expiring or on purpose.
+async fn share_tables_divide_a_limit_across_instances(h: &Harness) {
+    let table = key("acme", "alice");
+    let ttl = 10_000_000;
+    let a = share(&h.store, &table, "a", 100, ttl).await;
+    assert_eq!(
+        a,
+        Share {
+            ppm: shares::PPM,
+            members: 1,
+            full: false
+        }
+    );
+    // b reports through the other instance: a still holds everything.
+    let b = share(&h.other, &table, "b", 300, ttl).await;
+    assert_eq!((b.ppm, b.members), (0, 2));
+    assert_eq!(share(&h.store, &table, "a", 100, ttl).await.ppm, 250_000);
+    assert_eq!(share(&h.other, &table, "b", 300, ttl).await.ppm, 750_000);
+    // A weight within a tenth keeps the grant as it is.
+    assert_eq!(share(&h.other, &table, "b", 280, ttl).await.ppm, 750_000);
+    // Another bucket's table is apart.
+    let other = share(&h.store, &key("acme", "bob"), "a", 1, ttl).await;
+    assert_eq!((other.ppm, other.members), (shares::PPM, 1));
+    // a leaves on purpose; b grows into its part.
+    assert_eq!(share(&h.store, &table, "a", 100, 0).await.members, 1);
+    assert_eq!(
+        share(&h.other, &table, "b", 300, ttl).await.ppm,
+        shares::PPM
+    );
+    // c arrives and b's entry expires: c takes everything.
+    assert_eq!(share(&h.store, &table, "c", 50, ttl).await.ppm, 0);
+    h.clock.advance(Duration::from_micros(ttl));
+    let c = share(&h.store, &table, "c", 50, ttl).await;
+    assert_eq!(
+        c,
+        Share {
+            ppm: shares::PPM,
+            members: 1,
+            full: false
+        }
+    );
+
+    // The same grants as the Rust arithmetic, for random weights and
+    // members, and the grants in force never exceed the whole.
+    let table = key("acme", "random");
+    let mut held = std::collections::HashMap::new();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for _ in 0..200 {
+        let member = format!("m{}", next() % 6);
+        let weight = 1 + next() % shares::MAX_WEIGHT;
+        let total: u64 = weight
+            + held
+                .iter()
+                .filter(|(m, _)| **m != member)
+                .map(|(_, (w, _))| *w)
+                .sum::<u64>();
+        let others: u64 = held
+            .iter()
+            .filter(|(m, _)| **m != member)
+            .map(|(_, (_, p))| *p)
+            .sum();
+        let current = held.get(&member).map(|(_, p)| *p);
+        let store = if next() % 2 == 0 { &h.store } else { &h.other };
+        let got = share(store, &table, &member, weight, ttl).await;
+        assert_eq!(got.ppm, shares::grant(current, weight, total, others));
+        held.insert(member, (weight, got.ppm));
+        assert!(held.values().map(|(_, p)| p).sum::<u64>() <= shares::PPM);
+    }
+}
+
+/// A table holds at most `MAX_MEMBERS`; a newcomer to a full one is
+/// granted nothing and the members keep theirs.
+async fn a_full_share_table_grants_a_newcomer_nothing(h: &Harness) {
+    let table = key("acme", "crowd");
+    for i in 0..shares::MAX_MEMBERS {
+        assert!(
+            !share(&h.store, &table, &format!("m{i}"), 1, 10_000_000)
+                .await
+                .full
+        );
+    }
+    let late = share(&h.other, &table, "late", 1_000, 10_000_000).await;
+    assert_eq!(
+        late,
+        Share {
+            ppm: 0,
+            members: shares::MAX_MEMBERS as u64,
+            full: true
+        }
+    );
+}
+
 macro_rules! contract {
     ($($test:ident),* $(,)?) => {
         mod memory {
@@ -1033,4 +1153,6 @@ contract!(
     five_hundred_acquirers_take_exactly_the_cap,
     quota_periods_are_journaled_once_each,
     alert_thresholds_fire_once_each_per_period,
+    share_tables_divide_a_limit_across_instances,
+    a_full_share_table_grants_a_newcomer_nothing,
 );

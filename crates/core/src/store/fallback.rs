@@ -17,10 +17,10 @@
 use std::sync::Arc;
 
 use super::OnStoreUnavailable;
-use super::layer::{Applied, Layer, LayerFuture, Wrapper};
+use super::layer::{Applied, Layer, LayerFuture, Shared, SharedFuture, Wrapper};
 use super::{
-    Attachment, LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, Request, StoreError,
-    StoreStatus, Verdicts,
+    Attachment, LeaseFuture, LeaseId, LeaseOp, LeaseStatus, MemoryStore, Request, ShareAsk,
+    StoreError, StoreStatus, Verdicts,
 };
 use crate::algorithm::{Algorithm, Charge, Micros, Op, Verdict};
 use crate::store::BucketKey;
@@ -241,6 +241,20 @@ impl Wrapper for FallbackLayer {
             match inner {
                 Ok(answer) if answer.status != LeaseStatus::Unknown => Ok(answer),
                 _ if local.status != LeaseStatus::Unknown => Ok(local),
+                other => other,
+            }
+        })
+    }
+
+    /// While the backend is unavailable, the in-process share tables
+    /// answer: the members this instance serves divide its local share.
+    fn share<'a>(&'a self, ask: ShareAsk<'a>) -> SharedFuture<'a> {
+        Box::pin(async move {
+            match self.inner.share(ask).await {
+                Err(err) if err.is_transient() => Ok(Shared {
+                    share: self.fallback.local.share_now(&ask)?,
+                    degraded: true,
+                }),
                 other => other,
             }
         })

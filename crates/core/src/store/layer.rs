@@ -10,8 +10,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 use super::{
-    LeaseFuture, LeaseId, LeaseOp, PingFuture, Request, ReservationId, SettleFuture, StoreError,
-    StoreStatus, Verdicts,
+    LeaseFuture, LeaseId, LeaseOp, PingFuture, Request, ReservationId, SettleFuture, Share,
+    ShareAsk, StoreError, StoreStatus, Verdicts,
 };
 
 /// What a layered store answers.
@@ -26,6 +26,19 @@ pub struct Applied {
 
 /// The future of [`Layer::apply`].
 pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Applied, StoreError>> + Send + 'a>>;
+
+/// What a layered store grants a share table's member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shared {
+    /// The grant.
+    pub share: Share,
+    /// True when the backend was unavailable and the in-process tables of
+    /// the local fallback answered.
+    pub degraded: bool,
+}
+
+/// The future of [`Layer::share`].
+pub type SharedFuture<'a> = Pin<Box<dyn Future<Output = Result<Shared, StoreError>> + Send + 'a>>;
 
 /// A store, possibly wrapped: what the engine calls.
 pub trait Layer: Send + Sync + 'static {
@@ -43,6 +56,9 @@ pub trait Layer: Send + Sync + 'static {
 
     /// Releases or renews a lease (see [`super::Store::lease`]).
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a>;
+
+    /// Reports to a share table (see [`super::Store::share`]).
+    fn share<'a>(&'a self, ask: ShareAsk<'a>) -> SharedFuture<'a>;
 
     /// Checks that the backend answers.
     fn ping(&self) -> PingFuture<'_>;
@@ -78,6 +94,11 @@ pub trait Wrapper: Send + Sync + 'static {
         self.inner().lease(id, op)
     }
 
+    /// See [`Layer::share`].
+    fn share<'a>(&'a self, ask: ShareAsk<'a>) -> SharedFuture<'a> {
+        self.inner().share(ask)
+    }
+
     /// See [`Layer::ping`].
     fn ping(&self) -> PingFuture<'_> {
         self.inner().ping()
@@ -104,6 +125,10 @@ impl<W: Wrapper> Layer for W {
 
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
         Wrapper::lease(self, id, op)
+    }
+
+    fn share<'a>(&'a self, ask: ShareAsk<'a>) -> SharedFuture<'a> {
+        Wrapper::share(self, ask)
     }
 
     fn ping(&self) -> PingFuture<'_> {

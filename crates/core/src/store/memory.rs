@@ -165,6 +165,8 @@ pub struct MemoryStore {
     /// Quota events, when this store is the one the ledger records from
     /// (not when it stands in for Redis).
     journal: Option<Box<MemoryJournal>>,
+    /// Share tables ([`super::shares`]).
+    shares: super::shares::ShareTables,
 }
 
 impl MemoryStore {
@@ -193,6 +195,7 @@ impl MemoryStore {
             evicted_idle: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             journal: None,
+            shares: super::shares::ShareTables::default(),
         }
     }
 
@@ -659,6 +662,16 @@ impl MemoryStore {
         }
     }
 
+    /// [`Store::share`] at once.
+    pub fn share_now(&self, ask: &super::ShareAsk<'_>) -> Result<super::Share, StoreError> {
+        self.shares.share(ask, self.clock.now())
+    }
+
+    /// Drops expired share table members (the server's sweep calls it).
+    pub fn sweep_shares(&self) {
+        self.shares.sweep(self.clock.now());
+    }
+
     /// [`Store::apply`] at once.
     fn apply_request(&self, r: Request<'_>) -> Result<Verdicts, StoreError> {
         verdicts(match r.attachment {
@@ -683,6 +696,10 @@ impl Store for MemoryStore {
 
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a> {
         Box::pin(std::future::ready(Ok(self.lease_now(id, op))))
+    }
+
+    fn share<'a>(&'a self, ask: super::ShareAsk<'a>) -> super::ShareFuture<'a> {
+        Box::pin(std::future::ready(self.share_now(&ask)))
     }
 
     fn ping(&self) -> PingFuture<'_> {

@@ -54,6 +54,7 @@ pub mod memory;
 pub mod record_id;
 pub mod redis;
 pub mod reservation;
+pub mod shares;
 pub mod slices;
 pub mod stack;
 
@@ -69,6 +70,7 @@ pub use lease::{Lease, LeaseAnswer, LeaseId, LeaseOp, LeaseStatus};
 pub use memory::MemoryStore;
 pub use redis::{RedisConfig, RedisStore, TOKEN_BUCKET_LUA};
 pub use reservation::{Reservation, ReservationId, SettleStatus, Settled};
+pub use shares::{Share, ShareAsk};
 
 /// What a bucket is, besides whose: a rule's bucket (per key or per
 /// tenant, rate or concurrency, enforced or shadow), an Envoy API counter,
@@ -445,6 +447,9 @@ pub type SettleFuture<'a> = Pin<Box<dyn Future<Output = Result<Settled, StoreErr
 pub type LeaseFuture<'a> =
     Pin<Box<dyn Future<Output = Result<LeaseAnswer, StoreError>> + Send + 'a>>;
 
+/// The future of [`Store::share`].
+pub type ShareFuture<'a> = Pin<Box<dyn Future<Output = Result<Share, StoreError>> + Send + 'a>>;
+
 /// The future of [`Store::ping`].
 pub type PingFuture<'a> = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>>;
 
@@ -495,6 +500,17 @@ pub trait Store: Send + Sync + 'static {
 
     /// Releases or renews a lease, atomically on every set it holds.
     fn lease<'a>(&'a self, id: &'a LeaseId, op: LeaseOp) -> LeaseFuture<'a>;
+
+    /// Reports a member's demand to a share table and answers its grant,
+    /// atomically ([`shares`]).
+    fn share<'a>(&'a self, _ask: ShareAsk<'a>) -> ShareFuture<'a> {
+        Box::pin(async {
+            Err(StoreError::Unsupported(format!(
+                "the {} store keeps no share tables",
+                self.kind()
+            )))
+        })
+    }
 
     /// Checks that the store answers.
     fn ping(&self) -> PingFuture<'_>;

@@ -79,6 +79,9 @@ pub const DEFAULT_COALESCE: usize = 64;
 /// The decision script.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../../lua/token_bucket.lua");
 
+/// The share table script ([`super::shares`]).
+pub const SHARES_LUA: &str = include_str!("../../../../lua/shares.lua");
+
 /// How to reach Redis and how patient to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
@@ -427,6 +430,43 @@ impl RedisStore {
         }
     }
 
+    /// Reports to a share table: `shares.lua` on the node holding it.
+    async fn share_at(&self, ask: super::ShareAsk<'_>) -> Result<super::Share, StoreError> {
+        let shared = &self.shared;
+        let bucket = shared.redis_key(ask.table);
+        // `PREFIX{TAG}:sh:REST`: beside the bucket, under its hash tag, and
+        // named apart from every bucket (no bucket's tag is `sh`).
+        let at = bucket.find("}:").map_or(0, |i| i + 2);
+        let key = format!("{}sh:{}", &bucket[..at], &bucket[at..]);
+        let now = self
+            .shared
+            .clock
+            .as_ref()
+            .map(|c| c.now().to_string())
+            .unwrap_or_default();
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(SHARES_LUA)
+            .arg(1)
+            .arg(&key)
+            .arg(ask.member)
+            .arg(ask.weight.clamp(1, super::shares::MAX_WEIGHT))
+            .arg(ask.ttl)
+            .arg(super::shares::MAX_MEMBERS)
+            .arg(now);
+        let reply: Vec<i64> = shared.exec_as("share", &key, &cmd).await?;
+        match reply.as_slice() {
+            [ppm, members, full] => Ok(super::Share {
+                ppm: (*ppm).clamp(0, super::shares::PPM as i64) as u64,
+                members: (*members).max(0) as u64,
+                full: *full == 1,
+            }),
+            _ => Err(StoreError::Protocol(format!(
+                "shares.lua answered {} values, not 3",
+                reply.len()
+            ))),
+        }
+    }
+
     async fn settle_at(&self, id: &ReservationId, actual: u64) -> Result<Settled, StoreError> {
         let shared = &self.shared;
         let request = Request {
@@ -575,6 +615,10 @@ impl Store for RedisStore {
 
     fn settle<'a>(&'a self, id: &'a ReservationId, actual: u64) -> SettleFuture<'a> {
         Box::pin(self.settle_at(id, actual))
+    }
+
+    fn share<'a>(&'a self, ask: super::ShareAsk<'a>) -> super::ShareFuture<'a> {
+        Box::pin(self.share_at(ask))
     }
 
     fn ping(&self) -> super::PingFuture<'_> {

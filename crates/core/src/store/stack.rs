@@ -25,11 +25,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::deny_cache::DenyCache;
 use super::fallback::Fallback;
-use super::layer::{Applied, Layer, LayerFuture};
+use super::layer::{Applied, Layer, LayerFuture, Shared, SharedFuture};
 use super::slices::Slices;
 use super::{
-    LeaseFuture, LeaseId, LeaseOp, PingFuture, Request, ReservationId, SettleFuture, Store,
-    StoreError, StoreStatus,
+    LeaseFuture, LeaseId, LeaseOp, PingFuture, Request, ReservationId, SettleFuture, ShareAsk,
+    Store, StoreError, StoreStatus,
 };
 use crate::clock::Clock;
 
@@ -84,6 +84,18 @@ impl Layer for Backend {
             let answer = inner.await;
             self.answered(&answer);
             answer
+        })
+    }
+
+    fn share<'a>(&'a self, ask: ShareAsk<'a>) -> SharedFuture<'a> {
+        let inner = self.store.share(ask);
+        Box::pin(async move {
+            let share = inner.await;
+            self.answered(&share);
+            Ok(Shared {
+                share: share?,
+                degraded: false,
+            })
         })
     }
 

@@ -160,6 +160,7 @@ impl Backend {
                     _ = &mut stop => return,
                     _ = tick.tick() => {
                         memory.sweep_idle();
+                        memory.sweep_shares();
                         if let Some(redis) = &redis {
                             tokio::select! {
                                 _ = &mut stop => return,
