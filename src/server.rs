@@ -17,6 +17,7 @@ use crate::api::admin::{self, AdminState};
 use crate::api::envoy::service::{EnvoyRateLimitService, RateLimitServiceServer};
 use crate::api::envoy::{ConfigError, LiveEnvoyConfig, xds};
 use crate::api::native::{RateLimiterServer, RateLimiterService};
+use crate::api::rlqs::{RateLimitQuotaServiceServer, RlqsService};
 use crate::clock::Clock;
 use crate::connections::{
     Acceptor, ConnectionHandle, ConnectionLimits, HTTP2_PREFACE_BYTES, Handshake, InFlightCap,
@@ -230,6 +231,7 @@ struct Parts {
     top: Arc<TopLimited>,
     engine: Arc<Engine>,
     ledger: Arc<Ledger>,
+    rlqs: Arc<crate::api::rlqs::view::RlqsView>,
 }
 
 impl Parts {
@@ -264,6 +266,7 @@ impl Parts {
             top,
             engine,
             ledger,
+            rlqs: Arc::default(),
         })
     }
 }
@@ -397,6 +400,7 @@ fn serve_admin(
         access: config.admin_access.clone(),
         grpc_in_flight,
         engine: parts.engine.clone(),
+        rlqs: parts.rlqs.clone(),
     });
     let sampler = spawn_sampler(state.clone(), parts.engine.clone(), stop.stopped());
     let ports = config.grpc_limits;
@@ -478,6 +482,16 @@ fn serve_grpc(
         config.envoy_options,
     ))
     .max_decoding_message_size(limits.max_message_bytes);
+    let rlqs = RateLimitQuotaServiceServer::new(
+        RlqsService::new(
+            parts.engine.clone(),
+            parts.limits.clone(),
+            config.rlqs.clone(),
+        )
+        .with_view(parts.rlqs.clone())
+        .with_shutdown(stop.watch()),
+    )
+    .max_decoding_message_size(limits.max_message_bytes);
     let admin_grpc = AdminServer::new(AdminService::new(
         parts.top.clone(),
         parts.limits.clone(),
@@ -533,6 +547,7 @@ fn serve_grpc(
             limits.max_message_bytes,
         ))
         .add_service(envoy)
+        .add_service(rlqs)
         .add_service(admin_grpc)
         .serve_with_incoming_shutdown(acceptor.into_stream(), stop.stopped()))
 }

@@ -46,6 +46,7 @@ mod redis_failures;
 mod redis_security;
 mod redis_store;
 mod redis_topology;
+mod rlqs;
 mod security;
 mod shutdown;
 mod soak;

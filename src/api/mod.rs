@@ -3,6 +3,8 @@
 //! - [`native`]: `tollgate.v1.RateLimiter` (single, batch, stream);
 //! - [`envoy`]: Envoy's `envoy.service.ratelimit.v3.RateLimitService`, with
 //!   envoyproxy/ratelimit's YAML configuration;
+//! - [`rlqs`]: Envoy's `envoy.service.rate_limit_quota.v3.RateLimitQuotaService`,
+//!   shares of the limits-table rules for Envoys that enforce them;
 //! - [`admin`]: the admin HTTP port and the `tollgate.v1.Admin` gRPC service.
 //!
 //! Each wing maps its wire format to an [`crate::engine::Demand`] and the
@@ -15,6 +17,7 @@ pub mod envoy;
 pub mod frames;
 pub mod native;
 pub mod observe;
+pub mod rlqs;
 pub mod status;
 pub mod usage;
 

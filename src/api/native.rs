@@ -14,13 +14,12 @@ use tracing::Instrument;
 use super::{duration, micros, status};
 use crate::algorithm::Op;
 use crate::engine::{
-    self, Allowance, Answer, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line,
-    OverCapacity, Ttl, caps,
+    self, Answer, Api, DecideError, Demand, Engine, Item, ItemAnswer, Line, OverCapacity, Ttl, caps,
 };
-use crate::engine::{BucketKey, Fields, SettleStatus};
+use crate::engine::{Fields, SettleStatus};
 use crate::limits::table::{LimitsTable, PeriodFilter};
 use crate::limits::watch::LiveLimits;
-use crate::limits::{Mode, OnStoreUnavailable, Rule, RuleSet, Scope, check_label_named};
+use crate::limits::{OnStoreUnavailable, Rule, RuleSet, check_label_named};
 use crate::proto::v1::rate_limiter_server::RateLimiter;
 use crate::proto::v1::{
     AcquireRequest, AcquireResponse, HoldResponse, ReleaseRequest, ReleaseResponse, RenewRequest,
@@ -277,20 +276,9 @@ impl RateLimiterService {
                 .into_iter()
                 .flatten();
             for rule in rates.chain(concurrency) {
-                let key = if rule.scope == Scope::Key {
-                    req.key
-                } else {
-                    ""
-                };
-                demand.lines.push(Line {
-                    item: i,
-                    bucket: BucketKey::new(req.tenant, rule.bucket_kind(), &rule.resource, key),
-                    allowance: Allowance::Limited(rule.limit),
-                    enforce: rule.mode == Mode::Enforce,
-                    on_store_unavailable: rule.on_store_unavailable,
-                    label: &rule.name,
-                    calendar: rule.period().map(|p| (p, rules.cycle_of(req.tenant))),
-                });
+                demand
+                    .lines
+                    .push(Line::of_rule(rules, i, req.tenant, req.key, rule));
                 line_rules.push(rule.clone());
             }
         }

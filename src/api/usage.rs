@@ -94,16 +94,9 @@ pub async fn read(
     let mut demand = Demand::new(Api::Native, Op::DRY, OverCapacity::Invalid);
     demand.items.push(Item::new(tenant, resource, key, 0));
     for rule in &quotas {
-        let bucket_key = if rule.scope == Scope::Key { key } else { "" };
-        demand.lines.push(Line {
-            item: 0,
-            bucket: BucketKey::new(tenant, rule.bucket_kind(), &rule.resource, bucket_key),
-            allowance: Allowance::Limited(rule.limit),
-            enforce: rule.mode == Mode::Enforce,
-            on_store_unavailable: rule.on_store_unavailable,
-            label: &rule.name,
-            calendar: rule.period().map(|p| (p, cycle)),
-        });
+        demand
+            .lines
+            .push(Line::of_rule(&rules, 0, tenant, key, rule));
     }
     // The engine takes the lines' buckets: their names are kept here.
     let counters: Vec<BucketKey> = demand.lines.iter().map(|l| l.bucket.clone()).collect();

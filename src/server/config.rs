@@ -231,6 +231,9 @@ pub struct ServeConfig {
     /// Options of the Envoy API.
     #[command(flatten)]
     pub envoy_options: EnvoyOptions,
+    /// Options of Envoy's quota service (RLQS).
+    #[command(flatten)]
+    pub rlqs: crate::api::rlqs::RlqsOptions,
     /// Who may use the admin port.
     #[command(flatten)]
     pub admin_access: AdminAccess,
@@ -270,6 +273,7 @@ impl ServeConfig {
             return Err("--admin-protect-reads needs --admin-token".into());
         }
         self.grpc_limits.validate()?;
+        self.rlqs.validate()?;
         if self.redis_spread_keys && !self.token_slices {
             // A per-key bucket and a tenant-wide one would then be on two
             // slots, and every decision with a ceiling would be refused.

@@ -12,6 +12,7 @@
 //! | `/v1/limits`  | JSON: the limits status and one page of rows (`?tenant=&plan=&prefix=&after=&limit=`) |
 //! | `/v1/plans`   | JSON: the plans, with their rules and tenants counted  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
+//! | `/v1/rlqs` | JSON: the quota buckets subscribed on this instance, highest demand first (`?limit=`), with each one's share and assignment |
 //! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), the tenants seen in debt, and those holding the most concurrency slots |
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 //! | `POST /v1/plans`, `DELETE /v1/plans/{name}`, `PUT`/`DELETE /v1/tenants/{tenant}/plan` | plans and tenants' plans (token required) |
@@ -62,6 +63,8 @@ pub struct AdminState {
     pub grpc_in_flight: crate::connections::InFlightCap,
     /// The engine, to read usage.
     pub engine: Arc<crate::engine::Engine>,
+    /// The quota buckets subscribed on this instance.
+    pub rlqs: Arc<crate::api::rlqs::view::RlqsView>,
 }
 
 /// Whether the service is ready: from the moment the store first answers
@@ -239,6 +242,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
             axum::routing::put(limits::set_cycle),
         )
         .route("/v1/envoy-config", get(envoy_config))
+        .route("/v1/rlqs", get(rlqs))
         .route("/v1/top-limited", get(top_limited))
         .route("/v1/status", get(status))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
@@ -377,6 +381,19 @@ async fn top_limited(
         "holding": state.top.holding(q.tenants.unwrap_or(10).min(100)),
         "nearest_quota": state.top.nearest_quota(q.tenants.unwrap_or(10).min(100)),
     }))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct RlqsQuery {
+    limit: Option<usize>,
+}
+
+async fn rlqs(
+    State(state): State<Arc<AdminState>>,
+    axum::extract::Query(q): axum::extract::Query<RlqsQuery>,
+) -> Json<serde_json::Value> {
+    let (top, buckets) = state.rlqs.top(q.limit.unwrap_or(20).min(1000));
+    Json(json!({ "buckets": buckets, "top": top }))
 }
 
 async fn envoy_config(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {

@@ -87,11 +87,14 @@ struct Entry {
     expires: Micros,
 }
 
+/// One table: each member's entry.
+type Table = HashMap<Box<str>, Entry>;
+
 /// The in-process share tables: the memory store's, and the local
 /// fallback's while Redis is unavailable.
 #[derive(Debug, Default)]
 pub struct ShareTables {
-    tables: Mutex<HashMap<Box<str>, HashMap<Box<str>, Entry>>>,
+    tables: Mutex<HashMap<Box<str>, Table>>,
 }
 
 impl ShareTables {

@@ -243,7 +243,11 @@ pub fn decision(api: &'static str, outcome: Outcome, rule: &str, tokens: u64) {
 /// `tokens` together (a batch's items).
 pub fn decisions(api: &'static str, outcome: Outcome, rule: &str, n: u64, tokens: u64) {
     TOTALS[outcome as usize].fetch_add(n, Ordering::Relaxed);
-    let api_index = usize::from(api != "native");
+    let api_index = match api {
+        "native" => 0,
+        "envoy" => 1,
+        _ => 2,
+    };
     let cached = decision_handles()
         .get(rule)
         .and_then(|slots| slots[api_index][outcome as usize].clone());
@@ -268,9 +272,10 @@ pub fn decisions(api: &'static str, outcome: Outcome, rule: &str, n: u64, tokens
     tokens_counter.add(tokens);
 }
 
-type DecisionSlots = [[Option<(metrics::Counter, TokenCounter)>; 7]; 2];
+type DecisionSlots = [[Option<(metrics::Counter, TokenCounter)>; 7]; 3];
 
-/// Counter handles by rule name, then API (native, envoy) and outcome.
+/// Counter handles by rule name, then API (native, envoy, rlqs) and
+/// outcome.
 fn decision_handles() -> &'static dashmap::DashMap<String, DecisionSlots> {
     static HANDLES: OnceLock<dashmap::DashMap<String, DecisionSlots>> = OnceLock::new();
     HANDLES.get_or_init(dashmap::DashMap::new)
@@ -471,7 +476,54 @@ pub const CHARGED_TOKENS: &str = "tollgate_charged_tokens_total";
 /// debt floor, by API.
 pub const FORGIVEN_TOKENS: &str = "tollgate_forgiven_tokens_total";
 
+/// Quota service streams open on this instance (one per Envoy filter
+/// configuration).
+pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
+/// Quota buckets subscribed on this instance, every stream's together.
+pub const RLQS_BUCKETS: &str = "tollgate_rlqs_buckets";
+/// Quota assignments sent, by `strategy`: `token_bucket`, `allow_all`,
+/// `deny_all`, or `abandon` (the bucket was dropped).
+pub const RLQS_ASSIGNMENTS: &str = "tollgate_rlqs_assignments_total";
+/// Quota streams and bucket reports refused, by `reason`: `streams`,
+/// `streams_per_peer`, `buckets_per_stream` (the stream was refused or
+/// ended), `invalid_bucket_id`, `no_bucket_id` (the report was ignored).
+pub const RLQS_REFUSED: &str = "tollgate_rlqs_refused_total";
+
+fn describe_rlqs() {
+    describe_gauge!(RLQS_STREAMS, "Quota service streams open on this instance.");
+    describe_gauge!(RLQS_BUCKETS, "Quota buckets subscribed on this instance.");
+    describe_counter!(
+        RLQS_ASSIGNMENTS,
+        "Quota assignments sent, by strategy (token_bucket, allow_all, deny_all, abandon)."
+    );
+    describe_counter!(
+        RLQS_REFUSED,
+        "Quota streams and bucket reports refused, by reason (streams, streams_per_peer, buckets_per_stream, invalid_bucket_id, no_bucket_id)."
+    );
+}
+
+/// Sets the quota streams open.
+pub fn rlqs_streams(n: usize) {
+    gauge!(RLQS_STREAMS).set(n as f64);
+}
+
+/// Sets the quota buckets subscribed.
+pub fn rlqs_buckets(n: usize) {
+    gauge!(RLQS_BUCKETS).set(n as f64);
+}
+
+/// Counts a quota assignment sent.
+pub fn rlqs_assignment(strategy: &'static str) {
+    counter!(RLQS_ASSIGNMENTS, "strategy" => strategy).increment(1);
+}
+
+/// Counts a quota stream or report refused.
+pub fn rlqs_refused(reason: &'static str) {
+    counter!(RLQS_REFUSED, "reason" => reason).increment(1);
+}
+
 fn describe_budgets() {
+    describe_rlqs();
     describe_leases();
     describe_ledger();
     describe_counter!(RESERVATIONS, "Reservations recorded, by API.");

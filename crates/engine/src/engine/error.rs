@@ -23,7 +23,7 @@ pub enum DecideError {
     /// The demand touches more buckets than one store call may.
     #[error(
         "the request touches more than {max} buckets; one decision may touch at most {max}, so split it{}",
-        match api { Api::Native => " into smaller batches", Api::Envoy => " (fewer descriptors)" }
+        match api { Api::Native => " into smaller batches", Api::Envoy => " (fewer descriptors)", Api::Rlqs => "" }
     )]
     TooManyBuckets {
         /// The API, for the advice.

@@ -81,6 +81,7 @@ pub mod caps;
 mod error;
 pub mod fields;
 mod leases;
+pub mod shares;
 mod summary;
 mod ttl;
 
@@ -150,6 +151,9 @@ pub enum Api {
     Native,
     /// `envoy.service.ratelimit.v3.RateLimitService`.
     Envoy,
+    /// `envoy.service.rate_limit_quota.v3.RateLimitQuotaService`: usage
+    /// the Envoys decided themselves, on shares of the limits.
+    Rlqs,
 }
 
 impl Api {
@@ -158,6 +162,7 @@ impl Api {
         match self {
             Self::Native => "native",
             Self::Envoy => "envoy",
+            Self::Rlqs => "rlqs",
         }
     }
 }
@@ -241,7 +246,33 @@ pub struct Line<'a> {
     pub calendar: Option<(Period, &'a Cycle)>,
 }
 
-impl Line<'_> {
+impl<'a> Line<'a> {
+    /// The line of a limits-table `rule` (one of `rules`) on item `item`,
+    /// `tenant`'s `key`: the one mapping of a rule to a bucket, for every
+    /// API.
+    pub fn of_rule(
+        rules: &'a crate::limits::RuleSet,
+        item: usize,
+        tenant: &str,
+        key: &str,
+        rule: &'a crate::limits::Rule,
+    ) -> Self {
+        let key = if rule.scope == crate::limits::Scope::Key {
+            key
+        } else {
+            ""
+        };
+        Line {
+            item,
+            bucket: BucketKey::new(tenant, rule.bucket_kind(), &rule.resource, key),
+            allowance: Allowance::Limited(rule.limit),
+            enforce: rule.mode == crate::limits::Mode::Enforce,
+            on_store_unavailable: rule.on_store_unavailable,
+            label: &rule.name,
+            calendar: rule.period().map(|p| (p, rules.cycle_of(tenant))),
+        }
+    }
+
     /// True for a concurrency cap's line: it takes a slot, not tokens.
     pub fn is_concurrency(&self) -> bool {
         matches!(self.allowance, Allowance::Limited(l) if l.is_concurrency())

@@ -1,0 +1,621 @@
+//! The quota wing: Envoy's Rate Limit Quota Service,
+//! `envoy.service.rate_limit_quota.v3.RateLimitQuotaService`.
+//!
+//! Each Envoy with the `rate_limit_quota` filter sorts its requests into
+//! buckets, enforces an assignment for each locally, and streams what it
+//! allowed and denied every reporting interval. This wing maps a bucket id
+//! to a tenant, resource and key ([`BucketMapping`]), builds the demand of
+//! the limits-table rules that apply (as every API does), and lets
+//! [`Engine::share`] settle the report and divide the tightest rule among
+//! every Envoy reporting it, through whichever Tollgate instance. The
+//! answer to each report carries each bucket's next assignment.
+//!
+//! A stream's first report of a bucket subscribes it; a bucket that
+//! reports no requests for `--rlqs-abandon-after` is abandoned (Envoy
+//! forgets it); the stream ending gives the Envoy's shares back.
+
+mod mapping;
+pub mod view;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status, Streaming};
+
+pub use mapping::{BucketMapping, Mapped};
+
+use crate::algorithm::Op;
+use crate::connections::ConnectionHandle;
+use crate::engine::shares::{Assignment, Member, Shared, Usage};
+use crate::engine::{Api, Demand, Engine, Item, Line, OverCapacity};
+use crate::limits::watch::LiveLimits;
+use crate::proto::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+    rate_limit_quota_response::BucketAction,
+    rate_limit_quota_response::bucket_action::{
+        AbandonAction, BucketAction as Action, QuotaAssignmentAction,
+    },
+    rate_limit_quota_service_server::RateLimitQuotaService,
+};
+use crate::proto::envoy::r#type::v3::{
+    RateLimitStrategy, TokenBucket, rate_limit_strategy::BlanketRule, rate_limit_strategy::Strategy,
+};
+use crate::telemetry::metrics;
+
+pub use crate::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
+
+/// Reports of one message decided at once (each a store call or two).
+const CONCURRENT_REPORTS: usize = 32;
+
+/// Longest domain name a stream may give.
+const MAX_DOMAIN_BYTES: usize = 256;
+
+/// Options of the quota service.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct RlqsOptions {
+    /// The bucket id entry that names the tenant (missing: the default
+    /// tenant, "").
+    #[arg(
+        id = "rlqs_tenant_entry",
+        long = "rlqs-tenant-entry",
+        env = "TOLLGATE_RLQS_TENANT_ENTRY",
+        default_value = "tenant"
+    )]
+    pub tenant_entry: String,
+    /// The bucket id entry that names the resource (missing: "").
+    #[arg(
+        id = "rlqs_resource_entry",
+        long = "rlqs-resource-entry",
+        env = "TOLLGATE_RLQS_RESOURCE_ENTRY",
+        default_value = "resource"
+    )]
+    pub resource_entry: String,
+    /// The bucket id entry that names the key (missing: every other entry,
+    /// as `name=value` pairs in name order joined by `,`).
+    #[arg(
+        id = "rlqs_key_entry",
+        long = "rlqs-key-entry",
+        env = "TOLLGATE_RLQS_KEY_ENTRY",
+        default_value = "key"
+    )]
+    pub key_entry: String,
+    /// How long an assignment holds at the Envoy (whole seconds; three of
+    /// the Envoy's reporting intervals when that is longer; Envoy 1.40
+    /// reports every 5 s): an Envoy that loses its Tollgate instance
+    /// enforces its share this long, and a share whose Envoy vanished is
+    /// held this long before the others may take it.
+    #[arg(id = "rlqs_assignment_ttl", long = "rlqs-assignment-ttl", env = "TOLLGATE_RLQS_ASSIGNMENT_TTL", value_parser = crate::options::parse_duration, default_value = "15s")]
+    pub assignment_ttl: Duration,
+    /// A bucket that reports no requests this long is abandoned: the Envoy
+    /// forgets it and its share is given back.
+    #[arg(id = "rlqs_abandon_after", long = "rlqs-abandon-after", env = "TOLLGATE_RLQS_ABANDON_AFTER", value_parser = crate::options::parse_duration, default_value = "5m")]
+    pub abandon_after: Duration,
+    /// Most quota streams open at once on this instance.
+    #[arg(
+        id = "rlqs_max_streams",
+        long = "rlqs-max-streams",
+        env = "TOLLGATE_RLQS_MAX_STREAMS",
+        default_value_t = 4096
+    )]
+    pub max_streams: usize,
+    /// Most quota streams open at once from one peer address.
+    #[arg(
+        id = "rlqs_max_streams_per_peer",
+        long = "rlqs-max-streams-per-peer",
+        env = "TOLLGATE_RLQS_MAX_STREAMS_PER_PEER",
+        default_value_t = 64
+    )]
+    pub max_streams_per_peer: usize,
+    /// Most buckets one stream subscribes.
+    #[arg(
+        id = "rlqs_max_buckets_per_stream",
+        long = "rlqs-max-buckets-per-stream",
+        env = "TOLLGATE_RLQS_MAX_BUCKETS_PER_STREAM",
+        default_value_t = 10_000
+    )]
+    pub max_buckets_per_stream: usize,
+}
+
+impl Default for RlqsOptions {
+    fn default() -> Self {
+        crate::options::defaults()
+    }
+}
+
+impl RlqsOptions {
+    /// Refuses options that cannot work.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.assignment_ttl < Duration::from_secs(1) {
+            return Err(
+                "--rlqs-assignment-ttl must be at least 1s (Envoy reads whole seconds)".into(),
+            );
+        }
+        let entries = [&self.tenant_entry, &self.resource_entry, &self.key_entry];
+        if entries.iter().any(|e| e.is_empty()) {
+            return Err(
+                "--rlqs-tenant-entry, --rlqs-resource-entry and --rlqs-key-entry must not be empty"
+                    .into(),
+            );
+        }
+        if self.max_streams == 0
+            || self.max_streams_per_peer == 0
+            || self.max_buckets_per_stream == 0
+        {
+            return Err("--rlqs-max-streams, --rlqs-max-streams-per-peer and --rlqs-max-buckets-per-stream must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Serves the quota service through the [`Engine`].
+pub struct RlqsService {
+    engine: Arc<Engine>,
+    limits: Arc<LiveLimits>,
+    options: Arc<RlqsOptions>,
+    mapping: Arc<BucketMapping>,
+    /// This instance's name in share tables: members are unique across
+    /// instances.
+    instance: u64,
+    next_stream: AtomicU64,
+    streams: Arc<Streams>,
+    view: Arc<view::RlqsView>,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+/// Open streams, in all and per peer address.
+#[derive(Default)]
+struct Streams {
+    open: AtomicUsize,
+    per_peer: Mutex<HashMap<std::net::IpAddr, usize>>,
+}
+
+/// A stream's place under the caps, given back when dropped.
+struct StreamSlot {
+    streams: Arc<Streams>,
+    peer: Option<std::net::IpAddr>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.streams.open.fetch_sub(1, Ordering::AcqRel);
+        metrics::rlqs_streams(self.streams.open.load(Ordering::Acquire));
+        if let Some(peer) = self.peer {
+            let mut per_peer = self.streams.per_peer.lock();
+            if let Some(n) = per_peer.get_mut(&peer) {
+                *n -= 1;
+                if *n == 0 {
+                    per_peer.remove(&peer);
+                }
+            }
+        }
+    }
+}
+
+impl RlqsService {
+    /// The service over `engine`, with the rules of `limits`.
+    pub fn new(engine: Arc<Engine>, limits: Arc<LiveLimits>, options: RlqsOptions) -> Self {
+        Self {
+            engine,
+            limits,
+            mapping: Arc::new(BucketMapping::new(&options)),
+            options: Arc::new(options),
+            instance: {
+                let mut bytes = [0u8; 8];
+                getrandom::fill(&mut bytes)
+                    .expect("the operating system's random number generator");
+                u64::from_le_bytes(bytes)
+            },
+            next_stream: AtomicU64::new(1),
+            streams: Arc::default(),
+            view: Arc::default(),
+            stop: None,
+        }
+    }
+
+    /// Ends open streams once `stop` turns true (at shutdown): their
+    /// Envoys reconnect to another instance.
+    pub fn with_shutdown(mut self, stop: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+
+    /// Records the buckets subscribed in `view` (which the admin port
+    /// shows).
+    pub fn with_view(mut self, view: Arc<view::RlqsView>) -> Self {
+        self.view = view;
+        self
+    }
+
+    /// Takes a stream slot for `peer`, or says which cap refused it.
+    fn admit(&self, peer: Option<std::net::IpAddr>) -> Result<StreamSlot, Status> {
+        let o = &self.options;
+        if let Some(peer) = peer {
+            let mut per_peer = self.streams.per_peer.lock();
+            let n = per_peer.entry(peer).or_default();
+            if *n >= o.max_streams_per_peer {
+                metrics::rlqs_refused("streams_per_peer");
+                return Err(Status::resource_exhausted(format!(
+                    "{peer} holds {} quota streams, the most one peer may \
+                     (--rlqs-max-streams-per-peer); an Envoy needs one per filter \
+                     configuration",
+                    o.max_streams_per_peer
+                )));
+            }
+            *n += 1;
+        }
+        let slot = StreamSlot {
+            streams: self.streams.clone(),
+            peer,
+        };
+        let open = self.streams.open.fetch_add(1, Ordering::AcqRel) + 1;
+        if open > o.max_streams {
+            metrics::rlqs_refused("streams");
+            // Dropping the slot gives both counts back.
+            drop(slot);
+            return Err(Status::resource_exhausted(format!(
+                "this instance holds {} quota streams, the most it may (--rlqs-max-streams); \
+                 connect to another instance or raise the cap",
+                o.max_streams
+            )));
+        }
+        metrics::rlqs_streams(open);
+        Ok(slot)
+    }
+}
+
+/// A bucket a stream has subscribed.
+struct Subscribed {
+    /// The id as Envoy sent it, echoed in every action.
+    id: BucketId,
+    mapped: Mapped,
+    member: String,
+    last: Option<Assignment>,
+    /// Since when its reports have counted no request.
+    idle_since: Option<Instant>,
+    /// When it last reported (Envoy's own time_elapsed is whole seconds
+    /// only, a quarter off at a 5 s interval).
+    reported_at: Option<Instant>,
+}
+
+/// One stream's state.
+struct Stream {
+    service: Arc<Wing>,
+    /// Its place under the caps, given back when the stream ends.
+    _slot: StreamSlot,
+    domain: Option<String>,
+    buckets: HashMap<u64, Subscribed>,
+    number: u64,
+    /// The longest reporting interval seen: the time to live covers three.
+    interval: Duration,
+}
+
+/// What the stream task needs of the service.
+struct Wing {
+    engine: Arc<Engine>,
+    limits: Arc<LiveLimits>,
+    options: Arc<RlqsOptions>,
+    mapping: Arc<BucketMapping>,
+    view: Arc<view::RlqsView>,
+    instance: u64,
+}
+
+#[tonic::async_trait]
+impl RateLimitQuotaService for RlqsService {
+    type StreamRateLimitQuotasStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send>,
+    >;
+
+    async fn stream_rate_limit_quotas(
+        &self,
+        request: Request<Streaming<RateLimitQuotaUsageReports>>,
+    ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
+        let peer = request
+            .extensions()
+            .get::<ConnectionHandle>()
+            .map(|c| c.peer.ip());
+        let slot = self.admit(peer)?;
+        let mut inbound = request.into_inner();
+        let mut stream = Stream {
+            service: Arc::new(Wing {
+                engine: self.engine.clone(),
+                limits: self.limits.clone(),
+                options: self.options.clone(),
+                mapping: self.mapping.clone(),
+                view: self.view.clone(),
+                instance: self.instance,
+            }),
+            _slot: slot,
+            domain: None,
+            buckets: HashMap::new(),
+            number: self.next_stream.fetch_add(1, Ordering::Relaxed),
+            interval: Duration::ZERO,
+        };
+        let mut stop = self.stop.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            let stopping = async move {
+                match stop.as_mut() {
+                    Some(stop) => {
+                        let _ = stop.wait_for(|s| *s).await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(stopping);
+            loop {
+                let next = tokio::select! {
+                    _ = &mut stopping => break,
+                    next = crate::api::codec::lenient(inbound.message()) => next,
+                };
+                let reports = match next {
+                    Ok(Some(Ok(reports))) => reports,
+                    Ok(Some(Err(status))) | Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        break;
+                    }
+                    Ok(None) => break,
+                };
+                match stream.report(reports).await {
+                    Ok(Some(response)) => {
+                        if tx.send(Ok(response)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        break;
+                    }
+                }
+            }
+            stream.release().await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+impl Stream {
+    /// Settles one message of reports and answers each reported bucket's
+    /// assignment (`None`: nothing to answer). An error ends the stream.
+    async fn report(
+        &mut self,
+        reports: RateLimitQuotaUsageReports,
+    ) -> Result<Option<RateLimitQuotaResponse>, Status> {
+        self.check_domain(&reports.domain)?;
+        let now = Instant::now();
+        let mut actions = Vec::new();
+        let mut jobs = Vec::with_capacity(reports.bucket_quota_usages.len());
+        for usage in reports.bucket_quota_usages {
+            let Some(id) = usage.bucket_id else {
+                metrics::rlqs_refused("no_bucket_id");
+                continue;
+            };
+            let hash = mapping::hash_of(&id);
+            if !self.buckets.contains_key(&hash) {
+                let mapped = match self.service.mapping.map(&id) {
+                    Ok(mapped) => mapped,
+                    Err(why) => {
+                        metrics::rlqs_refused("invalid_bucket_id");
+                        tracing::debug!(stream = self.number, error = %why, "bucket id refused");
+                        continue;
+                    }
+                };
+                if self.buckets.len() >= self.service.options.max_buckets_per_stream {
+                    metrics::rlqs_refused("buckets_per_stream");
+                    return Err(Status::resource_exhausted(format!(
+                        "this stream reports more than {} buckets, the most one stream may \
+                         subscribe (--rlqs-max-buckets-per-stream); build bucket ids from \
+                         fewer distinct values",
+                        self.service.options.max_buckets_per_stream
+                    )));
+                }
+                let member = format!(
+                    "{:016x}.{:x}.{hash:016x}",
+                    self.service.instance, self.number
+                );
+                self.buckets.insert(
+                    hash,
+                    Subscribed {
+                        id,
+                        mapped,
+                        member,
+                        last: None,
+                        idle_since: None,
+                        reported_at: None,
+                    },
+                );
+            }
+            let elapsed = usage
+                .time_elapsed
+                .map(|d| d.seconds.clamp(0, 3600) as u64)
+                .unwrap_or(0);
+            self.interval = self.interval.max(Duration::from_secs(elapsed));
+            let bucket = self.buckets.get_mut(&hash).expect("inserted above");
+            let measured = bucket
+                .reported_at
+                .replace(now)
+                .map(|at| now.duration_since(at).as_micros() as u64);
+            let usage = Usage {
+                allowed: usage.num_requests_allowed,
+                denied: usage.num_requests_denied,
+                elapsed: measured.unwrap_or(elapsed * 1_000_000),
+            };
+            if usage.allowed == 0 && usage.denied == 0 {
+                let since = *bucket.idle_since.get_or_insert(now);
+                if now.duration_since(since) >= self.service.options.abandon_after {
+                    let gone = self.buckets.remove(&hash).expect("found above");
+                    self.service.leave(&gone).await;
+                    self.service.view.drop_bucket(self.number, hash);
+                    metrics::rlqs_assignment("abandon");
+                    actions.push(BucketAction {
+                        bucket_id: Some(gone.id),
+                        bucket_action: Some(Action::AbandonAction(AbandonAction {})),
+                    });
+                    continue;
+                }
+            } else {
+                bucket.idle_since = None;
+            }
+            jobs.push((hash, usage));
+        }
+        let ttl = self
+            .service
+            .options
+            .assignment_ttl
+            .max(3 * self.interval)
+            .as_secs();
+        for chunk in jobs.chunks(CONCURRENT_REPORTS) {
+            let decided = futures_util::future::join_all(chunk.iter().map(|(hash, usage)| {
+                let bucket = &self.buckets[hash];
+                self.service.share(bucket, *usage, ttl)
+            }))
+            .await;
+            for ((hash, _), shared) in chunk.iter().zip(decided) {
+                let Some(shared) = shared else { continue };
+                let bucket = self.buckets.get_mut(hash).expect("subscribed");
+                bucket.last = Some(shared.assignment);
+                self.service
+                    .view
+                    .record(self.number, *hash, &bucket.mapped, &shared);
+                actions.push(assignment(bucket.id.clone(), &shared, ttl));
+            }
+        }
+        if actions.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        }))
+    }
+
+    /// The first message names the domain; later ones name it again or
+    /// not at all.
+    fn check_domain(&mut self, domain: &str) -> Result<(), Status> {
+        match &self.domain {
+            None if domain.is_empty() => Err(Status::invalid_argument(
+                "the stream's first report has no domain; set the filter's domain",
+            )),
+            None if domain.len() > MAX_DOMAIN_BYTES => Err(Status::invalid_argument(format!(
+                "domain is {} bytes; at most {MAX_DOMAIN_BYTES}",
+                domain.len()
+            ))),
+            None => {
+                self.domain = Some(domain.to_owned());
+                Ok(())
+            }
+            Some(d) if !domain.is_empty() && d != domain => Err(Status::invalid_argument(format!(
+                "domain changed from {d:?} to {:?} on one stream; open a new stream for \
+                 another domain",
+                crate::limits::short(domain)
+            ))),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Gives back every share the stream holds (its Envoy is gone, or the
+    /// instance is stopping).
+    async fn release(&mut self) {
+        let buckets: Vec<Subscribed> = self.buckets.drain().map(|(_, b)| b).collect();
+        for chunk in buckets.chunks(CONCURRENT_REPORTS) {
+            futures_util::future::join_all(chunk.iter().map(|b| self.service.leave(b))).await;
+        }
+        self.service.view.forget(self.number);
+    }
+}
+
+impl Wing {
+    /// Settles `usage` of `bucket` and answers its next assignment, for
+    /// `ttl` seconds (`None`: not settled; the bucket keeps its assignment
+    /// until it expires).
+    async fn share(&self, bucket: &Subscribed, usage: Usage, ttl: u64) -> Option<Shared> {
+        let m = &bucket.mapped;
+        match self.settle(bucket, usage, ttl * 1_000_000).await {
+            Ok(shared) => Some(shared),
+            Err(err) => {
+                tracing::warn!(
+                    tenant = %m.tenant,
+                    key = %crate::limits::short(&m.key),
+                    error = %err,
+                    "quota report not settled; the bucket keeps its assignment until it expires"
+                );
+                None
+            }
+        }
+    }
+
+    /// Gives `bucket`'s share back.
+    async fn leave(&self, bucket: &Subscribed) {
+        let nothing = Usage {
+            allowed: 0,
+            denied: 0,
+            elapsed: 0,
+        };
+        let _ = self.settle(bucket, nothing, 0).await;
+    }
+
+    /// The engine's share for `bucket`: the demand of the rules that apply
+    /// to its tenant, resource and key, as for every API.
+    async fn settle(
+        &self,
+        bucket: &Subscribed,
+        usage: Usage,
+        ttl: crate::algorithm::Micros,
+    ) -> Result<Shared, crate::engine::DecideError> {
+        let rules = self.limits.snapshot();
+        let m = &bucket.mapped;
+        let mut demand = Demand::new(Api::Rlqs, Op::Charge, OverCapacity::Reject);
+        demand
+            .items
+            .push(Item::new(&m.tenant, &m.resource, &m.key, 0));
+        for rule in rules.applicable(&m.tenant, &m.resource) {
+            demand
+                .lines
+                .push(Line::of_rule(&rules, 0, &m.tenant, &m.key, rule));
+        }
+        let member = Member {
+            id: &bucket.member,
+            ttl,
+            last: bucket.last,
+        };
+        self.engine.share(&mut demand, usage, member).await
+    }
+}
+
+/// The action that assigns `shared` to bucket `id` for `ttl` seconds.
+fn assignment(id: BucketId, shared: &Shared, ttl: u64) -> BucketAction {
+    let strategy = match shared.assignment {
+        Assignment::AllowAll => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
+        Assignment::DenyAll => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
+        Assignment::Bucket(b) => Strategy::TokenBucket(TokenBucket {
+            max_tokens: b.max_tokens,
+            tokens_per_fill: Some(b.tokens_per_fill),
+            fill_interval: Some(prost_types::Duration {
+                seconds: i64::from(b.fill_interval),
+                nanos: 0,
+            }),
+        }),
+    };
+    metrics::rlqs_assignment(match shared.assignment {
+        Assignment::AllowAll => "allow_all",
+        Assignment::DenyAll => "deny_all",
+        Assignment::Bucket(_) => "token_bucket",
+    });
+    BucketAction {
+        bucket_id: Some(id),
+        bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
+            assignment_time_to_live: Some(prost_types::Duration {
+                seconds: ttl as i64,
+                nanos: 0,
+            }),
+            rate_limit_strategy: Some(RateLimitStrategy {
+                strategy: Some(strategy),
+            }),
+        })),
+    }
+}

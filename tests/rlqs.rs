@@ -1,0 +1,311 @@
+//! Envoy's Rate Limit Quota Service through real Envoy 1.40 processes with
+//! `deploy/envoy/rlqs/envoy.yaml`: each Envoy enforces its assignment
+//! locally and reports usage; Tollgate settles the reports and divides each
+//! tenant's limit among the Envoys by demand.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::TestServer;
+use common::envoy_proxy::{Envoy, KeepAlive, get};
+use common::redis::RedisServer;
+use tollgate::server::StoreSpec;
+
+/// A plain upstream answering 200.
+async fn upstream() -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let app = axum::Router::new().fallback(|| async { "ok" });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    port
+}
+
+/// An Envoy running the documented configuration in front of `upstream`,
+/// reporting to every one of `servers`.
+async fn envoy(servers: &[&TestServer], upstream: u16) -> Envoy {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/rlqs/envoy.yaml");
+    let template = std::fs::read_to_string(file).unwrap();
+    let one = "\n              - endpoint:\n                  address:\n                    \
+               socket_address: { address: 127.0.0.1, port_value: 50051 }";
+    assert!(template.contains(one), "the Tollgate endpoint moved");
+    let endpoints: String = servers
+        .iter()
+        .map(|s| one.replace("50051", &s.grpc.port().to_string()))
+        .collect();
+    Envoy::start(1, |listeners, admin| {
+        template
+            .replace(one, &endpoints)
+            .replace(
+                "port_value: 10000",
+                &format!("port_value: {}", listeners[0]),
+            )
+            .replace("port_value: 8080", &format!("port_value: {upstream}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+    })
+    .await
+}
+
+/// The quota view of a server: `/v1/rlqs`.
+async fn view(server: &TestServer) -> serde_json::Value {
+    let (status, body) = server.http_get("/v1/rlqs?limit=100").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Waits until `server` has assigned `tenant`'s bucket `what`
+/// (`token_bucket`, `deny_all`, ...).
+async fn wait_assigned(server: &TestServer, tenant: &str, what: &str) -> serde_json::Value {
+    for _ in 0..400 {
+        let v = view(server).await;
+        if let Some(row) = v["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["tenant"] == tenant && r["assignment"] == what)
+        {
+            return row.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("no {what} assignment for {tenant}: {}", view(server).await);
+}
+
+/// Feasibility, then exactness: a real Envoy subscribes a tenant's bucket
+/// with its first request, enforces the token bucket Tollgate assigns, and
+/// the tenant gets exactly its burst. The in-process store's clock is
+/// frozen, so nothing refills: of 1 + 10 requests, exactly 5 pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_enforces_the_assigned_share_of_a_tenants_limit() {
+    let rules = [common::row("acme", "acme", "", "tenant", 5, "1/hour")];
+    let server = TestServer::with_rows(&rules).await;
+    let up = upstream().await;
+    let envoy = envoy(&[&server], up).await;
+    let port = envoy.listeners[0];
+
+    // The first request of a new bucket passes (no assignment yet) and
+    // subscribes it.
+    let first = get(port, "/", &[("x-tenant", "acme")]).await;
+    assert_eq!(first.status, 200);
+    let row = wait_assigned(&server, "acme", "token_bucket").await;
+    // Alone, this Envoy holds the whole limit: what is left of the burst
+    // after the first request, and the rule's rate (1 an hour).
+    assert_eq!(row["share_ppm"], 1_000_000);
+    assert_eq!(row["members"], 1);
+    assert_eq!(row["max_tokens"], 4);
+    assert!(
+        (row["rate"].as_f64().unwrap() - 1.0 / 3600.0).abs() < 1e-9,
+        "{row}"
+    );
+
+    let mut client = KeepAlive::new(port);
+    let mut statuses = Vec::new();
+    for _ in 0..10 {
+        statuses.push(client.get("/", &[("x-tenant", "acme")]).await);
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 429, 429, 429, 429, 429, 429]);
+    // A request without the header matches no bucket: not limited.
+    assert_eq!(get(port, "/", &[]).await.status, 200);
+
+    // The reports settle in the store: the tenant's bucket is spent, so a
+    // native decision on it is refused too, and the refusals are counted.
+    let mut client = server.client().await;
+    for _ in 0..200 {
+        let metrics = server.http_get("/metrics").await.unwrap().1;
+        let rejected = common::envoy::sample(
+            &metrics,
+            "tollgate_decisions_total{api=\"rlqs\",outcome=\"rejected\",rule=\"acme\"}",
+        );
+        if rejected == Some(6) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = server.http_get("/metrics").await.unwrap().1;
+    for (outcome, n) in [("allowed", 5), ("rejected", 6)] {
+        let series =
+            format!("tollgate_decisions_total{{api=\"rlqs\",outcome=\"{outcome}\",rule=\"acme\"}}");
+        assert_eq!(
+            common::envoy::sample(&metrics, &series),
+            Some(n),
+            "{series}"
+        );
+    }
+    assert_eq!(
+        common::envoy::sample(&metrics, "tollgate_rlqs_streams"),
+        Some(1)
+    );
+    assert_eq!(
+        common::envoy::sample(&metrics, "tollgate_rlqs_buckets"),
+        Some(1)
+    );
+    let native = common::ask(&mut client, common::req("acme", "anyone")).await;
+    assert!(!native.allowed, "the Envoy spent the tenant's burst");
+    // The refusals show in the top-limited view.
+    let (_, top) = server.http_get("/v1/top-limited").await.unwrap();
+    assert!(top.contains("\"acme\""), "{top}");
+    drop(envoy);
+}
+
+/// What a load saw: requests admitted and refused.
+#[derive(Default)]
+struct Seen {
+    admitted: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
+}
+
+impl Seen {
+    fn admitted(&self) -> u64 {
+        self.admitted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Offers `rate` requests per second of `tenant` to the Envoy on `port`
+/// from `tasks` keep-alive connections until `stop` turns true (at most two
+/// minutes), counting what it sees.
+fn load(
+    port: u16,
+    tenant: &'static str,
+    rate: u32,
+    tasks: u32,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> (std::sync::Arc<Seen>, Vec<tokio::task::JoinHandle<()>>) {
+    use std::sync::atomic::Ordering;
+    let seen = std::sync::Arc::new(Seen::default());
+    let handles = (0..tasks)
+        .map(|_| {
+            let (seen, mut stop) = (seen.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut client = KeepAlive::new(port);
+                let period = Duration::from_secs_f64(f64::from(tasks) / f64::from(rate));
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                for _ in 0..(120 * rate / tasks) {
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => break,
+                        _ = tick.tick() => {}
+                    }
+                    let counter = match client.get("/", &[("x-tenant", tenant)]).await {
+                        200 => &seen.admitted,
+                        429 => &seen.refused,
+                        other => panic!("unexpected status {other}"),
+                    };
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    (seen, handles)
+}
+
+/// The shares of `tenant`'s buckets `server` shows, in parts per million.
+async fn shares_of(server: &TestServer, tenant: &str) -> Vec<u64> {
+    view(server).await["top"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["tenant"] == tenant)
+        .map(|r| r["share_ppm"].as_u64().unwrap())
+        .collect()
+}
+
+/// Three Envoys, two Tollgate instances on one Redis (two Envoys on one
+/// instance, one on the other), one tenant limited to R = 20 a second with
+/// a burst of B = 20, offered load 1 : 2 : 4 (30, 60 and 120 a second) for
+/// 30 s: the three together admit R·30 + B within [0.9, 1.05]; then the
+/// busiest stops, and the others' shares grow to nearly all of the limit
+/// within two reporting intervals (Envoy 1.40 reports every 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_envoys_through_two_instances_divide_one_limit_by_demand() {
+    const R: u64 = 20;
+    const B: u64 = 20;
+    const SECONDS: u64 = 30;
+    let redis = RedisServer::start();
+    let rules = [common::row(
+        "acme",
+        "acme",
+        "",
+        "tenant",
+        B as i64,
+        "20/second",
+    )];
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let url = redis.url();
+        servers.push(
+            TestServer::launch(Some(&rules), move |c| {
+                c.store = StoreSpec::Redis(url);
+                c.store_timeout = Duration::from_secs(2);
+            })
+            .await,
+        );
+    }
+    let up = upstream().await;
+    let envoys = [
+        envoy(&[&servers[0]], up).await,
+        envoy(&[&servers[0]], up).await,
+        envoy(&[&servers[1]], up).await,
+    ];
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let (stop_busiest, busiest_stopped) = tokio::sync::watch::channel(false);
+    let started = tokio::time::Instant::now();
+    let (small, mut tasks) = load(envoys[0].listeners[0], "acme", 30, 2, &stopped);
+    let (medium, more) = load(envoys[1].listeners[0], "acme", 60, 2, &stopped);
+    tasks.extend(more);
+    let (busiest, busy_tasks) = load(envoys[2].listeners[0], "acme", 120, 4, &busiest_stopped);
+    tokio::time::sleep(Duration::from_secs(SECONDS)).await;
+    stop_busiest.send(true).unwrap();
+    for t in busy_tasks {
+        t.await.unwrap();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let each = [small.admitted(), medium.admitted(), busiest.admitted()];
+    let admitted: u64 = each.iter().sum();
+    let expected = R as f64 * elapsed + B as f64;
+    eprintln!("admitted {each:?} = {admitted} in {elapsed:.1} s; R·t + B = {expected:.0}");
+    assert!(
+        admitted as f64 >= 0.9 * expected && admitted as f64 <= 1.05 * expected,
+        "admitted {admitted} ({each:?}), not within [0.9, 1.05] × {expected:.0}"
+    );
+    // Demand decides: once every Envoy has reported twice, the shares
+    // are 1 : 2 : 4 of the limit (the first to arrive held it all until
+    // then).
+    let mut shares = shares_of(&servers[0], "acme").await;
+    shares.sort_unstable();
+    shares.extend(shares_of(&servers[1], "acme").await);
+    for (share, sevenths) in shares.iter().zip([1.0, 2.0, 4.0]) {
+        let expected = 1e6 * sevenths / 7.0;
+        assert!(
+            (*share as f64 - expected).abs() <= 0.03e6,
+            "shares {shares:?} are not 1 : 2 : 4"
+        );
+    }
+
+    // The busiest's load stopped: the remaining two Envoys' shares grow to
+    // nearly the whole limit within two reporting intervals.
+    let stopped_at = tokio::time::Instant::now();
+    let mut grown = None;
+    for _ in 0..400 {
+        let ppm: u64 = shares_of(&servers[0], "acme").await.iter().sum();
+        if ppm >= 950_000 {
+            grown = Some(stopped_at.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let grown = grown.expect("the remaining Envoys' shares grew to 95 % of the limit");
+    eprintln!("shares grew in {grown:?}");
+    // Its next report may still count some of its load; the one after
+    // shows none, and the others take the freed share at their next.
+    assert!(
+        grown <= Duration::from_secs(3 * 5 + 1),
+        "shares grew within two reporting intervals of the report showing no load \
+         (took {grown:?})"
+    );
+    drop(envoys);
+}
