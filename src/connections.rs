@@ -349,6 +349,11 @@ impl Drop for Shared {
     }
 }
 
+/// The address of a request's peer, in its extensions (for the services
+/// that bound what one peer may hold).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer(pub SocketAddr);
+
 /// A handle on one connection, found in each request's extensions (and, on
 /// the admin port, as axum's `ConnectInfo`).
 #[derive(Debug, Clone)]
@@ -681,6 +686,9 @@ where
                 .get::<axum::extract::ConnectInfo<ConnectionHandle>>()
                 .map(|info| info.0.clone())
         });
+        if let Some(handle) = &handle {
+            extensions.insert(Peer(handle.peer));
+        }
         let (mut guard, held) = match handle {
             Some(handle) => handle.begin(),
             None => (

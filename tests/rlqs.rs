@@ -309,3 +309,335 @@ async fn three_envoys_through_two_instances_divide_one_limit_by_demand() {
     );
     drop(envoys);
 }
+
+use tollgate::proto::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+    rate_limit_quota_response::bucket_action::BucketAction as Action,
+    rate_limit_quota_service_client::RateLimitQuotaServiceClient,
+    rate_limit_quota_usage_reports::BucketQuotaUsage,
+};
+use tollgate::proto::envoy::r#type::v3::rate_limit_strategy::Strategy;
+
+/// A quota stream opened by a real gRPC client, as Envoy opens one.
+struct QuotaStream {
+    send: tokio::sync::mpsc::Sender<RateLimitQuotaUsageReports>,
+    answers: tonic::Streaming<RateLimitQuotaResponse>,
+}
+
+/// A usage report of one bucket.
+fn usage(entries: &[(&str, &str)], allowed: u64, denied: u64, seconds: i64) -> BucketQuotaUsage {
+    BucketQuotaUsage {
+        bucket_id: Some(BucketId {
+            bucket: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }),
+        time_elapsed: Some(prost_types::Duration { seconds, nanos: 0 }),
+        num_requests_allowed: allowed,
+        num_requests_denied: denied,
+    }
+}
+
+impl QuotaStream {
+    /// Opens a stream to `server` from the loopback address `from`.
+    async fn open(server: &TestServer, from: &str) -> Result<Self, tonic::Status> {
+        let channel = tonic::transport::Endpoint::from_shared(server.url())
+            .unwrap()
+            .local_address(Some(from.parse().unwrap()))
+            .connect()
+            .await
+            .unwrap();
+        Self::open_on(channel).await
+    }
+
+    async fn open_on(channel: tonic::transport::Channel) -> Result<Self, tonic::Status> {
+        let (send, receive) = tokio::sync::mpsc::channel(4);
+        let answers = RateLimitQuotaServiceClient::new(channel)
+            .max_encoding_message_size(64 << 20)
+            .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(receive))
+            .await?
+            .into_inner();
+        Ok(Self { send, answers })
+    }
+
+    /// Sends one message of reports and reads the answer.
+    async fn report(
+        &mut self,
+        domain: &str,
+        usages: Vec<BucketQuotaUsage>,
+    ) -> Result<RateLimitQuotaResponse, tonic::Status> {
+        self.send
+            .send(RateLimitQuotaUsageReports {
+                domain: domain.into(),
+                bucket_quota_usages: usages,
+            })
+            .await
+            .unwrap();
+        match tokio::time::timeout(Duration::from_secs(10), self.answers.message()).await {
+            Ok(Ok(Some(answer))) => Ok(answer),
+            Ok(Ok(None)) => Err(tonic::Status::unknown("the stream ended")),
+            Ok(Err(status)) => Err(status),
+            Err(_) => Err(tonic::Status::deadline_exceeded("no answer in 10 s")),
+        }
+    }
+}
+
+/// The strategy assigned to the only bucket of `answer`.
+fn strategy(answer: &RateLimitQuotaResponse) -> Strategy {
+    let [action] = answer.bucket_action.as_slice() else {
+        panic!("one action expected: {answer:?}");
+    };
+    match &action.bucket_action {
+        Some(Action::QuotaAssignmentAction(a)) => {
+            a.rate_limit_strategy.clone().unwrap().strategy.unwrap()
+        }
+        other => panic!("an assignment expected: {other:?}"),
+    }
+}
+
+/// Hostile quota clients hurt only themselves: a stream without a domain,
+/// absurd usage figures, a bucket id of a megabyte, a message of a million
+/// buckets, a stream subscribing too many buckets, ten thousand streams
+/// from one peer: each gets a clear error or is ignored, memory stays
+/// bounded by the caps, and a well-behaved Envoy on another address is
+/// answered throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_quota_clients_only_hurt_themselves() {
+    let rules = [
+        common::row("acme", "acme", "", "tenant", 100, "10/second"),
+        common::row("other", "other", "", "tenant", 100, "10/second"),
+    ];
+    let server = TestServer::launch(Some(&rules), |c| {
+        c.rlqs.max_buckets_per_stream = 1_000;
+        c.rlqs.max_streams_per_peer = 8;
+    })
+    .await;
+    let acme = [("tenant", "acme")];
+    // The well-behaved Envoy, from 127.0.0.2.
+    let mut good = QuotaStream::open(&server, "127.0.0.2").await.unwrap();
+    let answer = good
+        .report("api", vec![usage(&acme, 1, 0, 0)])
+        .await
+        .unwrap();
+    assert!(matches!(strategy(&answer), Strategy::TokenBucket(_)));
+
+    // No domain in the first message.
+    let mut s = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    let err = s.report("", vec![usage(&acme, 1, 0, 0)]).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("no domain"), "{}", err.message());
+
+    // Absurd figures: elapsed far in the future or negative, counts of
+    // 2^64 - 1. Answered; the tenant's bucket is spent (clamped), and
+    // another tenant's is untouched.
+    let mut s = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    for seconds in [i64::MAX, -5] {
+        let answer = s
+            .report(
+                "api",
+                vec![usage(&[("tenant", "other")], u64::MAX, u64::MAX, seconds)],
+            )
+            .await
+            .unwrap();
+        match strategy(&answer) {
+            Strategy::TokenBucket(b) => assert!(b.max_tokens >= 1, "{b:?}"),
+            Strategy::BlanketRule(_) => panic!("a share of a limit expected"),
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut client = server.client().await;
+    assert!(
+        !common::ask(&mut client, common::req("other", "k"))
+            .await
+            .allowed
+    );
+    assert!(
+        common::ask(&mut client, common::req("acme", "k"))
+            .await
+            .allowed
+    );
+
+    // A bucket id of a megabyte: ignored (no assignment), counted.
+    let big = "x".repeat(1_000_000);
+    let answer = s
+        .report(
+            "api",
+            vec![
+                usage(&[("tenant", "acme"), ("key", &big)], 1, 0, 5),
+                usage(&acme, 1, 0, 5),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        answer.bucket_action.len(),
+        1,
+        "only the valid bucket is answered"
+    );
+    assert_eq!(
+        answer.bucket_action[0].bucket_id.as_ref().unwrap().bucket["tenant"],
+        "acme"
+    );
+
+    // A million buckets in one message: over the message cap.
+    let million: Vec<BucketQuotaUsage> = (0..1_000_000)
+        .map(|i| usage(&[("tenant", "acme"), ("key", &i.to_string())], 1, 0, 5))
+        .collect();
+    let err = s.report("api", million).await.unwrap_err();
+    assert!(
+        matches!(
+            err.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{err:?}"
+    );
+
+    // More buckets than one stream may subscribe, a batch at a time.
+    let mut s = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    let mut refused = None;
+    for batch in 0..3 {
+        let usages = (0..500)
+            .map(|i| {
+                usage(
+                    &[("tenant", "acme"), ("key", &format!("{batch}-{i}"))],
+                    0,
+                    1,
+                    5,
+                )
+            })
+            .collect();
+        if let Err(err) = s.report("api", usages).await {
+            refused = Some((batch, err));
+            break;
+        }
+    }
+    let (batch, err) = refused.expect("the stream is refused past its bucket cap");
+    assert_eq!(batch, 2, "the first 1 000 buckets are subscribed");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        err.message().contains("--rlqs-max-buckets-per-stream"),
+        "{}",
+        err.message()
+    );
+
+    // Ten thousand streams from one peer: past 8 open, each is refused at
+    // once; the ones held stay answered.
+    let channel = tonic::transport::Endpoint::from_shared(server.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    let mut exhausted = 0;
+    for _ in 0..10_000 {
+        match QuotaStream::open_on(channel.clone()).await {
+            Ok(stream) => held.push(stream),
+            Err(err) => {
+                assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+                assert!(
+                    err.message().contains("--rlqs-max-streams-per-peer"),
+                    "{}",
+                    err.message()
+                );
+                exhausted += 1;
+            }
+        }
+    }
+    // Streams this peer opened above and still holds count too.
+    assert!(
+        held.len() <= 8 && held.len() + exhausted == 10_000,
+        "{} held",
+        held.len()
+    );
+    let metrics = server.http_get("/metrics").await.unwrap().1;
+    assert!(common::envoy::sample(&metrics, "tollgate_rlqs_streams").unwrap() <= 9);
+    let refused_streams = common::envoy::sample(
+        &metrics,
+        "tollgate_rlqs_refused_total{reason=\"streams_per_peer\"}",
+    );
+    assert_eq!(refused_streams, Some(exhausted as u64));
+    assert!(
+        common::envoy::sample(
+            &metrics,
+            "tollgate_rlqs_refused_total{reason=\"invalid_bucket_id\"}"
+        )
+        .unwrap()
+            >= 1
+    );
+
+    // The well-behaved Envoy is answered all along.
+    let answer = good
+        .report("api", vec![usage(&acme, 1, 0, 5)])
+        .await
+        .unwrap();
+    assert!(matches!(strategy(&answer), Strategy::TokenBucket(_)));
+}
+
+/// Redis down: each rule's store-unavailable policy decides the
+/// assignment: `allow` assigns ALLOW_ALL, `deny` DENY_ALL, `local` a share
+/// of in-process buckets (this instance's Envoys dividing the limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_store_down_each_rules_policy_decides_the_assignment() {
+    let rule = |tenant: &str, policy: &str| {
+        tollgate::limits::LimitRow::from_request(
+            tenant.into(),
+            String::new(),
+            "tenant",
+            100,
+            "10/second",
+            "enforce",
+            policy,
+            0,
+            "rate",
+            Some(tenant.into()),
+        )
+        .unwrap()
+    };
+    let rules = [
+        rule("open", "allow"),
+        rule("closed", "deny"),
+        rule("near", "local"),
+    ];
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let server = TestServer::launch(Some(&rules), move |c| {
+        c.store = StoreSpec::Redis(url);
+        c.store_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let mut s = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    let tenants = ["open", "closed", "near"];
+    // Store up: every tenant gets a token bucket (its whole limit).
+    for tenant in tenants {
+        let answer = s
+            .report("api", vec![usage(&[("tenant", tenant)], 1, 0, 0)])
+            .await
+            .unwrap();
+        assert!(
+            matches!(strategy(&answer), Strategy::TokenBucket(_)),
+            "{tenant}"
+        );
+    }
+    redis.kill();
+    let mut got = Vec::new();
+    for tenant in tenants {
+        let answer = s
+            .report("api", vec![usage(&[("tenant", tenant)], 1, 0, 5)])
+            .await
+            .unwrap();
+        got.push(strategy(&answer));
+    }
+    assert_eq!(got[0], Strategy::BlanketRule(0), "allow: ALLOW_ALL");
+    assert_eq!(got[1], Strategy::BlanketRule(1), "deny: DENY_ALL");
+    let Strategy::TokenBucket(local) = &got[2] else {
+        panic!("local: a token bucket, got {:?}", got[2]);
+    };
+    // The whole limit (this instance's only Envoy; --local-fraction 1):
+    // 10 a second, and the in-process bucket's 99 tokens left.
+    assert_eq!(local.tokens_per_fill, Some(100));
+    assert_eq!(local.fill_interval.unwrap().seconds, 10);
+    assert_eq!(local.max_tokens, 99);
+    let row = wait_assigned(&server, "near", "token_bucket").await;
+    assert_eq!(row["degraded"], true);
+}

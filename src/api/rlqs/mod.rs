@@ -29,7 +29,7 @@ use tonic::{Request, Response, Status, Streaming};
 pub use mapping::{BucketMapping, Mapped};
 
 use crate::algorithm::Op;
-use crate::connections::ConnectionHandle;
+use crate::connections::Peer;
 use crate::engine::shares::{Assignment, Member, Shared, Usage};
 use crate::engine::{Api, Demand, Engine, Item, Line, OverCapacity};
 use crate::limits::watch::LiveLimits;
@@ -313,10 +313,7 @@ impl RateLimitQuotaService for RlqsService {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        let peer = request
-            .extensions()
-            .get::<ConnectionHandle>()
-            .map(|c| c.peer.ip());
+        let peer = request.extensions().get::<Peer>().map(|p| p.0.ip());
         let slot = self.admit(peer)?;
         let mut inbound = request.into_inner();
         let mut stream = Stream {
