@@ -390,7 +390,7 @@ fn strategy(answer: &RateLimitQuotaResponse) -> Strategy {
     };
     match &action.bucket_action {
         Some(Action::QuotaAssignmentAction(a)) => {
-            a.rate_limit_strategy.clone().unwrap().strategy.unwrap()
+            a.rate_limit_strategy.unwrap().strategy.unwrap()
         }
         other => panic!("an assignment expected: {other:?}"),
     }
