@@ -352,10 +352,25 @@ impl QuotaStream {
     }
 
     async fn open_on(channel: tonic::transport::Channel) -> Result<Self, tonic::Status> {
+        Self::open_as(channel, None).await
+    }
+
+    /// Opens a stream on `channel`, naming its Envoy `name` when given.
+    async fn open_as(
+        channel: tonic::transport::Channel,
+        name: Option<&str>,
+    ) -> Result<Self, tonic::Status> {
         let (send, receive) = tokio::sync::mpsc::channel(4);
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receive));
+        if let Some(name) = name {
+            request.metadata_mut().insert(
+                tollgate::api::rlqs::ENVOY_ID_METADATA,
+                name.parse().unwrap(),
+            );
+        }
         let answers = RateLimitQuotaServiceClient::new(channel)
             .max_encoding_message_size(64 << 20)
-            .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(receive))
+            .stream_rate_limit_quotas(request)
             .await?
             .into_inner();
         Ok(Self { send, answers })
@@ -389,9 +404,7 @@ fn strategy(answer: &RateLimitQuotaResponse) -> Strategy {
         panic!("one action expected: {answer:?}");
     };
     match &action.bucket_action {
-        Some(Action::QuotaAssignmentAction(a)) => {
-            a.rate_limit_strategy.unwrap().strategy.unwrap()
-        }
+        Some(Action::QuotaAssignmentAction(a)) => a.rate_limit_strategy.unwrap().strategy.unwrap(),
         other => panic!("an assignment expected: {other:?}"),
     }
 }
@@ -640,4 +653,155 @@ async fn with_the_store_down_each_rules_policy_decides_the_assignment() {
     assert_eq!(local.max_tokens, 99);
     let row = wait_assigned(&server, "near", "token_bucket").await;
     assert_eq!(row["degraded"], true);
+}
+
+/// An Envoy reporting to two instances on one Redis loses the one its
+/// stream is on: it keeps enforcing its assignment, reconnects to the
+/// other at its next report and is assigned there, well within the
+/// assignment's time to live, and the tenant's limit holds throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envoy_that_loses_its_instance_keeps_enforcing_and_moves_to_another() {
+    const R: f64 = 10.0;
+    const B: f64 = 10.0;
+    let redis = RedisServer::start();
+    let rules = [common::row(
+        "acme",
+        "acme",
+        "",
+        "tenant",
+        B as i64,
+        "10/second",
+    )];
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let url = redis.url();
+        servers.push(Some(
+            TestServer::launch(Some(&rules), move |c| {
+                c.store = StoreSpec::Redis(url);
+                c.store_timeout = Duration::from_secs(2);
+            })
+            .await,
+        ));
+    }
+    let up = upstream().await;
+    let envoy = envoy(
+        &[servers[0].as_ref().unwrap(), servers[1].as_ref().unwrap()],
+        up,
+    )
+    .await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let started = tokio::time::Instant::now();
+    let (seen, tasks) = load(envoy.listeners[0], "acme", 40, 2, &stopped);
+    // The instance holding the stream.
+    let mut holder = None;
+    for _ in 0..200 {
+        for (i, s) in servers.iter().enumerate() {
+            if view(s.as_ref().unwrap()).await["buckets"] == 1 {
+                holder = Some(i);
+            }
+        }
+        if holder.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let holder = holder.expect("one instance holds the Envoy's stream");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let before = seen.admitted();
+    let lost_at = tokio::time::Instant::now();
+    servers[holder].take().unwrap().stop().await;
+    // While no instance answers, the assignment in force holds: at most
+    // its rate (the whole limit: this is the only Envoy) and what its
+    // bucket held.
+    let other = servers[1 - holder].as_ref().unwrap();
+    let row = wait_assigned(other, "acme", "token_bucket").await;
+    let moved = lost_at.elapsed();
+    assert_eq!(row["share_ppm"], 1_000_000, "{row}");
+    assert!(
+        moved <= Duration::from_secs(15),
+        "reassigned by the other instance within the time to live (took {moved:?})"
+    );
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    stop.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = seen.admitted() as f64;
+    let expected = R * elapsed + B;
+    eprintln!(
+        "admitted {admitted} in {elapsed:.1} s (R·t + B = {expected:.0}; {before} before the \
+         loss); moved in {moved:?}"
+    );
+    assert!(
+        admitted >= 0.85 * expected && admitted <= 1.1 * expected,
+        "admitted {admitted}, not near {expected:.0}"
+    );
+    drop(envoy);
+}
+
+/// An Envoy named by `x-tollgate-envoy` holds its shares under its name: a
+/// second stream of the same Envoy, through another instance, takes its
+/// share over at once (an unnamed newcomer gets nothing until the holders
+/// report again), whether or not its first instance gave the share back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_envoy_takes_its_share_over_through_another_instance() {
+    let redis = RedisServer::start();
+    let rules = [common::row("acme", "acme", "", "tenant", 100, "10/second")];
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let url = redis.url();
+        servers
+            .push(TestServer::launch(Some(&rules), move |c| c.store = StoreSpec::Redis(url)).await);
+    }
+    let acme = [("tenant", "acme")];
+    let channel = |s: &TestServer| {
+        tonic::transport::Endpoint::from_shared(s.url())
+            .unwrap()
+            .connect_lazy()
+    };
+    let mut first = QuotaStream::open_as(channel(&servers[0]), Some("envoy-1"))
+        .await
+        .unwrap();
+    let answer = first
+        .report("api", vec![usage(&acme, 1, 0, 0)])
+        .await
+        .unwrap();
+    assert!(matches!(strategy(&answer), Strategy::TokenBucket(_)));
+    // Another Envoy arrives through the other instance: nothing is free.
+    let mut other = QuotaStream::open_as(channel(&servers[1]), None)
+        .await
+        .unwrap();
+    let answer = other
+        .report("api", vec![usage(&acme, 1, 0, 0)])
+        .await
+        .unwrap();
+    assert_eq!(strategy(&answer), Strategy::BlanketRule(1), "DENY_ALL");
+    // The first Envoy again, through the other instance, its first stream
+    // still open: its own share, at once.
+    let mut again = QuotaStream::open_as(channel(&servers[1]), Some("envoy-1"))
+        .await
+        .unwrap();
+    let answer = again
+        .report("api", vec![usage(&acme, 1, 0, 0)])
+        .await
+        .unwrap();
+    let Strategy::TokenBucket(bucket) = strategy(&answer) else {
+        panic!("a share expected: {answer:?}");
+    };
+    // Half the weight now (the two report the same demand): 5 a second.
+    assert_eq!(bucket.tokens_per_fill, Some(150));
+    assert_eq!(bucket.fill_interval.unwrap().seconds, 30);
+    // A name too long is refused with what to fix.
+    let long = "e".repeat(300);
+    let Err(err) = QuotaStream::open_as(channel(&servers[0]), Some(&long)).await else {
+        panic!("a name of 300 bytes is refused");
+    };
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("x-tollgate-envoy"),
+        "{}",
+        err.message()
+    );
+    drop((first, other));
 }

@@ -54,6 +54,16 @@ const CONCURRENT_REPORTS: usize = 32;
 /// Longest domain name a stream may give.
 const MAX_DOMAIN_BYTES: usize = 256;
 
+/// The request metadata naming the Envoy, unique per Envoy (set with the
+/// quota server's `grpc_service.initial_metadata`): a stream that carries
+/// it holds its shares under that name, so that an Envoy reconnecting
+/// through another instance takes its own shares over at once, even when
+/// the instance it left died without giving them back.
+pub const ENVOY_ID_METADATA: &str = "x-tollgate-envoy";
+
+/// Longest Envoy name.
+const MAX_ENVOY_ID_BYTES: usize = 256;
+
 /// Options of the quota service.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct RlqsOptions {
@@ -291,6 +301,8 @@ struct Stream {
     number: u64,
     /// The longest reporting interval seen: the time to live covers three.
     interval: Duration,
+    /// The hash of the Envoy's name, when the stream gave one.
+    envoy: Option<u64>,
 }
 
 /// What the stream task needs of the service.
@@ -314,6 +326,20 @@ impl RateLimitQuotaService for RlqsService {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
         let peer = request.extensions().get::<Peer>().map(|p| p.0.ip());
+        let envoy = match request.metadata().get(ENVOY_ID_METADATA) {
+            None => None,
+            Some(v) => match v.to_str() {
+                Ok(id) if !id.is_empty() && id.len() <= MAX_ENVOY_ID_BYTES => {
+                    Some(fnv(id.as_bytes()))
+                }
+                _ => {
+                    return Err(Status::invalid_argument(format!(
+                        "{ENVOY_ID_METADATA} must be 1 to {MAX_ENVOY_ID_BYTES} bytes of visible \
+                         ASCII, unique per Envoy"
+                    )));
+                }
+            },
+        };
         let slot = self.admit(peer)?;
         let mut inbound = request.into_inner();
         let mut stream = Stream {
@@ -330,6 +356,7 @@ impl RateLimitQuotaService for RlqsService {
             buckets: HashMap::new(),
             number: self.next_stream.fetch_add(1, Ordering::Relaxed),
             interval: Duration::ZERO,
+            envoy,
         };
         let mut stop = self.stop.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(8);
@@ -412,10 +439,18 @@ impl Stream {
                         self.service.options.max_buckets_per_stream
                     )));
                 }
-                let member = format!(
-                    "{:016x}.{:x}.{hash:016x}",
-                    self.service.instance, self.number
-                );
+                // Under the Envoy's name (with the domain: one Envoy may
+                // report one bucket id for two domains), or this stream's.
+                let member = match self.envoy {
+                    Some(envoy) => {
+                        let domain = fnv(self.domain.as_deref().unwrap_or_default().as_bytes());
+                        format!("e{envoy:016x}.{domain:016x}.{hash:016x}")
+                    }
+                    None => format!(
+                        "{:016x}.{:x}.{hash:016x}",
+                        self.service.instance, self.number
+                    ),
+                };
                 self.buckets.insert(
                     hash,
                     Subscribed {
@@ -516,9 +551,15 @@ impl Stream {
     }
 
     /// Gives back every share the stream holds (its Envoy is gone, or the
-    /// instance is stopping).
+    /// instance is stopping). A named Envoy's shares stay until they
+    /// expire: it may already report through another instance, under the
+    /// same name.
     async fn release(&mut self) {
         let buckets: Vec<Subscribed> = self.buckets.drain().map(|(_, b)| b).collect();
+        if self.envoy.is_some() {
+            self.service.view.forget(self.number);
+            return;
+        }
         for chunk in buckets.chunks(CONCURRENT_REPORTS) {
             futures_util::future::join_all(chunk.iter().map(|b| self.service.leave(b))).await;
         }
@@ -582,6 +623,13 @@ impl Wing {
         };
         self.engine.share(&mut demand, usage, member).await
     }
+}
+
+/// The 64-bit FNV-1a hash of `bytes`.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The action that assigns `shared` to bucket `id` for `ttl` seconds.
