@@ -22,8 +22,13 @@ async fn upstream() -> u16 {
 }
 
 /// An Envoy running the documented configuration in front of `upstream`,
-/// reporting to every one of `servers`.
+/// reporting to every one of `servers`, named apart from every other.
 async fn envoy(servers: &[&TestServer], upstream: u16) -> Envoy {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let name = format!(
+        "edge-{}",
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy/rlqs/envoy.yaml");
     let template = std::fs::read_to_string(file).unwrap();
     let one = "\n              - endpoint:\n                  address:\n                    \
@@ -42,6 +47,7 @@ async fn envoy(servers: &[&TestServer], upstream: u16) -> Envoy {
             )
             .replace("port_value: 8080", &format!("port_value: {upstream}"))
             .replace("port_value: 9901", &format!("port_value: {admin}"))
+            .replace("value: edge-1", &format!("value: {name}"))
     })
     .await
 }
@@ -93,6 +99,7 @@ async fn envoy_enforces_the_assigned_share_of_a_tenants_limit() {
     assert_eq!(row["share_ppm"], 1_000_000);
     assert_eq!(row["members"], 1);
     assert_eq!(row["max_tokens"], 4);
+    assert_eq!(row["named"], true, "the Envoy names itself: {row}");
     assert!(
         (row["rate"].as_f64().unwrap() - 1.0 / 3600.0).abs() < 1e-9,
         "{row}"

@@ -512,9 +512,13 @@ impl Stream {
                 let Some(shared) = shared else { continue };
                 let bucket = self.buckets.get_mut(hash).expect("subscribed");
                 bucket.last = Some(shared.assignment);
-                self.service
-                    .view
-                    .record(self.number, *hash, &bucket.mapped, &shared);
+                self.service.view.record(
+                    self.number,
+                    *hash,
+                    self.envoy.is_some(),
+                    &bucket.mapped,
+                    &shared,
+                );
                 actions.push(assignment(bucket.id.clone(), &shared, ttl));
             }
         }

@@ -39,6 +39,8 @@ pub struct BucketRow {
     pub max_tokens: Option<u32>,
     /// The store was unavailable and the rule's policy decided.
     pub degraded: bool,
+    /// The Envoy named itself (`x-tollgate-envoy`).
+    pub named: bool,
 }
 
 /// The buckets subscribed on this instance.
@@ -49,7 +51,7 @@ pub struct RlqsView {
 
 impl RlqsView {
     /// Records bucket `hash` of stream `stream` as `shared` left it.
-    pub fn record(&self, stream: u64, hash: u64, mapped: &Mapped, shared: &Shared) {
+    pub fn record(&self, stream: u64, hash: u64, named: bool, mapped: &Mapped, shared: &Shared) {
         let (assignment, rate, max_tokens) = match shared.assignment {
             Assignment::AllowAll => ("allow_all", None, None),
             Assignment::DenyAll => ("deny_all", None, None),
@@ -71,6 +73,7 @@ impl RlqsView {
             rate,
             max_tokens,
             degraded: shared.degraded.is_some(),
+            named,
         };
         rows.insert((stream, hash), row);
         metrics::rlqs_buckets(rows.len());
