@@ -231,7 +231,7 @@ struct Parts {
     top: Arc<TopLimited>,
     engine: Arc<Engine>,
     ledger: Arc<Ledger>,
-    rlqs: Arc<crate::api::rlqs::view::RlqsView>,
+    rlqs: Arc<crate::api::quota_view::RlqsView>,
 }
 
 impl Parts {

@@ -98,7 +98,7 @@ fn the_store_is_reachable_only_through_the_engine() {
 /// and in its directory alike.
 #[test]
 fn no_wing_imports_a_sibling() {
-    let wings = ["native", "envoy", "admin"];
+    let wings = ["native", "envoy", "rlqs", "admin"];
     for wing in wings {
         let mut files = Vec::new();
         let dir = src("api").join(wing);

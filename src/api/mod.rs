@@ -17,6 +17,7 @@ pub mod envoy;
 pub mod frames;
 pub mod native;
 pub mod observe;
+pub mod quota_view;
 pub mod rlqs;
 pub mod status;
 pub mod usage;

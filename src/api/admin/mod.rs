@@ -64,7 +64,7 @@ pub struct AdminState {
     /// The engine, to read usage.
     pub engine: Arc<crate::engine::Engine>,
     /// The quota buckets subscribed on this instance.
-    pub rlqs: Arc<crate::api::rlqs::view::RlqsView>,
+    pub rlqs: Arc<crate::api::quota_view::RlqsView>,
 }
 
 /// Whether the service is ready: from the moment the store first answers

@@ -15,7 +15,6 @@
 //! forgets it); the stream ending gives the Envoy's shares back.
 
 mod mapping;
-pub mod view;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -45,6 +44,8 @@ use crate::proto::envoy::r#type::v3::{
     RateLimitStrategy, TokenBucket, rate_limit_strategy::BlanketRule, rate_limit_strategy::Strategy,
 };
 use crate::telemetry::metrics;
+
+use super::quota_view::{self, RlqsView};
 
 pub use crate::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 
@@ -172,7 +173,7 @@ pub struct RlqsService {
     instance: u64,
     next_stream: AtomicU64,
     streams: Arc<Streams>,
-    view: Arc<view::RlqsView>,
+    view: Arc<RlqsView>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -235,7 +236,7 @@ impl RlqsService {
 
     /// Records the buckets subscribed in `view` (which the admin port
     /// shows).
-    pub fn with_view(mut self, view: Arc<view::RlqsView>) -> Self {
+    pub fn with_view(mut self, view: Arc<RlqsView>) -> Self {
         self.view = view;
         self
     }
@@ -311,7 +312,7 @@ struct Wing {
     limits: Arc<LiveLimits>,
     options: Arc<RlqsOptions>,
     mapping: Arc<BucketMapping>,
-    view: Arc<view::RlqsView>,
+    view: Arc<RlqsView>,
     instance: u64,
 }
 
@@ -516,7 +517,11 @@ impl Stream {
                     self.number,
                     *hash,
                     self.envoy.is_some(),
-                    &bucket.mapped,
+                    quota_view::Bucket {
+                        tenant: &bucket.mapped.tenant,
+                        resource: &bucket.mapped.resource,
+                        key: &bucket.mapped.key,
+                    },
                     &shared,
                 );
                 actions.push(assignment(bucket.id.clone(), &shared, ttl));

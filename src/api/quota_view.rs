@@ -1,12 +1,12 @@
 //! What the admin port shows of the quota service: each subscribed
-//! bucket's demand, share and assignment on this instance.
+//! bucket's demand, share and assignment on this instance. The quota wing
+//! ([`super::rlqs`]) records it; the admin wing reads it.
 
 use std::collections::HashMap;
 
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use super::Mapped;
 use crate::engine::shares::{Assignment, Shared};
 use crate::telemetry::metrics;
 
@@ -43,6 +43,17 @@ pub struct BucketRow {
     pub named: bool,
 }
 
+/// A bucket's tenant, resource and key.
+#[derive(Debug, Clone, Copy)]
+pub struct Bucket<'a> {
+    /// The tenant.
+    pub tenant: &'a str,
+    /// The resource.
+    pub resource: &'a str,
+    /// The key.
+    pub key: &'a str,
+}
+
 /// The buckets subscribed on this instance.
 #[derive(Debug, Default)]
 pub struct RlqsView {
@@ -51,7 +62,7 @@ pub struct RlqsView {
 
 impl RlqsView {
     /// Records bucket `hash` of stream `stream` as `shared` left it.
-    pub fn record(&self, stream: u64, hash: u64, named: bool, mapped: &Mapped, shared: &Shared) {
+    pub fn record(&self, stream: u64, hash: u64, named: bool, bucket: Bucket<'_>, shared: &Shared) {
         let (assignment, rate, max_tokens) = match shared.assignment {
             Assignment::AllowAll => ("allow_all", None, None),
             Assignment::DenyAll => ("deny_all", None, None),
@@ -63,9 +74,9 @@ impl RlqsView {
         }
         let row = BucketRow {
             stream,
-            tenant: mapped.tenant.clone(),
-            resource: mapped.resource.clone(),
-            key: mapped.key.clone(),
+            tenant: bucket.tenant.to_owned(),
+            resource: bucket.resource.to_owned(),
+            key: bucket.key.to_owned(),
             demand: shared.demand,
             share_ppm: shared.ppm,
             members: shared.members,
