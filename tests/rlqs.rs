@@ -812,3 +812,107 @@ async fn a_named_envoy_takes_its_share_over_through_another_instance() {
     );
     drop((first, other));
 }
+
+/// The lifecycle of a subscription: a stream that ends gives its share
+/// back at once; a bucket that reports no requests for
+/// `--rlqs-abandon-after` is abandoned (Envoy forgets it) and its share
+/// given back; a shadow rule's bucket and a bucket no rule applies to are
+/// admitted (ALLOW_ALL), and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_give_shares_back_idle_buckets_are_abandoned_and_shadow_rules_allow() {
+    let shadow = tollgate::limits::LimitRow::from_request(
+        "trial".into(),
+        String::new(),
+        "tenant",
+        1,
+        "1/hour",
+        "shadow",
+        "allow",
+        0,
+        "rate",
+        Some("trial".into()),
+    )
+    .unwrap();
+    let rules = [
+        common::row("acme", "acme", "", "tenant", 100, "10/second"),
+        shadow,
+    ];
+    let server = TestServer::launch(Some(&rules), |c| {
+        c.rlqs.abandon_after = Duration::from_millis(300);
+    })
+    .await;
+    let acme = [("tenant", "acme")];
+    let mut first = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    first
+        .report("api", vec![usage(&acme, 1, 0, 0)])
+        .await
+        .unwrap();
+    // A second Envoy gets nothing while the first holds the limit...
+    let mut second = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    let answer = second
+        .report("api", vec![usage(&acme, 1, 0, 0)])
+        .await
+        .unwrap();
+    assert_eq!(strategy(&answer), Strategy::BlanketRule(1));
+    // ...and all of it once the first stream ends.
+    drop(first);
+    let mut whole = None;
+    for _ in 0..100 {
+        let answer = second
+            .report("api", vec![usage(&acme, 1, 0, 1)])
+            .await
+            .unwrap();
+        if let Strategy::TokenBucket(b) = strategy(&answer) {
+            if b.tokens_per_fill == Some(100) && b.fill_interval.unwrap().seconds == 10 {
+                whole = Some(b);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        whole.is_some(),
+        "the second Envoy holds the whole limit (10 a second)"
+    );
+
+    // Idle reports past --rlqs-abandon-after: abandoned.
+    let answer = second
+        .report("api", vec![usage(&acme, 0, 0, 1)])
+        .await
+        .unwrap();
+    assert!(matches!(strategy(&answer), Strategy::TokenBucket(_)));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let answer = second
+        .report("api", vec![usage(&acme, 0, 0, 1)])
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            answer.bucket_action[0].bucket_action,
+            Some(Action::AbandonAction(_))
+        ),
+        "{answer:?}"
+    );
+    assert_eq!(view(&server).await["buckets"], 0);
+
+    // A shadow rule never refuses: ALLOW_ALL, and its refusals-to-be are
+    // still counted as reported. No rule at all: ALLOW_ALL.
+    let answer = second
+        .report("api", vec![usage(&[("tenant", "trial")], 5, 0, 1)])
+        .await
+        .unwrap();
+    assert_eq!(strategy(&answer), Strategy::BlanketRule(0));
+    let answer = second
+        .report("api", vec![usage(&[("tenant", "nobody")], 5, 0, 1)])
+        .await
+        .unwrap();
+    assert_eq!(strategy(&answer), Strategy::BlanketRule(0));
+    let metrics = server.http_get("/metrics").await.unwrap().1;
+    assert_eq!(
+        common::envoy::sample(
+            &metrics,
+            "tollgate_rlqs_assignments_total{strategy=\"abandon\"}"
+        ),
+        Some(1)
+    );
+}
