@@ -862,11 +862,12 @@ async fn streams_give_shares_back_idle_buckets_are_abandoned_and_shadow_rules_al
             .report("api", vec![usage(&acme, 1, 0, 1)])
             .await
             .unwrap();
-        if let Strategy::TokenBucket(b) = strategy(&answer) {
-            if b.tokens_per_fill == Some(100) && b.fill_interval.unwrap().seconds == 10 {
-                whole = Some(b);
-                break;
-            }
+        if let Strategy::TokenBucket(b) = strategy(&answer)
+            && b.tokens_per_fill == Some(100)
+            && b.fill_interval.unwrap().seconds == 10
+        {
+            whole = Some(b);
+            break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
