@@ -52,6 +52,31 @@ async fn envoy(servers: &[&TestServer], upstream: u16) -> Envoy {
     .await
 }
 
+/// Two instances on `redis` whose table holds one rule: `tenant`'s
+/// tenant-wide bucket of `burst` refilling at `rate`.
+async fn two_instances(
+    redis: &RedisServer,
+    tenant: &str,
+    burst: i64,
+    rate: &str,
+) -> Vec<TestServer> {
+    let rules = [common::row(tenant, tenant, "", "tenant", burst, rate)];
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let url = redis.url();
+        servers.push(
+            TestServer::launch(Some(&rules), move |c| {
+                c.store = StoreSpec::Redis(url);
+                // Every report must reach Redis: a stall of a loaded
+                // machine must not leave one to a policy.
+                c.store_timeout = Duration::from_secs(2);
+            })
+            .await,
+        );
+    }
+    servers
+}
+
 /// The quota view of a server: `/v1/rlqs`.
 async fn view(server: &TestServer) -> serde_json::Value {
     let (status, body) = server.http_get("/v1/rlqs?limit=100").await.unwrap();
@@ -228,25 +253,7 @@ async fn three_envoys_through_two_instances_divide_one_limit_by_demand() {
     const B: u64 = 20;
     const SECONDS: u64 = 30;
     let redis = RedisServer::start();
-    let rules = [common::row(
-        "acme",
-        "acme",
-        "",
-        "tenant",
-        B as i64,
-        "20/second",
-    )];
-    let mut servers = Vec::new();
-    for _ in 0..2 {
-        let url = redis.url();
-        servers.push(
-            TestServer::launch(Some(&rules), move |c| {
-                c.store = StoreSpec::Redis(url);
-                c.store_timeout = Duration::from_secs(2);
-            })
-            .await,
-        );
-    }
+    let servers = two_instances(&redis, "acme", B as i64, "20/second").await;
     let up = upstream().await;
     let envoys = [
         envoy(&[&servers[0]], up).await,
@@ -671,25 +678,11 @@ async fn an_envoy_that_loses_its_instance_keeps_enforcing_and_moves_to_another()
     const R: f64 = 10.0;
     const B: f64 = 10.0;
     let redis = RedisServer::start();
-    let rules = [common::row(
-        "acme",
-        "acme",
-        "",
-        "tenant",
-        B as i64,
-        "10/second",
-    )];
-    let mut servers = Vec::new();
-    for _ in 0..2 {
-        let url = redis.url();
-        servers.push(Some(
-            TestServer::launch(Some(&rules), move |c| {
-                c.store = StoreSpec::Redis(url);
-                c.store_timeout = Duration::from_secs(2);
-            })
-            .await,
-        ));
-    }
+    let mut servers: Vec<Option<TestServer>> = two_instances(&redis, "acme", B as i64, "10/second")
+        .await
+        .into_iter()
+        .map(Some)
+        .collect();
     let up = upstream().await;
     let envoy = envoy(
         &[servers[0].as_ref().unwrap(), servers[1].as_ref().unwrap()],
@@ -754,13 +747,7 @@ async fn an_envoy_that_loses_its_instance_keeps_enforcing_and_moves_to_another()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_named_envoy_takes_its_share_over_through_another_instance() {
     let redis = RedisServer::start();
-    let rules = [common::row("acme", "acme", "", "tenant", 100, "10/second")];
-    let mut servers = Vec::new();
-    for _ in 0..2 {
-        let url = redis.url();
-        servers
-            .push(TestServer::launch(Some(&rules), move |c| c.store = StoreSpec::Redis(url)).await);
-    }
+    let servers = two_instances(&redis, "acme", 100, "10/second").await;
     let acme = [("tenant", "acme")];
     let channel = |s: &TestServer| {
         tonic::transport::Endpoint::from_shared(s.url())

@@ -8,7 +8,6 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::engine::shares::{Assignment, Shared};
-use crate::telemetry::metrics;
 
 /// Most buckets the view holds (every stream's together); past it, new
 /// buckets are counted but not shown.
@@ -87,21 +86,18 @@ impl RlqsView {
             named,
         };
         rows.insert((stream, hash), row);
-        metrics::rlqs_buckets(rows.len());
     }
 
     /// Drops bucket `hash` of stream `stream` (abandoned).
     pub fn drop_bucket(&self, stream: u64, hash: u64) {
         let mut rows = self.rows.lock();
         rows.remove(&(stream, hash));
-        metrics::rlqs_buckets(rows.len());
     }
 
     /// Drops every bucket of `stream` (it ended).
     pub fn forget(&self, stream: u64) {
         let mut rows = self.rows.lock();
         rows.retain(|(s, _), _| *s != stream);
-        metrics::rlqs_buckets(rows.len());
     }
 
     /// The `limit` buckets of highest demand, highest first, and how many

@@ -173,6 +173,8 @@ pub struct RlqsService {
     instance: u64,
     next_stream: AtomicU64,
     streams: Arc<Streams>,
+    /// Buckets subscribed, every stream's together.
+    subscribed: Arc<AtomicUsize>,
     view: Arc<RlqsView>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
@@ -222,6 +224,7 @@ impl RlqsService {
             },
             next_stream: AtomicU64::new(1),
             streams: Arc::default(),
+            subscribed: Arc::default(),
             view: Arc::default(),
             stop: None,
         }
@@ -314,6 +317,7 @@ struct Wing {
     mapping: Arc<BucketMapping>,
     view: Arc<RlqsView>,
     instance: u64,
+    subscribed: Arc<AtomicUsize>,
 }
 
 #[tonic::async_trait]
@@ -351,6 +355,7 @@ impl RateLimitQuotaService for RlqsService {
                 mapping: self.mapping.clone(),
                 view: self.view.clone(),
                 instance: self.instance,
+                subscribed: self.subscribed.clone(),
             }),
             _slot: slot,
             domain: None,
@@ -452,6 +457,7 @@ impl Stream {
                         self.service.instance, self.number
                     ),
                 };
+                self.service.subscribed(1);
                 self.buckets.insert(
                     hash,
                     Subscribed {
@@ -468,12 +474,17 @@ impl Stream {
                 .time_elapsed
                 .map(|d| d.seconds.clamp(0, 3600) as u64)
                 .unwrap_or(0);
-            self.interval = self.interval.max(Duration::from_secs(elapsed));
             let bucket = self.buckets.get_mut(&hash).expect("inserted above");
             let measured = bucket
                 .reported_at
                 .replace(now)
-                .map(|at| now.duration_since(at).as_micros() as u64);
+                .map(|at| now.duration_since(at));
+            // The interval as measured here (what the Envoy says is trusted
+            // only for the demand of a bucket's first report).
+            if let Some(measured) = measured {
+                self.interval = self.interval.max(measured);
+            }
+            let measured = measured.map(|d| d.as_micros() as u64);
             let usage = Usage {
                 allowed: usage.num_requests_allowed,
                 denied: usage.num_requests_denied,
@@ -483,6 +494,7 @@ impl Stream {
                 let since = *bucket.idle_since.get_or_insert(now);
                 if now.duration_since(since) >= self.service.options.abandon_after {
                     let gone = self.buckets.remove(&hash).expect("found above");
+                    self.service.unsubscribed(1);
                     self.service.leave(&gone).await;
                     self.service.view.drop_bucket(self.number, hash);
                     metrics::rlqs_assignment("abandon");
@@ -497,11 +509,14 @@ impl Stream {
             }
             jobs.push((hash, usage));
         }
-        let ttl = self
-            .service
-            .options
-            .assignment_ttl
-            .max(3 * self.interval)
+        // Three reporting intervals, within [--rlqs-assignment-ttl, four
+        // times it]: a stream that reports rarely cannot reserve its
+        // shares for longer.
+        let ttl = (3 * self.interval)
+            .clamp(
+                self.service.options.assignment_ttl,
+                4 * self.service.options.assignment_ttl,
+            )
             .as_secs();
         for chunk in jobs.chunks(CONCURRENT_REPORTS) {
             let decided = futures_util::future::join_all(chunk.iter().map(|(hash, usage)| {
@@ -565,6 +580,7 @@ impl Stream {
     /// same name.
     async fn release(&mut self) {
         let buckets: Vec<Subscribed> = self.buckets.drain().map(|(_, b)| b).collect();
+        self.service.unsubscribed(buckets.len());
         if self.envoy.is_some() {
             self.service.view.forget(self.number);
             return;
@@ -577,6 +593,18 @@ impl Stream {
 }
 
 impl Wing {
+    /// Counts `n` buckets subscribed.
+    fn subscribed(&self, n: usize) {
+        let now = self.subscribed.fetch_add(n, Ordering::AcqRel) + n;
+        metrics::rlqs_buckets(now);
+    }
+
+    /// Counts `n` buckets no longer subscribed.
+    fn unsubscribed(&self, n: usize) {
+        let now = self.subscribed.fetch_sub(n, Ordering::AcqRel) - n;
+        metrics::rlqs_buckets(now);
+    }
+
     /// Settles `usage` of `bucket` and answers its next assignment, for
     /// `ttl` seconds (`None`: not settled; the bucket keeps its assignment
     /// until it expires).
