@@ -470,6 +470,7 @@ async fn health_and_reflection_work_without_the_proto_file() {
     assert_eq!(
         names,
         [
+            "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
             "envoy.service.ratelimit.v3.RateLimitService",
             "grpc.health.v1.Health",
             "grpc.reflection.v1.ServerReflection",

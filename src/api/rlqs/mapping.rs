@@ -156,7 +156,7 @@ mod tests {
         assert!(colon.contains("bucket entry \"tenant\""), "{colon}");
         let big = "x".repeat(MAX_ID_BYTES + 1);
         let err = mapping().map(&id(&[("key", big.as_str())])).unwrap_err();
-        assert!(err.contains("4097 bytes; at most 4096"), "{err}");
+        assert!(err.contains("4100 bytes; at most 4096"), "{err}");
         let many: Vec<(String, String)> = (0..=MAX_ENTRIES)
             .map(|i| (format!("e{i}"), "v".into()))
             .collect();
