@@ -631,6 +631,7 @@ async fn with_the_store_down_each_rules_policy_decides_the_assignment() {
     let server = TestServer::launch(Some(&rules), move |c| {
         c.store = StoreSpec::Redis(url);
         c.store_timeout = Duration::from_millis(200);
+        c.local_fraction = 0.5;
     })
     .await;
     let mut s = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
@@ -660,11 +661,12 @@ async fn with_the_store_down_each_rules_policy_decides_the_assignment() {
     let Strategy::TokenBucket(local) = &got[2] else {
         panic!("local: a token bucket, got {:?}", got[2]);
     };
-    // The whole limit (this instance's only Envoy; --local-fraction 1):
-    // 10 a second, and the in-process bucket's 99 tokens left.
-    assert_eq!(local.tokens_per_fill, Some(100));
-    assert_eq!(local.fill_interval.unwrap().seconds, 10);
-    assert_eq!(local.max_tokens, 99);
+    // This instance's fraction of the limit (--local-fraction 0.5), all of
+    // it to its only Envoy: 5 a second (150 every 30 s), and what the
+    // in-process bucket (burst 50) has left after this report's request.
+    assert_eq!(local.tokens_per_fill, Some(150));
+    assert_eq!(local.fill_interval.unwrap().seconds, 30);
+    assert_eq!(local.max_tokens, 49);
     let row = wait_assigned(&server, "near", "token_bucket").await;
     assert_eq!(row["degraded"], true);
 }

@@ -254,6 +254,7 @@ impl Wrapper for FallbackLayer {
                 Err(err) if err.is_transient() => Ok(Shared {
                     share: self.fallback.local.share_now(&ask)?,
                     degraded: true,
+                    scale: self.fallback.local_fraction,
                 }),
                 other => other,
             }

@@ -28,13 +28,16 @@ pub struct Applied {
 pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Applied, StoreError>> + Send + 'a>>;
 
 /// What a layered store grants a share table's member.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Shared {
     /// The grant.
     pub share: Share,
     /// True when the backend was unavailable and the in-process tables of
     /// the local fallback answered.
     pub degraded: bool,
+    /// The part of each limit the grant divides: 1, or while degraded the
+    /// local fallback's fraction (what one instance may allow alone).
+    pub scale: f64,
 }
 
 /// The future of [`Layer::share`].

@@ -95,6 +95,7 @@ impl Layer for Backend {
             Ok(Shared {
                 share: share?,
                 degraded: false,
+                scale: 1.0,
             })
         })
     }

@@ -230,6 +230,9 @@ impl Engine {
         shared.members = granted.share.members;
         shared.full = granted.share.full;
         let part = granted.share.ppm as f64 / PPM as f64;
+        // While degraded, the in-process buckets hold this instance's
+        // fraction of the limit (their remaining tokens already do).
+        let rate = rate * granted.scale;
         // The burst: the member's part of what every enforced bucket has
         // left (after this report's charge).
         let left = demand
