@@ -1761,3 +1761,238 @@ async fn a_quota_failing_open_resets_when_its_period_ends() {
     assert_eq!(a.lines[0].remaining, 97);
     assert_eq!(a.lines[0].reset_after, (3600 + 46 * 60 + 43) * SECOND);
 }
+
+mod shares {
+    //! `Engine::share`: a data plane's report settled, and its next
+    //! assignment.
+
+    use super::*;
+    use tollgate_engine::engine::shares::{Assignment, Member, ShareBucket, Usage};
+
+    /// A report of `acme` on `lines`.
+    fn report<'a>(lines: Vec<Line<'a>>) -> Demand<'a> {
+        let mut d = Demand::new(Api::Rlqs, Op::Charge, OverCapacity::Reject);
+        d.items.push(Item::new("acme", "", "", 0));
+        d.lines.extend(lines);
+        d
+    }
+
+    fn usage(allowed: u64, denied: u64) -> Usage {
+        Usage {
+            allowed,
+            denied,
+            elapsed: SECOND,
+        }
+    }
+
+    fn member(id: &str, last: Option<Assignment>) -> Member<'_> {
+        Member {
+            id,
+            ttl: 15 * SECOND,
+            last,
+        }
+    }
+
+    /// The bucket of a token-bucket assignment.
+    fn bucket_of(a: Assignment) -> ShareBucket {
+        match a {
+            Assignment::Bucket(b) => b,
+            other => panic!("a token bucket expected, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_report_is_charged_and_the_assignment_holds_the_share_of_what_is_left() {
+        let h = Harness::memory();
+        let limit = rate(10, "10/second");
+        let lines = || vec![limited(0, ceiling("acme"), limit)];
+        let first = h
+            .engine
+            .share(&mut report(lines()), usage(2, 0), member("a", None))
+            .await
+            .unwrap();
+        // Alone: the whole rate (100 tokens every 10 s) and the 8 tokens
+        // left after the report's 2.
+        let b = bucket_of(first.assignment);
+        assert_eq!(
+            b,
+            ShareBucket {
+                max_tokens: 8,
+                tokens_per_fill: 100,
+                fill_interval: 10
+            }
+        );
+        assert_eq!((first.ppm, first.members), (1_000_000, 1));
+        // The store was charged: a native decision sees 8 left.
+        let mut ask = spend(1, lines());
+        assert_eq!(h.decide(&mut ask).await.unwrap().items[0].remaining, 7);
+
+        // Nothing moved: the same assignment (Envoy keeps its bucket).
+        let again = h
+            .engine
+            .share(
+                &mut report(lines()),
+                usage(0, 0),
+                member("a", Some(first.assignment)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(again.assignment, first.assignment);
+        // Refilled to the full 10: more than a tenth above 8, a new bucket.
+        h.clock.advance(Duration::from_secs(1));
+        let grown = h
+            .engine
+            .share(
+                &mut report(lines()),
+                usage(0, 0),
+                member("a", Some(again.assignment)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(bucket_of(grown.assignment).max_tokens, 10);
+
+        // A second member, through the same store, gets nothing until the
+        // first gives some back at its next report.
+        let b2 = h
+            .engine
+            .share(&mut report(lines()), usage(30, 0), member("b", None))
+            .await
+            .unwrap();
+        assert_eq!(b2.assignment, Assignment::DenyAll);
+        assert_eq!((b2.ppm, b2.members), (0, 2));
+        let a2 = h
+            .engine
+            .share(
+                &mut report(lines()),
+                usage(10, 0),
+                member("a", Some(grown.assignment)),
+            )
+            .await
+            .unwrap();
+        // Demand 10 against 30: a quarter, 2.5 a second (150 every 60 s).
+        assert_eq!(a2.ppm, 250_000);
+        let b = bucket_of(a2.assignment);
+        assert_eq!((b.tokens_per_fill, b.fill_interval), (150, 60));
+        // The requests it refused are counted in the top-limited view.
+        h.engine
+            .share(
+                &mut report(lines()),
+                usage(0, 7),
+                member("a", Some(a2.assignment)),
+            )
+            .await
+            .unwrap();
+        assert!(h.top.top(10, 0).iter().any(|t| t.tenant == "acme"));
+    }
+
+    #[tokio::test]
+    async fn a_fill_interval_change_alone_changes_the_capacity_too() {
+        // Envoy 1.40 compares a fill interval's nanoseconds only: an
+        // assignment differing from the last in whole seconds alone would be
+        // taken for the same, so the capacity moves by one.
+        let h = Harness::memory();
+        let lines = vec![limited(0, ceiling("acme"), rate(10, "10/second"))];
+        let last = Assignment::Bucket(ShareBucket {
+            max_tokens: 10,
+            tokens_per_fill: 100,
+            fill_interval: 20,
+        });
+        let shared = h
+            .engine
+            .share(&mut report(lines), usage(0, 0), member("a", Some(last)))
+            .await
+            .unwrap();
+        assert_eq!(
+            bucket_of(shared.assignment),
+            ShareBucket {
+                max_tokens: 11,
+                tokens_per_fill: 100,
+                fill_interval: 10
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn blocked_shadow_and_unmatched_buckets_get_blanket_rules() {
+        let h = Harness::memory();
+        let blocked = line(0, ceiling("acme"), Allowance::Blocked { window: SECOND });
+        let shared = h
+            .engine
+            .share(&mut report(vec![blocked]), usage(1, 0), member("a", None))
+            .await
+            .unwrap();
+        assert_eq!(shared.assignment, Assignment::DenyAll);
+        let mut shadow = limited(0, ceiling("acme"), rate(1, "1/hour"));
+        shadow.enforce = false;
+        let shared = h
+            .engine
+            .share(&mut report(vec![shadow]), usage(5, 0), member("a", None))
+            .await
+            .unwrap();
+        assert_eq!(shared.assignment, Assignment::AllowAll);
+        let shared = h
+            .engine
+            .share(&mut report(vec![]), usage(5, 0), member("a", None))
+            .await
+            .unwrap();
+        assert_eq!(shared.assignment, Assignment::AllowAll);
+        let deny = Harness::with(options(), Unmatched::Deny, None);
+        let shared = deny
+            .engine
+            .share(&mut report(vec![]), usage(5, 0), member("a", None))
+            .await
+            .unwrap();
+        assert_eq!(shared.assignment, Assignment::DenyAll);
+    }
+
+    #[tokio::test]
+    async fn with_the_store_down_the_tightest_rules_policy_decides() {
+        let h = Harness::store_down();
+        let with = |policy| {
+            let mut l = limited(0, ceiling("acme"), rate(100, "10/second"));
+            l.on_store_unavailable = policy;
+            vec![l]
+        };
+        let open = h
+            .engine
+            .share(
+                &mut report(with(OnStoreUnavailable::Allow)),
+                usage(1, 0),
+                member("a", None),
+            )
+            .await
+            .unwrap();
+        assert_eq!(open.assignment, Assignment::AllowAll);
+        assert_eq!(open.degraded, Some(OnStoreUnavailable::Allow));
+        let closed = h
+            .engine
+            .share(
+                &mut report(with(OnStoreUnavailable::Deny)),
+                usage(1, 0),
+                member("a", None),
+            )
+            .await
+            .unwrap();
+        assert_eq!(closed.assignment, Assignment::DenyAll);
+        let local = h
+            .engine
+            .share(
+                &mut report(with(OnStoreUnavailable::Local)),
+                usage(1, 0),
+                member("a", None),
+            )
+            .await
+            .unwrap();
+        // Half the limit (local_fraction 0.5): 5 a second, and the local
+        // bucket's 49 of 50 left.
+        assert_eq!(
+            bucket_of(local.assignment),
+            ShareBucket {
+                max_tokens: 49,
+                tokens_per_fill: 150,
+                fill_interval: 30
+            }
+        );
+        assert_eq!(local.degraded, Some(OnStoreUnavailable::Local));
+    }
+}
