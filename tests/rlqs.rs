@@ -24,6 +24,12 @@ async fn upstream() -> u16 {
 /// An Envoy running the documented configuration in front of `upstream`,
 /// reporting to every one of `servers`, named apart from every other.
 async fn envoy(servers: &[&TestServer], upstream: u16) -> Envoy {
+    let ports: Vec<u16> = servers.iter().map(|s| s.grpc.port()).collect();
+    envoy_to(&ports, upstream).await
+}
+
+/// As [`envoy`], reporting to the Tollgate gRPC ports `ports`.
+async fn envoy_to(ports: &[u16], upstream: u16) -> Envoy {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
     let name = format!(
         "edge-{}",
@@ -34,9 +40,9 @@ async fn envoy(servers: &[&TestServer], upstream: u16) -> Envoy {
     let one = "\n              - endpoint:\n                  address:\n                    \
                socket_address: { address: 127.0.0.1, port_value: 50051 }";
     assert!(template.contains(one), "the Tollgate endpoint moved");
-    let endpoints: String = servers
+    let endpoints: String = ports
         .iter()
-        .map(|s| one.replace("50051", &s.grpc.port().to_string()))
+        .map(|p| one.replace("50051", &p.to_string()))
         .collect();
     Envoy::start(1, |listeners, admin| {
         template
@@ -905,4 +911,125 @@ async fn streams_give_shares_back_idle_buckets_are_abandoned_and_shadow_rules_al
         ),
         Some(1)
     );
+}
+
+/// The body of `tollgate serve`'s `/v1/rlqs`, as JSON.
+fn process_view(process: &common::process::ServeProcess) -> serde_json::Value {
+    let response = process.admin_get("/v1/rlqs?limit=100").unwrap();
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or(serde_json::Value::Null)
+}
+
+/// Two `tollgate serve` processes on one Redis; the one holding the
+/// Envoy's stream is killed with SIGKILL (it gives nothing back). The Envoy
+/// keeps enforcing, reconnects to the other at its next report and, named
+/// (`x-tollgate-envoy`), takes its own share over at once instead of
+/// waiting for the dead instance's entry to expire; the limit holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_envoy_survives_its_instance_killed() {
+    use common::process::{ServeProcess, succeeds};
+    const R: f64 = 10.0;
+    const B: f64 = 10.0;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("limits.db");
+    let db = db.to_str().unwrap();
+    let edit = ["--limits", db, "--wait-for", "none"];
+    succeeds(
+        dir.path(),
+        &[
+            &["limits", "set", "--create"],
+            &edit[..],
+            &[
+                "--tenant",
+                "acme",
+                "--scope",
+                "tenant",
+                "--burst",
+                "10",
+                "--rate",
+                "10/second",
+                "--name",
+                "acme",
+            ],
+        ]
+        .concat(),
+    );
+    succeeds(
+        dir.path(),
+        &[
+            &["limits", "delete"],
+            &edit[..],
+            &["--name", "default-per-key"],
+        ]
+        .concat(),
+    );
+    let url = redis.url();
+    let mut instances: Vec<Option<ServeProcess>> = (0..2)
+        .map(|_| {
+            Some(ServeProcess::start(
+                dir.path(),
+                &["--limits", db, "--store", &url],
+            ))
+        })
+        .collect();
+    for i in instances.iter().flatten() {
+        i.wait_ready();
+    }
+    let port = |p: &ServeProcess| p.grpc.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let ports: Vec<u16> = instances.iter().flatten().map(port).collect();
+    let up = upstream().await;
+    let envoy = envoy_to(&ports, up).await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let started = tokio::time::Instant::now();
+    let (seen, tasks) = load(envoy.listeners[0], "acme", 40, 2, &stopped);
+    let mut holder = None;
+    for _ in 0..200 {
+        holder = instances
+            .iter()
+            .position(|i| process_view(i.as_ref().unwrap())["buckets"] == 1);
+        if holder.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let holder = holder.expect("one instance holds the Envoy's stream");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let mut killed = instances[holder].take().unwrap();
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    let lost_at = tokio::time::Instant::now();
+    let other = instances[1 - holder].as_ref().unwrap();
+    let mut taken = None;
+    for _ in 0..400 {
+        let v = process_view(other);
+        if let Some(row) = v["top"].as_array().and_then(|rows| rows.first())
+            && row["assignment"] == "token_bucket"
+        {
+            taken = Some((lost_at.elapsed(), row.clone()));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let (moved, row) = taken.expect("the other instance assigns the Envoy's bucket");
+    // Its own share, at once: the dead instance's entry was its own.
+    assert_eq!(row["share_ppm"], 1_000_000, "{row}");
+    assert!(row["named"] == true, "{row}");
+    assert!(moved <= Duration::from_secs(15), "moved in {moved:?}");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    stop.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = seen.admitted() as f64;
+    let expected = R * elapsed + B;
+    eprintln!(
+        "admitted {admitted} in {elapsed:.1} s (R·t + B = {expected:.0}); moved in {moved:?}"
+    );
+    assert!(
+        admitted >= 0.85 * expected && admitted <= 1.1 * expected,
+        "admitted {admitted}, not near {expected:.0}"
+    );
+    drop(envoy);
 }

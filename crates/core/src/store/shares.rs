@@ -92,12 +92,27 @@ type Table = HashMap<Box<str>, Entry>;
 
 /// The in-process share tables: the memory store's, and the local
 /// fallback's while Redis is unavailable.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ShareTables {
     tables: Mutex<HashMap<Box<str>, Table>>,
+    max_tables: usize,
+}
+
+impl Default for ShareTables {
+    fn default() -> Self {
+        Self::with_max_tables(MAX_TABLES)
+    }
 }
 
 impl ShareTables {
+    /// Tables holding at most `max_tables` limits shared at once.
+    pub fn with_max_tables(max_tables: usize) -> Self {
+        Self {
+            tables: Mutex::default(),
+            max_tables,
+        }
+    }
+
     /// Applies `ask` at `now` (see the module docs).
     pub fn share(&self, ask: &ShareAsk<'_>, now: Micros) -> Result<Share, super::StoreError> {
         let mut tables = self.tables.lock();
@@ -105,14 +120,15 @@ impl ShareTables {
             if ask.ttl == 0 {
                 return Ok(Share::default());
             }
-            if tables.len() >= MAX_TABLES {
+            if tables.len() >= self.max_tables {
                 tables.retain(|_, t| {
                     t.retain(|_, e| e.expires > now);
                     !t.is_empty()
                 });
-                if tables.len() >= MAX_TABLES {
+                if tables.len() >= self.max_tables {
                     return Err(super::StoreError::AtCapacity(format!(
-                        "the in-memory share tables are full ({MAX_TABLES} limits shared at once)"
+                        "the in-memory share tables are full ({} limits shared at once)",
+                        self.max_tables
                     )));
                 }
             }
@@ -233,6 +249,40 @@ mod tests {
         assert_eq!(ask("b", 290, 10, 13).ppm, PPM);
         // b leaves on purpose: the table is dropped.
         assert_eq!(ask("b", 300, 0, 14).members, 0);
+        assert!(tables.is_empty());
+    }
+
+    #[test]
+    fn at_most_so_many_tables_and_expired_ones_make_room() {
+        let tables = ShareTables::with_max_tables(2);
+        let ask = |t: &BucketKey, ttl: Micros, now: Micros| {
+            tables.share(
+                &ShareAsk {
+                    table: t,
+                    member: "m",
+                    weight: 1,
+                    ttl,
+                },
+                now,
+            )
+        };
+        let key = |k: &str| BucketKey::new("acme", BucketKind::KEY, "", k);
+        let (a, b, c) = (key("a"), key("b"), key("c"));
+        assert_eq!(ask(&a, 10, 0).unwrap().ppm, PPM);
+        assert_eq!(ask(&b, 20, 0).unwrap().ppm, PPM);
+        // Full of live tables: a third is refused; a known one still works.
+        let err = ask(&c, 10, 5).unwrap_err();
+        assert!(err.to_string().contains("full (2 limits"), "{err}");
+        assert!(ask(&a, 10, 5).is_ok());
+        // Leaving an unknown table costs nothing and takes no room.
+        assert_eq!(ask(&c, 0, 5).unwrap(), Share::default());
+        // a's member expires at 15: its table makes room for c.
+        assert_eq!(ask(&c, 10, 15).unwrap().ppm, PPM);
+        assert_eq!(tables.len(), 2);
+        // Sweeping drops expired members and their tables.
+        tables.sweep(22);
+        assert_eq!(tables.len(), 1, "b expired at 20; c lives until 25");
+        tables.sweep(25);
         assert!(tables.is_empty());
     }
 
