@@ -1033,3 +1033,20 @@ async fn a_named_envoy_survives_its_instance_killed() {
     );
     drop(envoy);
 }
+
+/// The README's quota-service Envoy configuration is the deploy file the
+/// tests run (less its header comments).
+#[test]
+fn the_readme_shows_the_deploy_file_as_it_is() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let deploy = std::fs::read_to_string(format!("{root}/deploy/envoy/rlqs/envoy.yaml")).unwrap();
+    let body: Vec<&str> = deploy.lines().filter(|l| !l.starts_with('#')).collect();
+    let start = readme
+        .find("<summary>deploy/envoy/rlqs/envoy.yaml</summary>")
+        .expect("the README shows deploy/envoy/rlqs/envoy.yaml");
+    let block = &readme[start..];
+    let block = &block[block.find("```yaml\n").unwrap() + 8..];
+    let block = &block[..block.find("\n```").unwrap()];
+    assert_eq!(block.lines().collect::<Vec<_>>(), body);
+}
