@@ -279,6 +279,7 @@ mod tests {
         // a's member expires at 15: its table makes room for c.
         assert_eq!(ask(&c, 10, 15).unwrap().ppm, PPM);
         assert_eq!(tables.len(), 2);
+        assert!(!tables.is_empty());
         // Sweeping drops expired members and their tables.
         tables.sweep(22);
         assert_eq!(tables.len(), 1, "b expired at 20; c lives until 25");
