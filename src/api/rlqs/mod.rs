@@ -14,18 +14,22 @@
 //! reports no requests for `--rlqs-abandon-after` is abandoned (Envoy
 //! forgets it); the stream ending gives the Envoy's shares back.
 
+mod caps;
 mod mapping;
+mod options;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 
 pub use mapping::{BucketMapping, Mapped};
+pub use options::RlqsOptions;
+
+use caps::{StreamSlot, Streams};
 
 use crate::algorithm::Op;
 use crate::connections::Peer;
@@ -65,103 +69,6 @@ pub const ENVOY_ID_METADATA: &str = "x-tollgate-envoy";
 /// Longest Envoy name.
 const MAX_ENVOY_ID_BYTES: usize = 256;
 
-/// Options of the quota service.
-#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
-pub struct RlqsOptions {
-    /// The bucket id entry that names the tenant (missing: the default
-    /// tenant, "").
-    #[arg(
-        id = "rlqs_tenant_entry",
-        long = "rlqs-tenant-entry",
-        env = "TOLLGATE_RLQS_TENANT_ENTRY",
-        default_value = "tenant"
-    )]
-    pub tenant_entry: String,
-    /// The bucket id entry that names the resource (missing: "").
-    #[arg(
-        id = "rlqs_resource_entry",
-        long = "rlqs-resource-entry",
-        env = "TOLLGATE_RLQS_RESOURCE_ENTRY",
-        default_value = "resource"
-    )]
-    pub resource_entry: String,
-    /// The bucket id entry that names the key (missing: every other entry,
-    /// as `name=value` pairs in name order joined by `,`).
-    #[arg(
-        id = "rlqs_key_entry",
-        long = "rlqs-key-entry",
-        env = "TOLLGATE_RLQS_KEY_ENTRY",
-        default_value = "key"
-    )]
-    pub key_entry: String,
-    /// How long an assignment holds at the Envoy (whole seconds; three of
-    /// the Envoy's reporting intervals when that is longer; Envoy 1.40
-    /// reports every 5 s): an Envoy that loses its Tollgate instance
-    /// enforces its share this long, and a share whose Envoy vanished is
-    /// held this long before the others may take it.
-    #[arg(id = "rlqs_assignment_ttl", long = "rlqs-assignment-ttl", env = "TOLLGATE_RLQS_ASSIGNMENT_TTL", value_parser = crate::options::parse_duration, default_value = "15s")]
-    pub assignment_ttl: Duration,
-    /// A bucket that reports no requests this long is abandoned: the Envoy
-    /// forgets it and its share is given back.
-    #[arg(id = "rlqs_abandon_after", long = "rlqs-abandon-after", env = "TOLLGATE_RLQS_ABANDON_AFTER", value_parser = crate::options::parse_duration, default_value = "5m")]
-    pub abandon_after: Duration,
-    /// Most quota streams open at once on this instance.
-    #[arg(
-        id = "rlqs_max_streams",
-        long = "rlqs-max-streams",
-        env = "TOLLGATE_RLQS_MAX_STREAMS",
-        default_value_t = 4096
-    )]
-    pub max_streams: usize,
-    /// Most quota streams open at once from one peer address.
-    #[arg(
-        id = "rlqs_max_streams_per_peer",
-        long = "rlqs-max-streams-per-peer",
-        env = "TOLLGATE_RLQS_MAX_STREAMS_PER_PEER",
-        default_value_t = 64
-    )]
-    pub max_streams_per_peer: usize,
-    /// Most buckets one stream subscribes.
-    #[arg(
-        id = "rlqs_max_buckets_per_stream",
-        long = "rlqs-max-buckets-per-stream",
-        env = "TOLLGATE_RLQS_MAX_BUCKETS_PER_STREAM",
-        default_value_t = 10_000
-    )]
-    pub max_buckets_per_stream: usize,
-}
-
-impl Default for RlqsOptions {
-    fn default() -> Self {
-        crate::options::defaults()
-    }
-}
-
-impl RlqsOptions {
-    /// Refuses options that cannot work.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.assignment_ttl < Duration::from_secs(1) {
-            return Err(
-                "--rlqs-assignment-ttl must be at least 1s (Envoy reads whole seconds)".into(),
-            );
-        }
-        let entries = [&self.tenant_entry, &self.resource_entry, &self.key_entry];
-        if entries.iter().any(|e| e.is_empty()) {
-            return Err(
-                "--rlqs-tenant-entry, --rlqs-resource-entry and --rlqs-key-entry must not be empty"
-                    .into(),
-            );
-        }
-        if self.max_streams == 0
-            || self.max_streams_per_peer == 0
-            || self.max_buckets_per_stream == 0
-        {
-            return Err("--rlqs-max-streams, --rlqs-max-streams-per-peer and --rlqs-max-buckets-per-stream must be at least 1".into());
-        }
-        Ok(())
-    }
-}
-
 /// Serves the quota service through the [`Engine`].
 pub struct RlqsService {
     engine: Arc<Engine>,
@@ -177,35 +84,6 @@ pub struct RlqsService {
     subscribed: Arc<AtomicUsize>,
     view: Arc<RlqsView>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
-}
-
-/// Open streams, in all and per peer address.
-#[derive(Default)]
-struct Streams {
-    open: AtomicUsize,
-    per_peer: Mutex<HashMap<std::net::IpAddr, usize>>,
-}
-
-/// A stream's place under the caps, given back when dropped.
-struct StreamSlot {
-    streams: Arc<Streams>,
-    peer: Option<std::net::IpAddr>,
-}
-
-impl Drop for StreamSlot {
-    fn drop(&mut self) {
-        self.streams.open.fetch_sub(1, Ordering::AcqRel);
-        metrics::rlqs_streams(self.streams.open.load(Ordering::Acquire));
-        if let Some(peer) = self.peer {
-            let mut per_peer = self.streams.per_peer.lock();
-            if let Some(n) = per_peer.get_mut(&peer) {
-                *n -= 1;
-                if *n == 0 {
-                    per_peer.remove(&peer);
-                }
-            }
-        }
-    }
 }
 
 impl RlqsService {
@@ -242,42 +120,6 @@ impl RlqsService {
     pub fn with_view(mut self, view: Arc<RlqsView>) -> Self {
         self.view = view;
         self
-    }
-
-    /// Takes a stream slot for `peer`, or says which cap refused it.
-    fn admit(&self, peer: Option<std::net::IpAddr>) -> Result<StreamSlot, Status> {
-        let o = &self.options;
-        if let Some(peer) = peer {
-            let mut per_peer = self.streams.per_peer.lock();
-            let n = per_peer.entry(peer).or_default();
-            if *n >= o.max_streams_per_peer {
-                metrics::rlqs_refused("streams_per_peer");
-                return Err(Status::resource_exhausted(format!(
-                    "{peer} holds {} quota streams, the most one peer may \
-                     (--rlqs-max-streams-per-peer); an Envoy needs one per filter \
-                     configuration",
-                    o.max_streams_per_peer
-                )));
-            }
-            *n += 1;
-        }
-        let slot = StreamSlot {
-            streams: self.streams.clone(),
-            peer,
-        };
-        let open = self.streams.open.fetch_add(1, Ordering::AcqRel) + 1;
-        if open > o.max_streams {
-            metrics::rlqs_refused("streams");
-            // Dropping the slot gives both counts back.
-            drop(slot);
-            return Err(Status::resource_exhausted(format!(
-                "this instance holds {} quota streams, the most it may (--rlqs-max-streams); \
-                 connect to another instance or raise the cap",
-                o.max_streams
-            )));
-        }
-        metrics::rlqs_streams(open);
-        Ok(slot)
     }
 }
 
@@ -345,7 +187,7 @@ impl RateLimitQuotaService for RlqsService {
                 }
             },
         };
-        let slot = self.admit(peer)?;
+        let slot = self.streams.admit(peer, &self.options)?;
         let mut inbound = request.into_inner();
         let mut stream = Stream {
             service: Arc::new(Wing {
