@@ -18,9 +18,11 @@ ARGV[4]   most members the table holds
 ARGV[5]   "now" in µs, or empty for Redis's own clock (TIME): every
           instance then uses the one clock of the Redis holding the table
 
-Returns { ppm, members, full }: the member's grant in parts per million
-of the limit, the members counted (this one included, unless the table
-was full), and 1 when the table was full and the member is not in it.
+Returns { ppm, members, full, waiting }: the member's grant in parts per
+million of the limit, the members counted (this one included, unless the
+table was full), 1 when the table was full and the member is not in it,
+and 1 when the grant is short of the member's fair part by more than a
+tenth (the others hold the rest until they report).
 
 A script, not MULTI: the grant depends on every other member's entry,
 read, pruned and written in one step.
@@ -67,10 +69,10 @@ end
 
 if ttl <= 0 then
   redis.call('HDEL', key, member)
-  return { 0, members - 1, 0 }
+  return { 0, members - 1, 0, 0 }
 end
 if current == nil and members > max_members then
-  return { 0, members - 1, 1 }
+  return { 0, members - 1, 1, 0 }
 end
 
 local fair = math.floor(weight * PPM / total)
@@ -91,4 +93,8 @@ end
 redis.call('HSET', key, member, string.format('%d:%d:%d', weight, grant, now + ttl))
 -- The table lives as long as its longest-lived member.
 redis.call('PEXPIRE', key, math.floor((latest - now) / 1000) + 1000)
-return { grant, members, 0 }
+local waiting = 0
+if grant * 10 < fair * 9 then
+  waiting = 1
+end
+return { grant, members, 0, waiting }

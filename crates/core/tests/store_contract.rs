@@ -1022,12 +1022,13 @@ async fn share_tables_divide_a_limit_across_instances(h: &Harness) {
         Share {
             ppm: shares::PPM,
             members: 1,
-            full: false
+            full: false,
+            waiting: false,
         }
     );
     // b reports through the other instance: a still holds everything.
     let b = share(&h.other, &table, "b", 300, ttl).await;
-    assert_eq!((b.ppm, b.members), (0, 2));
+    assert_eq!((b.ppm, b.members, b.waiting), (0, 2, true));
     assert_eq!(share(&h.store, &table, "a", 100, ttl).await.ppm, 250_000);
     assert_eq!(share(&h.other, &table, "b", 300, ttl).await.ppm, 750_000);
     // A weight within a tenth keeps the grant as it is.
@@ -1050,7 +1051,8 @@ async fn share_tables_divide_a_limit_across_instances(h: &Harness) {
         Share {
             ppm: shares::PPM,
             members: 1,
-            full: false
+            full: false,
+            waiting: false,
         }
     );
 
@@ -1083,6 +1085,12 @@ async fn share_tables_divide_a_limit_across_instances(h: &Harness) {
         let store = if next() % 2 == 0 { &h.store } else { &h.other };
         let got = share(store, &table, &member, weight, ttl).await;
         assert_eq!(got.ppm, shares::grant(current, weight, total, others));
+        let fair = shares::fair(weight, total);
+        assert_eq!(
+            got.waiting,
+            shares::waiting(got.ppm, fair),
+            "{got:?} of fair {fair}"
+        );
         held.insert(member, (weight, got.ppm));
         assert!(held.values().map(|(_, p)| p).sum::<u64>() <= shares::PPM);
     }
@@ -1105,7 +1113,8 @@ async fn a_full_share_table_grants_a_newcomer_nothing(h: &Harness) {
         Share {
             ppm: 0,
             members: shares::MAX_MEMBERS as u64,
-            full: true
+            full: true,
+            waiting: false,
         }
     );
 }

@@ -1782,6 +1782,7 @@ mod shares {
             allowed,
             denied,
             elapsed: SECOND,
+            demand: None,
         }
     }
 

@@ -56,6 +56,10 @@ pub use crate::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_ser
 /// Reports of one message decided at once (each a store call or two).
 const CONCURRENT_REPORTS: usize = 32;
 
+/// How often a bucket whose part waits for others to shrink asks again,
+/// between its Envoy's reports, and gets its grown part pushed.
+const REASK_EVERY: Duration = Duration::from_secs(1);
+
 /// Longest domain name a stream may give.
 const MAX_DOMAIN_BYTES: usize = 256;
 
@@ -135,6 +139,11 @@ struct Subscribed {
     /// When it last reported (Envoy's own time_elapsed is whole seconds
     /// only, a quarter off at a 5 s interval).
     reported_at: Option<Instant>,
+    /// Its part waits for others to shrink (asked again every
+    /// [`REASK_EVERY`]).
+    waiting: bool,
+    /// The demand of its last report, requests a second.
+    demand: f64,
 }
 
 /// One stream's state.
@@ -218,9 +227,19 @@ impl RateLimitQuotaService for RlqsService {
                 }
             };
             tokio::pin!(stopping);
+            let mut reask = tokio::time::interval(REASK_EVERY);
+            reask.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let next = tokio::select! {
                     _ = &mut stopping => break,
+                    _ = reask.tick() => {
+                        if let Some(pushed) = stream.reask().await
+                            && tx.send(Ok(pushed)).await.is_err()
+                        {
+                            break;
+                        }
+                        continue;
+                    }
                     next = crate::api::codec::lenient(inbound.message()) => next,
                 };
                 let reports = match next {
@@ -309,6 +328,8 @@ impl Stream {
                         last: None,
                         idle_since: None,
                         reported_at: None,
+                        waiting: false,
+                        demand: 0.0,
                     },
                 );
             }
@@ -331,6 +352,7 @@ impl Stream {
                 allowed: usage.num_requests_allowed,
                 denied: usage.num_requests_denied,
                 elapsed: measured.unwrap_or(elapsed * 1_000_000),
+                demand: None,
             };
             if usage.allowed == 0 && usage.denied == 0 {
                 let since = *bucket.idle_since.get_or_insert(now);
@@ -354,12 +376,70 @@ impl Stream {
         // Three reporting intervals, within [--rlqs-assignment-ttl, four
         // times it]: a stream that reports rarely cannot reserve its
         // shares for longer.
-        let ttl = (3 * self.interval)
-            .clamp(
-                self.service.options.assignment_ttl,
-                4 * self.service.options.assignment_ttl,
-            )
-            .as_secs();
+        let ttl = self.ttl();
+        actions.extend(self.settle_all(&jobs, ttl).await);
+        if actions.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        }))
+    }
+
+    /// Three reporting intervals, within [--rlqs-assignment-ttl, four
+    /// times it]: a stream that reports rarely cannot reserve its shares
+    /// for longer.
+    fn ttl(&self) -> u64 {
+        let o = &self.service.options;
+        (3 * self.interval)
+            .clamp(o.assignment_ttl, 4 * o.assignment_ttl)
+            .as_secs()
+    }
+
+    /// Asks again for the buckets whose part waits for others to shrink,
+    /// with the demand of their last report and nothing to charge: the
+    /// grown assignments to push (`None`: none changed).
+    async fn reask(&mut self) -> Option<RateLimitQuotaResponse> {
+        let jobs: Vec<(u64, Usage)> = self
+            .buckets
+            .iter()
+            .filter(|(_, b)| b.waiting)
+            .map(|(hash, b)| {
+                let usage = Usage {
+                    allowed: 0,
+                    denied: 0,
+                    elapsed: 0,
+                    demand: Some(b.demand),
+                };
+                (*hash, usage)
+            })
+            .collect();
+        if jobs.is_empty() {
+            return None;
+        }
+        let before: HashMap<u64, Option<Assignment>> = jobs
+            .iter()
+            .map(|(h, _)| (*h, self.buckets[h].last))
+            .collect();
+        let actions: Vec<BucketAction> = self
+            .settle_all(&jobs, self.ttl())
+            .await
+            .into_iter()
+            .zip(&jobs)
+            .filter(|(_, (hash, _))| {
+                self.buckets.get(hash).map(|b| b.last) != before.get(hash).copied()
+            })
+            .map(|(action, _)| action)
+            .collect();
+        (!actions.is_empty()).then_some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        })
+    }
+
+    /// Settles `jobs` (a bucket and its usage each), a few at a time, and
+    /// answers each settled bucket's assignment for `ttl` seconds.
+    async fn settle_all(&mut self, jobs: &[(u64, Usage)], ttl: u64) -> Vec<BucketAction> {
+        let mut actions = Vec::with_capacity(jobs.len());
         for chunk in jobs.chunks(CONCURRENT_REPORTS) {
             let decided = futures_util::future::join_all(chunk.iter().map(|(hash, usage)| {
                 let bucket = &self.buckets[hash];
@@ -370,6 +450,8 @@ impl Stream {
                 let Some(shared) = shared else { continue };
                 let bucket = self.buckets.get_mut(hash).expect("subscribed");
                 bucket.last = Some(shared.assignment);
+                bucket.waiting = shared.waiting;
+                bucket.demand = shared.demand;
                 self.service.view.record(
                     self.number,
                     *hash,
@@ -384,12 +466,7 @@ impl Stream {
                 actions.push(assignment(bucket.id.clone(), &shared, ttl));
             }
         }
-        if actions.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(RateLimitQuotaResponse {
-            bucket_action: actions,
-        }))
+        actions
     }
 
     /// The first message names the domain; later ones name it again or
@@ -472,6 +549,7 @@ impl Wing {
             allowed: 0,
             denied: 0,
             elapsed: 0,
+            demand: Some(0.0),
         };
         let _ = self.settle(bucket, nothing, 0).await;
     }

@@ -455,13 +455,14 @@ impl RedisStore {
             .arg(now);
         let reply: Vec<i64> = shared.exec_as("share", &key, &cmd).await?;
         match reply.as_slice() {
-            [ppm, members, full] => Ok(super::Share {
+            [ppm, members, full, waiting] => Ok(super::Share {
                 ppm: (*ppm).clamp(0, super::shares::PPM as i64) as u64,
                 members: (*members).max(0) as u64,
                 full: *full == 1,
+                waiting: *waiting == 1,
             }),
             _ => Err(StoreError::Protocol(format!(
-                "shares.lua answered {} values, not 3",
+                "shares.lua answered {} values, not 4",
                 reply.len()
             ))),
         }

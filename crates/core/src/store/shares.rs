@@ -59,6 +59,10 @@ pub struct Share {
     pub members: u64,
     /// The table was full and the member is not in it.
     pub full: bool,
+    /// The grant is short of the member's fair part by more than a tenth:
+    /// the others hold the rest until they report. Asking again once they
+    /// have (without waiting for this member's next report) grows it.
+    pub waiting: bool,
 }
 
 /// The grant of a member of weight `weight`, when every member's weights
@@ -70,14 +74,25 @@ pub struct Share {
 /// as it is (when it still fits), so that a steady demand keeps a steady
 /// grant: a data plane refills its bucket when its assignment changes.
 pub fn grant(current: Option<u64>, weight: u64, total: u64, others: u64) -> u64 {
-    let fair = u64::try_from(u128::from(weight) * u128::from(PPM) / u128::from(total.max(1)))
-        .unwrap_or(PPM)
-        .min(PPM);
+    let fair = fair(weight, total);
     let room = PPM.saturating_sub(others);
     match current {
         Some(cur) if cur <= room && fair.abs_diff(cur) * 10 <= cur => cur,
         _ => fair.min(room),
     }
+}
+
+/// The fair part of a member of weight `weight` among weights adding up
+/// to `total`, in parts per million.
+pub fn fair(weight: u64, total: u64) -> u64 {
+    u64::try_from(u128::from(weight) * u128::from(PPM) / u128::from(total.max(1)))
+        .unwrap_or(PPM)
+        .min(PPM)
+}
+
+/// True when `ppm` is short of `fair` by more than a tenth.
+pub fn waiting(ppm: u64, fair: u64) -> bool {
+    ppm * 10 < fair * 9
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -145,6 +160,7 @@ impl ShareTables {
                 ppm: 0,
                 members,
                 full: false,
+                waiting: false,
             });
         }
         let current = table.get(ask.member).map(|e| e.ppm);
@@ -161,6 +177,7 @@ impl ShareTables {
                 ppm: 0,
                 members: members - 1,
                 full: true,
+                waiting: false,
             });
         }
         let ppm = grant(current, ask.weight, total, others);
@@ -176,6 +193,7 @@ impl ShareTables {
             ppm,
             members,
             full: false,
+            waiting: waiting(ppm, fair(ask.weight, total)),
         })
     }
 
@@ -239,9 +257,10 @@ mod tests {
         assert_eq!(ask("a", 100, 10, 0).ppm, PPM);
         // b arrives: a holds everything until it reports again.
         let b = ask("b", 300, 10, 1);
-        assert_eq!((b.ppm, b.members), (0, 2));
+        assert_eq!((b.ppm, b.members, b.waiting), (0, 2, true));
         assert_eq!(ask("a", 100, 10, 2).ppm, 250_000);
-        assert_eq!(ask("b", 300, 10, 3).ppm, 750_000);
+        let b = ask("b", 300, 10, 3);
+        assert_eq!((b.ppm, b.waiting), (750_000, false));
         // a stops reporting: its entry expires and b takes everything.
         let alone = ask("b", 300, 10, 12);
         assert_eq!((alone.ppm, alone.members), (PPM, 1));
@@ -317,7 +336,8 @@ mod tests {
             Share {
                 ppm: 0,
                 members: MAX_MEMBERS as u64,
-                full: true
+                full: true,
+                waiting: false,
             }
         );
     }

@@ -18,7 +18,7 @@ use crate::store::shares::{MAX_WEIGHT, PPM};
 use crate::telemetry::metrics::{self, Outcome};
 
 /// What a data plane did with one bucket since its last report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Usage {
     /// Requests it allowed (charged to the rules' buckets).
     pub allowed: u64,
@@ -27,6 +27,10 @@ pub struct Usage {
     /// Time since its last report (a report over less than a second is
     /// taken as one second: Envoy reports whole seconds).
     pub elapsed: Micros,
+    /// The demand (requests a second) to report instead of the one the
+    /// counts make: a share asked again between reports, with nothing to
+    /// charge, keeps the demand of the last report.
+    pub demand: Option<f64>,
 }
 
 /// What a data plane is told to enforce.
@@ -95,6 +99,9 @@ pub struct Shared {
     pub degraded: Option<OnStoreUnavailable>,
     /// The share table was full: the member was granted nothing.
     pub full: bool,
+    /// The part is short of the fair one while the others hold the rest:
+    /// asked again after they report, it grows.
+    pub waiting: bool,
 }
 
 /// Fill intervals a share's rate is written in, shortest first: the first
@@ -174,7 +181,9 @@ impl Engine {
         };
         let elapsed = usage.elapsed.max(1_000_000);
         let requests = usage.allowed.saturating_add(usage.denied);
-        let demand_rate = requests as f64 * 1e6 / elapsed as f64;
+        let demand_rate = usage
+            .demand
+            .unwrap_or(requests as f64 * 1e6 / elapsed as f64);
         let degraded = answer.items.first().and_then(|a| a.degraded);
         self.record_usage(demand, usage, tightest.map(|(i, _)| i).or(blocked));
         let mut shared = Shared {
@@ -185,6 +194,7 @@ impl Engine {
             line: tightest.map(|(i, _)| i).or(blocked),
             degraded: None,
             full: false,
+            waiting: false,
         };
         let unmatched = demand.lines.is_empty() && self.unmatched == super::Unmatched::Deny;
         if blocked.is_some() || unmatched {
@@ -229,6 +239,7 @@ impl Engine {
         shared.ppm = granted.share.ppm;
         shared.members = granted.share.members;
         shared.full = granted.share.full;
+        shared.waiting = granted.share.waiting;
         let part = granted.share.ppm as f64 / PPM as f64;
         // While degraded, the in-process buckets hold this instance's
         // fraction of the limit (their remaining tokens already do).
