@@ -236,6 +236,30 @@ fn load(
     (seen, handles)
 }
 
+/// Stops a load after 8 more seconds and checks that all it admitted since
+/// `started` is R·t + B (within [0.85, 1.1]) for rate `r` and burst `b`.
+async fn admitted_within_the_limit(
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    seen: &Seen,
+    started: tokio::time::Instant,
+    (r, b): (f64, f64),
+) {
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    stop.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = seen.admitted() as f64;
+    let expected = r * elapsed + b;
+    eprintln!("admitted {admitted} in {elapsed:.1} s (R·t + B = {expected:.0})");
+    assert!(
+        admitted >= 0.85 * expected && admitted <= 1.1 * expected,
+        "admitted {admitted}, not near {expected:.0}"
+    );
+}
+
 /// The shares of `tenant`'s buckets `server` shows, in parts per million.
 async fn shares_of(server: &TestServer, tenant: &str) -> Vec<u64> {
     view(server).await["top"]
@@ -729,22 +753,8 @@ async fn an_envoy_that_loses_its_instance_keeps_enforcing_and_moves_to_another()
         moved <= Duration::from_secs(15),
         "reassigned by the other instance within the time to live (took {moved:?})"
     );
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    stop.send(true).unwrap();
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    let admitted = seen.admitted() as f64;
-    let expected = R * elapsed + B;
-    eprintln!(
-        "admitted {admitted} in {elapsed:.1} s (R·t + B = {expected:.0}; {before} before the \
-         loss); moved in {moved:?}"
-    );
-    assert!(
-        admitted >= 0.85 * expected && admitted <= 1.1 * expected,
-        "admitted {admitted}, not near {expected:.0}"
-    );
+    eprintln!("moved in {moved:?}; {before} admitted before the loss");
+    admitted_within_the_limit(stop, tasks, &seen, started, (R, B)).await;
     drop(envoy);
 }
 
@@ -1011,21 +1021,8 @@ async fn a_named_envoy_survives_its_instance_killed() {
     assert_eq!(row["share_ppm"], 1_000_000, "{row}");
     assert!(row["named"] == true, "{row}");
     assert!(moved <= Duration::from_secs(15), "moved in {moved:?}");
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    stop.send(true).unwrap();
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    let admitted = seen.admitted() as f64;
-    let expected = R * elapsed + B;
-    eprintln!(
-        "admitted {admitted} in {elapsed:.1} s (R·t + B = {expected:.0}); moved in {moved:?}"
-    );
-    assert!(
-        admitted >= 0.85 * expected && admitted <= 1.1 * expected,
-        "admitted {admitted}, not near {expected:.0}"
-    );
+    eprintln!("moved in {moved:?}");
+    admitted_within_the_limit(stop, tasks, &seen, started, (R, B)).await;
     drop(envoy);
 }
 
