@@ -487,8 +487,8 @@ fn serve_grpc(
             parts.engine.clone(),
             parts.limits.clone(),
             config.rlqs.clone(),
+            parts.rlqs.clone(),
         )
-        .with_view(parts.rlqs.clone())
         .with_shutdown(stop.watch()),
     )
     .max_decoding_message_size(limits.max_message_bytes);

@@ -468,6 +468,7 @@ async fn hostile_quota_clients_only_hurt_themselves() {
     let server = TestServer::launch(Some(&rules), |c| {
         c.rlqs.max_buckets_per_stream = 1_000;
         c.rlqs.max_streams_per_peer = 8;
+        c.rlqs.max_buckets_per_peer = 1_500;
     })
     .await;
     let acme = [("tenant", "acme")];
@@ -577,6 +578,39 @@ async fn hostile_quota_clients_only_hurt_themselves() {
         "{}",
         err.message()
     );
+
+    // More buckets than one peer may subscribe over its streams: once the
+    // streams that ended have given theirs back, two streams of 800 each.
+    for _ in 0..200 {
+        let metrics = server.http_get("/metrics").await.unwrap().1;
+        if common::envoy::sample(&metrics, "tollgate_rlqs_buckets").unwrap_or(0) <= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let batch = |name: &str| -> Vec<BucketQuotaUsage> {
+        (0..800)
+            .map(|i| {
+                usage(
+                    &[("tenant", "acme"), ("key", &format!("{name}-{i}"))],
+                    0,
+                    1,
+                    5,
+                )
+            })
+            .collect()
+    };
+    let mut first = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    first.report("api", batch("first")).await.unwrap();
+    let mut second = QuotaStream::open(&server, "127.0.0.1").await.unwrap();
+    let err = second.report("api", batch("second")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        err.message().contains("--rlqs-max-buckets-per-peer"),
+        "{}",
+        err.message()
+    );
+    drop((first, second));
 
     // Ten thousand streams from one peer: past 8 open, each is refused at
     // once; the ones held stay answered.

@@ -1,4 +1,5 @@
-//! How many quota streams one instance and one peer may hold.
+//! How many quota streams and subscribed buckets one instance and one peer
+//! may hold.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -11,28 +12,79 @@ use tonic::Status;
 use super::RlqsOptions;
 use crate::telemetry::metrics;
 
-/// Open streams, in all and per peer address.
+/// Open streams and subscribed buckets, in all and per peer address.
 #[derive(Default)]
 pub(super) struct Streams {
     open: AtomicUsize,
-    per_peer: Mutex<HashMap<IpAddr, usize>>,
+    buckets: AtomicUsize,
+    per_peer: Mutex<HashMap<IpAddr, Held>>,
 }
 
-/// A stream's place under the caps, given back when dropped.
+/// What one peer holds.
+#[derive(Default)]
+struct Held {
+    streams: usize,
+    buckets: usize,
+}
+
+/// A stream's place under the caps, and its buckets', given back when
+/// dropped.
 pub(super) struct StreamSlot {
     streams: Arc<Streams>,
     peer: Option<IpAddr>,
+    buckets: usize,
+}
+
+impl StreamSlot {
+    /// Counts one more bucket subscribed on this stream, unless its peer
+    /// holds `max_per_peer` already: then says what to fix.
+    pub(super) fn take_bucket(&mut self, max_per_peer: usize) -> Result<(), Status> {
+        if let Some(peer) = self.peer {
+            let mut per_peer = self.streams.per_peer.lock();
+            let held = per_peer.entry(peer).or_default();
+            if held.buckets >= max_per_peer {
+                metrics::rlqs_refused("buckets_per_peer");
+                return Err(Status::resource_exhausted(format!(
+                    "{peer} subscribes {max_per_peer} quota buckets over its streams, the most \
+                     one peer may (--rlqs-max-buckets-per-peer); build bucket ids from fewer \
+                     distinct values"
+                )));
+            }
+            held.buckets += 1;
+        }
+        self.buckets += 1;
+        let now = self.streams.buckets.fetch_add(1, Ordering::AcqRel) + 1;
+        metrics::rlqs_buckets(now);
+        Ok(())
+    }
+
+    /// Gives `n` buckets of this stream back.
+    pub(super) fn give_buckets(&mut self, n: usize) {
+        let n = n.min(self.buckets);
+        if n == 0 {
+            return;
+        }
+        self.buckets -= n;
+        if let Some(peer) = self.peer
+            && let Some(held) = self.streams.per_peer.lock().get_mut(&peer)
+        {
+            held.buckets -= n;
+        }
+        let now = self.streams.buckets.fetch_sub(n, Ordering::AcqRel) - n;
+        metrics::rlqs_buckets(now);
+    }
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
+        self.give_buckets(self.buckets);
         self.streams.open.fetch_sub(1, Ordering::AcqRel);
         metrics::rlqs_streams(self.streams.open.load(Ordering::Acquire));
         if let Some(peer) = self.peer {
             let mut per_peer = self.streams.per_peer.lock();
-            if let Some(n) = per_peer.get_mut(&peer) {
-                *n -= 1;
-                if *n == 0 {
+            if let Some(held) = per_peer.get_mut(&peer) {
+                held.streams -= 1;
+                if held.streams == 0 {
                     per_peer.remove(&peer);
                 }
             }
@@ -50,8 +102,8 @@ impl Streams {
     ) -> Result<StreamSlot, Status> {
         if let Some(peer) = peer {
             let mut per_peer = self.per_peer.lock();
-            let n = per_peer.entry(peer).or_default();
-            if *n >= o.max_streams_per_peer {
+            let held = per_peer.entry(peer).or_default();
+            if held.streams >= o.max_streams_per_peer {
                 metrics::rlqs_refused("streams_per_peer");
                 return Err(Status::resource_exhausted(format!(
                     "{peer} holds {} quota streams, the most one peer may \
@@ -60,11 +112,12 @@ impl Streams {
                     o.max_streams_per_peer
                 )));
             }
-            *n += 1;
+            held.streams += 1;
         }
         let slot = StreamSlot {
             streams: self.clone(),
             peer,
+            buckets: 0,
         };
         let open = self.open.fetch_add(1, Ordering::AcqRel) + 1;
         if open > o.max_streams {

@@ -18,9 +18,9 @@ mod caps;
 mod mapping;
 mod options;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -75,39 +75,34 @@ const MAX_ENVOY_ID_BYTES: usize = 256;
 
 /// Serves the quota service through the [`Engine`].
 pub struct RlqsService {
-    engine: Arc<Engine>,
-    limits: Arc<LiveLimits>,
-    options: Arc<RlqsOptions>,
-    mapping: Arc<BucketMapping>,
-    /// This instance's name in share tables: members are unique across
-    /// instances.
-    instance: u64,
+    wing: Arc<Wing>,
     next_stream: AtomicU64,
     streams: Arc<Streams>,
-    /// Buckets subscribed, every stream's together.
-    subscribed: Arc<AtomicUsize>,
-    view: Arc<RlqsView>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl RlqsService {
-    /// The service over `engine`, with the rules of `limits`.
-    pub fn new(engine: Arc<Engine>, limits: Arc<LiveLimits>, options: RlqsOptions) -> Self {
+    /// The service over `engine`, with the rules of `limits`, recording
+    /// the buckets subscribed in `view` (which the admin port shows).
+    pub fn new(
+        engine: Arc<Engine>,
+        limits: Arc<LiveLimits>,
+        options: RlqsOptions,
+        view: Arc<RlqsView>,
+    ) -> Self {
+        let mut instance = [0u8; 8];
+        getrandom::fill(&mut instance).expect("the operating system's random number generator");
         Self {
-            engine,
-            limits,
-            mapping: Arc::new(BucketMapping::new(&options)),
-            options: Arc::new(options),
-            instance: {
-                let mut bytes = [0u8; 8];
-                getrandom::fill(&mut bytes)
-                    .expect("the operating system's random number generator");
-                u64::from_le_bytes(bytes)
-            },
+            wing: Arc::new(Wing {
+                engine,
+                limits,
+                mapping: BucketMapping::new(&options),
+                options,
+                view,
+                instance: u64::from_le_bytes(instance),
+            }),
             next_stream: AtomicU64::new(1),
             streams: Arc::default(),
-            subscribed: Arc::default(),
-            view: Arc::default(),
             stop: None,
         }
     }
@@ -116,13 +111,6 @@ impl RlqsService {
     /// Envoys reconnect to another instance.
     pub fn with_shutdown(mut self, stop: tokio::sync::watch::Receiver<bool>) -> Self {
         self.stop = Some(stop);
-        self
-    }
-
-    /// Records the buckets subscribed in `view` (which the admin port
-    /// shows).
-    pub fn with_view(mut self, view: Arc<RlqsView>) -> Self {
-        self.view = view;
         self
     }
 }
@@ -139,9 +127,6 @@ struct Subscribed {
     /// When it last reported (Envoy's own time_elapsed is whole seconds
     /// only, a quarter off at a 5 s interval).
     reported_at: Option<Instant>,
-    /// Its part waits for others to shrink (asked again every
-    /// [`REASK_EVERY`]).
-    waiting: bool,
     /// The demand of its last report, requests a second.
     demand: f64,
 }
@@ -149,10 +134,14 @@ struct Subscribed {
 /// One stream's state.
 struct Stream {
     service: Arc<Wing>,
-    /// Its place under the caps, given back when the stream ends.
-    _slot: StreamSlot,
+    /// Its place under the caps, and its buckets', given back when the
+    /// stream ends.
+    slot: StreamSlot,
     domain: Option<String>,
     buckets: HashMap<u64, Subscribed>,
+    /// The buckets whose part waits for others to shrink: asked for again
+    /// every [`REASK_EVERY`].
+    waiting: HashSet<u64>,
     number: u64,
     /// The longest reporting interval seen: the time to live covers three.
     interval: Duration,
@@ -160,15 +149,16 @@ struct Stream {
     envoy: Option<u64>,
 }
 
-/// What the stream task needs of the service.
+/// What every stream task needs of the service.
 struct Wing {
     engine: Arc<Engine>,
     limits: Arc<LiveLimits>,
-    options: Arc<RlqsOptions>,
-    mapping: Arc<BucketMapping>,
+    options: RlqsOptions,
+    mapping: BucketMapping,
     view: Arc<RlqsView>,
+    /// This instance's name in share tables: members are unique across
+    /// instances.
     instance: u64,
-    subscribed: Arc<AtomicUsize>,
 }
 
 #[tonic::async_trait]
@@ -196,21 +186,14 @@ impl RateLimitQuotaService for RlqsService {
                 }
             },
         };
-        let slot = self.streams.admit(peer, &self.options)?;
+        let slot = self.streams.admit(peer, &self.wing.options)?;
         let mut inbound = request.into_inner();
         let mut stream = Stream {
-            service: Arc::new(Wing {
-                engine: self.engine.clone(),
-                limits: self.limits.clone(),
-                options: self.options.clone(),
-                mapping: self.mapping.clone(),
-                view: self.view.clone(),
-                instance: self.instance,
-                subscribed: self.subscribed.clone(),
-            }),
-            _slot: slot,
+            service: self.wing.clone(),
+            slot,
             domain: None,
             buckets: HashMap::new(),
+            waiting: HashSet::new(),
             number: self.next_stream.fetch_add(1, Ordering::Relaxed),
             interval: Duration::ZERO,
             envoy,
@@ -318,7 +301,8 @@ impl Stream {
                         self.service.instance, self.number
                     ),
                 };
-                self.service.subscribed(1);
+                self.slot
+                    .take_bucket(self.service.options.max_buckets_per_peer)?;
                 self.buckets.insert(
                     hash,
                     Subscribed {
@@ -328,7 +312,6 @@ impl Stream {
                         last: None,
                         idle_since: None,
                         reported_at: None,
-                        waiting: false,
                         demand: 0.0,
                     },
                 );
@@ -358,7 +341,8 @@ impl Stream {
                 let since = *bucket.idle_since.get_or_insert(now);
                 if now.duration_since(since) >= self.service.options.abandon_after {
                     let gone = self.buckets.remove(&hash).expect("found above");
-                    self.service.unsubscribed(1);
+                    self.slot.give_buckets(1);
+                    self.waiting.remove(&hash);
                     self.service.leave(&gone).await;
                     self.service.view.drop_bucket(self.number, hash);
                     metrics::rlqs_assignment("abandon");
@@ -401,17 +385,16 @@ impl Stream {
     /// grown assignments to push (`None`: none changed).
     async fn reask(&mut self) -> Option<RateLimitQuotaResponse> {
         let jobs: Vec<(u64, Usage)> = self
-            .buckets
+            .waiting
             .iter()
-            .filter(|(_, b)| b.waiting)
-            .map(|(hash, b)| {
+            .filter_map(|hash| {
                 let usage = Usage {
                     allowed: 0,
                     denied: 0,
                     elapsed: 0,
-                    demand: Some(b.demand),
+                    demand: Some(self.buckets.get(hash)?.demand),
                 };
-                (*hash, usage)
+                Some((*hash, usage))
             })
             .collect();
         if jobs.is_empty() {
@@ -450,7 +433,11 @@ impl Stream {
                 let Some(shared) = shared else { continue };
                 let bucket = self.buckets.get_mut(hash).expect("subscribed");
                 bucket.last = Some(shared.assignment);
-                bucket.waiting = shared.waiting;
+                if shared.waiting {
+                    self.waiting.insert(*hash);
+                } else {
+                    self.waiting.remove(hash);
+                }
                 bucket.demand = shared.demand;
                 self.service.view.record(
                     self.number,
@@ -499,7 +486,8 @@ impl Stream {
     /// same name.
     async fn release(&mut self) {
         let buckets: Vec<Subscribed> = self.buckets.drain().map(|(_, b)| b).collect();
-        self.service.unsubscribed(buckets.len());
+        self.slot.give_buckets(buckets.len());
+        self.waiting.clear();
         if self.envoy.is_some() {
             self.service.view.forget(self.number);
             return;
@@ -512,18 +500,6 @@ impl Stream {
 }
 
 impl Wing {
-    /// Counts `n` buckets subscribed.
-    fn subscribed(&self, n: usize) {
-        let now = self.subscribed.fetch_add(n, Ordering::AcqRel) + n;
-        metrics::rlqs_buckets(now);
-    }
-
-    /// Counts `n` buckets no longer subscribed.
-    fn unsubscribed(&self, n: usize) {
-        let now = self.subscribed.fetch_sub(n, Ordering::AcqRel) - n;
-        metrics::rlqs_buckets(now);
-    }
-
     /// Settles `usage` of `bucket` and answers its next assignment, for
     /// `ttl` seconds (`None`: not settled; the bucket keeps its assignment
     /// until it expires).
@@ -549,7 +525,7 @@ impl Wing {
             allowed: 0,
             denied: 0,
             elapsed: 0,
-            demand: Some(0.0),
+            demand: None,
         };
         let _ = self.settle(bucket, nothing, 0).await;
     }

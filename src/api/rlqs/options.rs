@@ -67,6 +67,14 @@ pub struct RlqsOptions {
         default_value_t = 10_000
     )]
     pub max_buckets_per_stream: usize,
+    /// Most buckets one peer address subscribes, over all its streams.
+    #[arg(
+        id = "rlqs_max_buckets_per_peer",
+        long = "rlqs-max-buckets-per-peer",
+        env = "TOLLGATE_RLQS_MAX_BUCKETS_PER_PEER",
+        default_value_t = 100_000
+    )]
+    pub max_buckets_per_peer: usize,
 }
 
 impl Default for RlqsOptions {
@@ -93,8 +101,9 @@ impl RlqsOptions {
         if self.max_streams == 0
             || self.max_streams_per_peer == 0
             || self.max_buckets_per_stream == 0
+            || self.max_buckets_per_peer == 0
         {
-            return Err("--rlqs-max-streams, --rlqs-max-streams-per-peer and --rlqs-max-buckets-per-stream must be at least 1".into());
+            return Err("--rlqs-max-streams, --rlqs-max-streams-per-peer, --rlqs-max-buckets-per-stream and --rlqs-max-buckets-per-peer must be at least 1".into());
         }
         Ok(())
     }

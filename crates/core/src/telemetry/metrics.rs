@@ -485,7 +485,7 @@ pub const RLQS_BUCKETS: &str = "tollgate_rlqs_buckets";
 /// `deny_all`, or `abandon` (the bucket was dropped).
 pub const RLQS_ASSIGNMENTS: &str = "tollgate_rlqs_assignments_total";
 /// Quota streams and bucket reports refused, by `reason`: `streams`,
-/// `streams_per_peer`, `buckets_per_stream` (the stream was refused or
+/// `streams_per_peer`, `buckets_per_stream`, `buckets_per_peer` (the stream was refused or
 /// ended), `invalid_bucket_id`, `no_bucket_id` (the report was ignored).
 pub const RLQS_REFUSED: &str = "tollgate_rlqs_refused_total";
 
@@ -498,7 +498,7 @@ fn describe_rlqs() {
     );
     describe_counter!(
         RLQS_REFUSED,
-        "Quota streams and bucket reports refused, by reason (streams, streams_per_peer, buckets_per_stream, invalid_bucket_id, no_bucket_id)."
+        "Quota streams and bucket reports refused, by reason (streams, streams_per_peer, buckets_per_stream, buckets_per_peer, invalid_bucket_id, no_bucket_id)."
     );
 }
 

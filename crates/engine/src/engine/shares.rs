@@ -74,7 +74,8 @@ pub struct Member<'a> {
     /// Its identity in the share table (bounded by the caller).
     pub id: &'a str,
     /// How long its assignment is in force at the data plane: its entry in
-    /// the share table lives as long.
+    /// the share table lives as long. 0: the member leaves (nothing is
+    /// charged, and it is assigned nothing).
     pub ttl: Micros,
     /// Its assignment in force, if any.
     pub last: Option<Assignment>,
@@ -172,6 +173,9 @@ impl Engine {
             })
             .min_by(|a, b| tokens_per_second(&a.1).total_cmp(&tokens_per_second(&b.1)));
         let table = tightest.map(|(i, _)| demand.lines[i].bucket.clone());
+        if member.ttl == 0 {
+            return self.leave(table, member, demand.api).await;
+        }
         let answer = match self.apply_demand(demand, None).await {
             Ok((answer, _)) => answer,
             Err(err) => {
@@ -288,6 +292,38 @@ impl Engine {
         }
         shared.assignment = Assignment::Bucket(bucket);
         Ok(shared)
+    }
+
+    /// Gives a member's part of `table` back: nothing to charge, nothing
+    /// to assign (a member leaving is not told).
+    async fn leave(
+        &self,
+        table: Option<crate::store::BucketKey>,
+        member: Member<'_>,
+        api: super::Api,
+    ) -> Result<Shared, super::DecideError> {
+        if let Some(table) = &table {
+            let ask = ShareAsk {
+                table,
+                member: member.id,
+                weight: 1,
+                ttl: 0,
+            };
+            if let Err(err) = self.store.share(ask).await {
+                super::refused(api, 1, &tracing::Span::none());
+                return Err(err.into());
+            }
+        }
+        Ok(Shared {
+            assignment: Assignment::DenyAll,
+            ppm: 0,
+            members: 0,
+            demand: 0.0,
+            line: None,
+            degraded: None,
+            full: false,
+            waiting: false,
+        })
     }
 
     /// Counts a report's requests as decisions of the API (allowed and
