@@ -423,6 +423,7 @@ impl Stream {
     /// answers each settled bucket's assignment for `ttl` seconds.
     async fn settle_all(&mut self, jobs: &[(u64, Usage)], ttl: u64) -> Vec<BucketAction> {
         let mut actions = Vec::with_capacity(jobs.len());
+        let mut unsettled = 0usize;
         for chunk in jobs.chunks(CONCURRENT_REPORTS) {
             let decided = futures_util::future::join_all(chunk.iter().map(|(hash, usage)| {
                 let bucket = &self.buckets[hash];
@@ -430,7 +431,10 @@ impl Stream {
             }))
             .await;
             for ((hash, _), shared) in chunk.iter().zip(decided) {
-                let Some(shared) = shared else { continue };
+                let Some(shared) = shared else {
+                    unsettled += 1;
+                    continue;
+                };
                 let bucket = self.buckets.get_mut(hash).expect("subscribed");
                 bucket.last = Some(shared.assignment);
                 if shared.waiting {
@@ -452,6 +456,15 @@ impl Stream {
                 );
                 actions.push(assignment(bucket.id.clone(), &shared, ttl));
             }
+        }
+        if unsettled > 0 {
+            tracing::warn!(
+                stream = self.number,
+                unsettled,
+                of = jobs.len(),
+                "quota reports not settled (the store failed); those buckets keep their \
+                 assignments until they expire"
+            );
         }
         actions
     }
@@ -508,11 +521,12 @@ impl Wing {
         match self.settle(bucket, usage, ttl * 1_000_000).await {
             Ok(shared) => Some(shared),
             Err(err) => {
-                tracing::warn!(
+                // One warning per message counts them (settle_all).
+                tracing::debug!(
                     tenant = %m.tenant,
                     key = %crate::limits::short(&m.key),
                     error = %err,
-                    "quota report not settled; the bucket keeps its assignment until it expires"
+                    "quota report not settled"
                 );
                 None
             }
