@@ -26,6 +26,7 @@ macro_rules! out {
 
 mod alerts;
 mod client;
+mod explain;
 mod limits;
 mod plans;
 mod serve;
@@ -44,6 +45,7 @@ pub use client::{
     AcquireArgs, ChargeArgs, CheckArgs, ReleaseArgs, TopArgs, UsageArgs, acquire, charge, check,
     health, release, top, usage,
 };
+pub use explain::{ExplainArgs, explain};
 pub use limits::{LimitsCommand, SetArgs, limits, render_rows};
 pub use plans::{PlansCommand, plans};
 pub use serve::{Process, Serve, ServeArgs, options_table};
@@ -90,6 +92,10 @@ pub enum Command {
     Release(ReleaseArgs),
     /// Show the most limited tenants of a running server, refreshing in place.
     Top(TopArgs),
+    /// Why a request gets the answer it gets, from a running server: the
+    /// rules that apply and why, each bucket's state, a dry run, and the
+    /// key's recent decisions (needs the admin token).
+    Explain(ExplainArgs),
     /// Ask a running server's gRPC health service; exit 0 when serving (for
     /// container health checks).
     Health {

@@ -91,6 +91,7 @@ async fn dispatch(cli: Cli, serve: Option<Serve>) -> anyhow::Result<()> {
         Command::Acquire(args) => cli::acquire(args).await?,
         Command::Release(args) => cli::release(args).await?,
         Command::Top(args) => cli::top(args).await?,
+        Command::Explain(args) => cli::explain(args).await?,
         Command::Health { server, service } => cli::health(server, service).await?,
     }
     Ok(())

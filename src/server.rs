@@ -232,6 +232,7 @@ struct Parts {
     engine: Arc<Engine>,
     ledger: Arc<Ledger>,
     rlqs: Arc<crate::api::quota_view::RlqsView>,
+    explain: Arc<crate::api::explain::Explainer>,
 }
 
 impl Parts {
@@ -257,6 +258,16 @@ impl Parts {
             clock.clone(),
             config.ledger(),
         ));
+        let explain = Arc::new(crate::api::explain::Explainer::new(
+            engine.clone(),
+            limits.clone(),
+            Some(table.clone()),
+            Arc::new(EnvoyRateLimitService::new(
+                engine.clone(),
+                envoy_config.clone(),
+                config.envoy_options,
+            )),
+        ));
         Ok(Self {
             table,
             limits,
@@ -267,6 +278,7 @@ impl Parts {
             engine,
             ledger,
             rlqs: Arc::default(),
+            explain,
         })
     }
 }
@@ -401,6 +413,7 @@ fn serve_admin(
         grpc_in_flight,
         engine: parts.engine.clone(),
         rlqs: parts.rlqs.clone(),
+        explain: parts.explain.clone(),
     });
     let sampler = spawn_sampler(state.clone(), parts.engine.clone(), stop.stopped());
     let ports = config.grpc_limits;
@@ -492,11 +505,14 @@ fn serve_grpc(
         .with_shutdown(stop.watch()),
     )
     .max_decoding_message_size(limits.max_message_bytes);
-    let admin_grpc = AdminServer::new(AdminService::new(
-        parts.top.clone(),
-        parts.limits.clone(),
-        parts.table.fingerprint(),
-    ));
+    let admin_grpc = AdminServer::new(
+        AdminService::new(
+            parts.top.clone(),
+            parts.limits.clone(),
+            parts.table.fingerprint(),
+        )
+        .with_explain(parts.explain.clone(), config.admin_access.token.clone()),
+    );
     let native = RateLimiterServer::new(
         RateLimiterService::new(parts.engine.clone(), parts.limits.clone())
             .with_table(parts.table.clone())

@@ -27,6 +27,7 @@ mod envoy_metrics;
 mod envoy_refunds;
 mod envoy_xds;
 mod examples;
+mod explain;
 mod fairness;
 mod fuzz;
 mod lease_failures;

@@ -14,6 +14,7 @@
 pub mod admin;
 pub mod codec;
 pub mod envoy;
+pub mod explain;
 pub mod frames;
 pub mod native;
 pub mod observe;

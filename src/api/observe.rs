@@ -74,7 +74,10 @@ const METHODS: &[(&str, &[&str])] = &[
             "ListUsage",
         ],
     ),
-    ("tollgate.v1.Admin", &["TopLimited", "LimitsStatus"]),
+    (
+        "tollgate.v1.Admin",
+        &["TopLimited", "LimitsStatus", "Explain"],
+    ),
     (
         "envoy.service.ratelimit.v3.RateLimitService",
         &["ShouldRateLimit"],

@@ -7,7 +7,9 @@ use tonic::{Request, Response, Status};
 
 use crate::algorithm::Micros;
 use crate::api::duration;
+use crate::api::explain::Explainer;
 use crate::limits::watch::LiveLimits;
+use crate::proto::v1::{ExplainRequest, ExplainResponse};
 use crate::proto::v1::{
     LimitedKey, LimitedTenant, LimitsStatusRequest, LimitsStatusResponse, TenantHolding,
     TenantInDebt, TopLimitedRequest, TopLimitedResponse,
@@ -21,13 +23,26 @@ pub struct AdminService {
     top: Arc<TopLimited>,
     limits: Arc<LiveLimits>,
     table: String,
+    explain: Option<(Arc<Explainer>, Option<String>)>,
 }
 
 impl AdminService {
     /// The service reading `top`, and `limits` read from `table` (its
     /// [`crate::limits::table::LimitsTable::fingerprint`]).
     pub fn new(top: Arc<TopLimited>, limits: Arc<LiveLimits>, table: String) -> Self {
-        Self { top, limits, table }
+        Self {
+            top,
+            limits,
+            table,
+            explain: None,
+        }
+    }
+
+    /// Serves `Explain` through `explainer` to callers sending the admin
+    /// `token` (none: `Explain` is refused).
+    pub fn with_explain(mut self, explainer: Arc<Explainer>, token: Option<String>) -> Self {
+        self.explain = Some((explainer, token));
+        self
     }
 }
 
@@ -44,6 +59,36 @@ impl crate::proto::v1::admin_server::Admin for AdminService {
             rules: status.rules as u64,
             rejected_rows: status.rejected_rows as u64,
         }))
+    }
+
+    async fn explain(
+        &self,
+        request: Request<ExplainRequest>,
+    ) -> Result<Response<ExplainResponse>, Status> {
+        let Some((explainer, token)) = &self.explain else {
+            return Err(Status::unimplemented(
+                "this server does not explain decisions",
+            ));
+        };
+        let Some(token) = token else {
+            return Err(Status::failed_precondition(
+                "Explain needs the admin token, and the server has none; start tollgate with \
+                 --admin-token (TOLLGATE_ADMIN_TOKEN)",
+            ));
+        };
+        let given = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if !super::bearer_matches(token, given) {
+            return Err(Status::unauthenticated(
+                "send the admin token as metadata: authorization: Bearer TOKEN",
+            ));
+        }
+        super::explain::grpc(explainer, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn top_limited(

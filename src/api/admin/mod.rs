@@ -18,6 +18,7 @@
 //! | `POST /v1/plans`, `DELETE /v1/plans/{name}`, `PUT`/`DELETE /v1/tenants/{tenant}/plan` | plans and tenants' plans (token required) |
 //! | `GET /v1/tenants/{tenant}`, `PUT /v1/tenants/{tenant}/cycle` | a tenant's plan and billing cycle; setting the cycle (token required) |
 //! | `GET /v1/usage?tenant=T[&key=K][&resource=R]` | each quota of the tenant in its current period (as `GetUsage`) |
+//! | `GET /v1/explain?tenant=T&key=K[&resource=R][&cost=N]`, `GET /v1/explain?domain=D&descriptor=k=v[,k=v]...[&hits=N]` | why a request gets its answer: rules, bucket state, a dry run, recent decisions (token required) |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -29,6 +30,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
 
+mod explain;
 pub mod grpc;
 mod limits;
 
@@ -65,6 +67,16 @@ pub struct AdminState {
     pub engine: Arc<crate::engine::Engine>,
     /// The quota buckets subscribed on this instance.
     pub rlqs: Arc<crate::api::quota_view::RlqsView>,
+    /// The explain view.
+    pub explain: Arc<crate::api::explain::Explainer>,
+}
+
+/// True when `authorization` (a header's value) is `Bearer TOKEN` with
+/// the admin `token`. Constant-time comparison: no timing hint about the
+/// token. (A token is never empty: `validate` refuses one at start-up.)
+pub fn bearer_matches(token: &str, authorization: &str) -> bool {
+    let given = authorization.strip_prefix("Bearer ").unwrap_or("");
+    !token.is_empty() && bool::from(given.as_bytes().ct_eq(token.as_bytes()))
 }
 
 /// Whether the service is ready: from the moment the store first answers
@@ -162,15 +174,19 @@ impl AdminAccess {
         Ok(())
     }
 
-    fn check(&self, headers: &axum::http::HeaderMap, mutating: bool) -> Result<(), Box<Response>> {
-        if !mutating && !self.protect_reads {
+    fn check(
+        &self,
+        headers: &axum::http::HeaderMap,
+        needs_token: bool,
+    ) -> Result<(), Box<Response>> {
+        if !needs_token && !self.protect_reads {
             return Ok(());
         }
         let Some(token) = &self.token else {
             return Err(Box::new(
                 (
                 StatusCode::FORBIDDEN,
-                "changing the limits over HTTP is disabled; start tollgate with --admin-token (TOLLGATE_ADMIN_TOKEN)\n",
+                "this endpoint needs the admin token, and none is set: changing the limits and explaining decisions over the admin port are disabled; start tollgate with --admin-token (TOLLGATE_ADMIN_TOKEN)\n",
             )
                 .into_response(),
             ));
@@ -178,12 +194,8 @@ impl AdminAccess {
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        // Constant-time comparison: no timing hint about the token. (A
-        // token is never empty: `validate` refuses one at start-up.)
-        let same = !token.is_empty() && bool::from(given.as_bytes().ct_eq(token.as_bytes()));
-        if same {
+        if bearer_matches(token, given) {
             Ok(())
         } else {
             Err(Box::new(
@@ -207,9 +219,12 @@ async fn guard(
     if path == "/healthz" || path == "/readyz" {
         return next.run(request).await;
     }
-    let mutating =
-        request.method() != axum::http::Method::GET && request.method() != axum::http::Method::HEAD;
-    match state.access.check(request.headers(), mutating) {
+    // Changing endpoints, and the explain view (a key's state and its
+    // recent decisions), need the token.
+    let needs_token = path == "/v1/explain"
+        || (request.method() != axum::http::Method::GET
+            && request.method() != axum::http::Method::HEAD);
+    match state.access.check(request.headers(), needs_token) {
         Ok(()) => next.run(request).await,
         Err(response) => *response,
     }
@@ -244,6 +259,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/v1/envoy-config", get(envoy_config))
         .route("/v1/rlqs", get(rlqs))
         .route("/v1/top-limited", get(top_limited))
+        .route("/v1/explain", get(explain::http))
         .route("/v1/status", get(status))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)

@@ -233,7 +233,13 @@ impl EnvoyConfig {
     /// The rule for one request descriptor, as envoyproxy/ratelimit finds it.
     /// `None`: unknown domain, or no `rate_limit` at the descriptor's depth.
     pub fn find(&self, domain: &str, entries: &[(&str, &str)]) -> Option<Match> {
-        let mut node = self.domains.get(domain)?;
+        self.lookup(domain, entries).ok()
+    }
+
+    /// [`EnvoyConfig::find`], saying where the search stopped when no rule
+    /// applies.
+    pub fn lookup(&self, domain: &str, entries: &[(&str, &str)]) -> Result<Match, Miss> {
+        let mut node = self.domains.get(domain).ok_or(Miss::Domain)?;
         let mut counter = String::new();
         let mut found = None;
         for (i, (key, value)) in entries.iter().enumerate() {
@@ -249,7 +255,7 @@ impl EnvoyConfig {
                 } else if let Some(n) = node.any_value.get(*key) {
                     (n, *value)
                 } else {
-                    return None;
+                    return Err(Miss::Entry(i));
                 };
             if !counter.is_empty() {
                 counter.push('.');
@@ -262,11 +268,61 @@ impl EnvoyConfig {
             }
             node = next;
         }
-        found.map(|rule| Match {
-            rule,
-            counter,
-            overridden: false,
-        })
+        match found {
+            Some(rule) => Ok(Match {
+                rule,
+                counter,
+                overridden: false,
+            }),
+            None if entries.is_empty() => Err(Miss::Entry(0)),
+            None => Err(Miss::NoRule),
+        }
+    }
+}
+
+/// Where a descriptor's search for a rule stopped ([`EnvoyConfig::lookup`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Miss {
+    /// The domain is not configured.
+    Domain,
+    /// The entry at this index matched no descriptor at its depth (0 also
+    /// for a descriptor without entries).
+    Entry(usize),
+    /// Every entry matched, but the deepest descriptor has no `rate_limit`.
+    NoRule,
+}
+
+impl Miss {
+    /// What a person reads: why no rule applies to `entries` of `domain`.
+    pub fn describe(self, domain: &str, entries: &[(&str, &str)]) -> String {
+        match self {
+            Self::Domain => format!(
+                "domain {domain:?} is not in the configuration: nothing in it is limited, \
+                 limit overrides included"
+            ),
+            Self::Entry(_) if entries.is_empty() => "the descriptor has no entries".into(),
+            Self::Entry(0) => {
+                let (k, v) = entries[0];
+                format!(
+                    "the first entry ({k}={v}) matches no descriptor at the top of domain {domain:?}"
+                )
+            }
+            Self::Entry(i) => {
+                let (k, v) = entries[i];
+                let path: Vec<String> = entries[..i]
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
+                format!(
+                    "entry {} ({k}={v}) matches no descriptor under {}",
+                    i + 1,
+                    path.join(", ")
+                )
+            }
+            Self::NoRule => "every entry matches a descriptor, but the deepest one has no \
+                 rate_limit (a rule applies only at the depth of the request's last entry)"
+                .into(),
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! an xDS management server.
 
 pub mod config;
+mod explain;
 pub mod service;
 pub mod xds;
 

@@ -93,6 +93,18 @@ impl EnvoyRateLimitService {
             options,
         }
     }
+
+    pub(super) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(super) fn config(&self) -> &LiveEnvoyConfig {
+        &self.config
+    }
+
+    pub(super) fn options(&self) -> &EnvoyOptions {
+        &self.options
+    }
 }
 
 /// The rule each descriptor matched, after `replaces`, with its hits.
@@ -213,38 +225,7 @@ impl EnvoyRateLimitService {
             let key = truncate(key, caps::MAX_KEY_BYTES);
             demand.items.push(Item::new(tenant, "", key, share.cost));
             let Some((m, _)) = found else { continue };
-            let allowance = match m.rule.kind {
-                RuleKind::Unlimited => Allowance::Unlimited,
-                RuleKind::Block => Allowance::Blocked {
-                    window: m.rule.unit.micros(),
-                },
-                RuleKind::Limited(limit) => Allowance::Limited(limit),
-            };
-            let algorithm = match m.rule.kind {
-                RuleKind::Limited(limit) => limit.algorithm(),
-                _ => Algorithm::FixedWindow,
-            };
-            demand.lines.push(Line {
-                item: i,
-                bucket: BucketKey::new(
-                    tenant,
-                    BucketKind::Envoy {
-                        overridden: m.overridden,
-                    },
-                    algorithm.as_str(),
-                    &m.counter,
-                ),
-                allowance,
-                enforce: !m.rule.shadow,
-                on_store_unavailable: m.rule.on_store_unavailable,
-                // A configured rule's key; overrides have none.
-                label: if m.rule.full_key.is_empty() {
-                    OVERRIDE_LABEL
-                } else {
-                    &m.rule.full_key
-                },
-                calendar: m.rule.calendar.as_ref().map(|(p, c)| (*p, &**c)),
-            });
+            demand.lines.push(line(tenant, i, m));
         }
         let decided = self.engine.decide(&mut demand, span);
         // Log events inside belong to the decision's span when it is traced.
@@ -346,8 +327,45 @@ impl EnvoyRateLimitService {
     }
 }
 
+/// The line of a descriptor (item `item`) that matched `m`: the one
+/// mapping of an Envoy rule to a bucket, for decisions and explanations.
+pub(super) fn line<'a>(tenant: &str, item: usize, m: &'a Match) -> Line<'a> {
+    let allowance = match m.rule.kind {
+        RuleKind::Unlimited => Allowance::Unlimited,
+        RuleKind::Block => Allowance::Blocked {
+            window: m.rule.unit.micros(),
+        },
+        RuleKind::Limited(limit) => Allowance::Limited(limit),
+    };
+    let algorithm = match m.rule.kind {
+        RuleKind::Limited(limit) => limit.algorithm(),
+        _ => Algorithm::FixedWindow,
+    };
+    Line {
+        item,
+        bucket: BucketKey::new(
+            tenant,
+            BucketKind::Envoy {
+                overridden: m.overridden,
+            },
+            algorithm.as_str(),
+            &m.counter,
+        ),
+        allowance,
+        enforce: !m.rule.shadow,
+        on_store_unavailable: m.rule.on_store_unavailable,
+        // A configured rule's key; overrides have none.
+        label: if m.rule.full_key.is_empty() {
+            OVERRIDE_LABEL
+        } else {
+            &m.rule.full_key
+        },
+        calendar: m.rule.calendar.as_ref().map(|(p, c)| (*p, &**c)),
+    }
+}
+
 /// The request's shape against the caps, before any lookup.
-fn check(req: &RateLimitRequest) -> Result<(), DecideError> {
+pub(super) fn check(req: &RateLimitRequest) -> Result<(), DecideError> {
     if req.domain.is_empty() {
         return Err(DecideError::InvalidField(
             "rate limit domain must not be empty".into(),
@@ -576,7 +594,7 @@ fn net(matched: &Matched, shares: &mut [Share]) {
 }
 
 /// `s` cut to at most `max` bytes, at a character boundary.
-fn truncate(s: &str, max: usize) -> &str {
+pub(super) fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
@@ -606,7 +624,7 @@ fn current_limit(rule: &EnvoyRule) -> RateLimit {
 /// A limit sent by Envoy in the descriptor: a fixed window, as
 /// envoyproxy/ratelimit treats it, never in shadow mode; a limit of zero
 /// blocks. Its metrics are labelled [`OVERRIDE_LABEL`].
-fn override_rule(
+pub(super) fn override_rule(
     i: usize,
     entries: &[(&str, &str)],
     requests_per_unit: u32,
@@ -671,7 +689,7 @@ fn override_rule(
 /// A domain as the tenant part of a bucket name: characters outside
 /// `[A-Za-z0-9._-]` are percent-encoded, so any domain is safe as a Redis
 /// hash tag and in `tenant:scope:resource:key`.
-fn encode_domain(domain: &str) -> String {
+pub(super) fn encode_domain(domain: &str) -> String {
     let mut out = String::with_capacity(domain.len() + 2);
     out.push('~'); // keeps Envoy domains apart from native tenants
     for b in domain.bytes() {

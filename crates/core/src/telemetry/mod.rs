@@ -1,6 +1,7 @@
 //! Logs and metrics.
 
 pub mod metrics;
+pub mod recent;
 pub mod top;
 pub mod traces;
 

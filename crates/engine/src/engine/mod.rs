@@ -138,6 +138,7 @@ pub enum Unmatched {
     Deny,
 }
 use crate::telemetry::metrics::{self, Outcome};
+use crate::telemetry::recent::Recent;
 use crate::telemetry::top::TopLimited;
 
 /// Charges per decision held inline before the scratch space spills to the
@@ -411,6 +412,7 @@ pub struct Engine {
     leases: leases::LeaseBook,
     unmatched: Unmatched,
     header_style: HeaderStyle,
+    recent: Recent,
 }
 
 impl Engine {
@@ -424,6 +426,7 @@ impl Engine {
             leases: leases::LeaseBook::default(),
             unmatched: Unmatched::Allow,
             header_style: HeaderStyle::default(),
+            recent: Recent::new(),
         }
     }
 
@@ -456,6 +459,11 @@ impl Engine {
     /// The engine's clock, now.
     pub fn now(&self) -> Micros {
         self.clock.now()
+    }
+
+    /// The most recent decisions per key (sampled; see [`Recent`]).
+    pub fn recent(&self) -> &Recent {
+        &self.recent
     }
 
     /// Decides a demand: validates it, applies it to the store as one
@@ -587,10 +595,17 @@ impl Engine {
     /// item. The demand's quota lines are left in the period read
     /// ([`Limit::period`] of their allowance).
     pub async fn read(&self, demand: &mut Demand<'_>) -> Result<Answer, DecideError> {
-        demand.op = Op::DRY;
         for item in &mut demand.items {
             item.cost = 0;
         }
+        self.dry_run(demand).await
+    }
+
+    /// What the demand would get now, decided as a dry run (nothing spent
+    /// or written) in one store call, and not counted anywhere: no metric,
+    /// no top-limited entry, no recent decision.
+    pub async fn dry_run(&self, demand: &mut Demand<'_>) -> Result<Answer, DecideError> {
+        demand.op = Op::DRY;
         self.apply_demand(demand, None)
             .await
             .map(|(answer, _)| answer)
@@ -770,8 +785,11 @@ impl Engine {
             return self.record_charge(demand, answer, span);
         }
         let mut run: Option<(Outcome, &str, u64, u64)> = None;
+        let now = self.clock.now();
         for (item, a) in demand.items.iter().zip(&answer.items) {
             let label = a.line.map_or("", |l| demand.lines[l].label);
+            self.recent
+                .record(item.tenant, item.key, now, a.outcome, label, item.cost);
             if !a.allowed {
                 self.top.record(item.tenant, item.key, 1);
             }

@@ -258,6 +258,61 @@ impl RuleSet {
         resource: &str,
         kinds: &[Kind],
     ) -> impl Iterator<Item = &'a Arc<Rule>> + use<'a> {
+        let mut found: [Option<&'a Arc<Rule>>; SLOTS] = [None; SLOTS];
+        self.walk(tenant, resource, kinds, |slot, _, rule| {
+            // Tiers fill only empty slots, so the most specific row of
+            // each slot wins.
+            if found[slot].is_none() {
+                found[slot] = Some(rule);
+            }
+        });
+        found.into_iter().flatten()
+    }
+
+    /// Every rule of every kind that applies to a request for
+    /// `(tenant, resource)`, slot by slot in the order decisions meet
+    /// them (rate, concurrency, quota): the row in force in each slot,
+    /// whose row it is, and the less specific rows it won over. For the
+    /// explain view; decisions use [`RuleSet::applicable`].
+    pub fn explain<'a>(&'a self, tenant: &str, resource: &str) -> Vec<SlotRules<'a>> {
+        let mut slots: [Vec<(Tier, &'a Arc<Rule>)>; SLOTS] = std::array::from_fn(|_| Vec::new());
+        let kinds = [Kind::Rate, Kind::Concurrency];
+        self.walk(tenant, resource, &kinds, |slot, tier, rule| {
+            slots[slot].push((tier, rule));
+        });
+        let mut quotas: [Vec<(Tier, &'a Arc<Rule>)>; SLOTS] = std::array::from_fn(|_| Vec::new());
+        self.walk(tenant, resource, &[Kind::Quota], |slot, tier, rule| {
+            quotas[slot].push((tier, rule));
+        });
+        slots
+            .into_iter()
+            .chain(quotas)
+            .filter_map(|mut rows| {
+                if rows.is_empty() {
+                    return None;
+                }
+                let (owner, rule) = rows.remove(0);
+                Some(SlotRules {
+                    rule,
+                    owner,
+                    over: rows,
+                })
+            })
+            .collect()
+    }
+
+    /// Calls `visit(slot, tier, rule)` for each rule of `kinds` that
+    /// applies to `(tenant, resource)`, most specific tier first: the
+    /// tenant's own rows, then its plan's, then the defaults. Slot order:
+    /// kind (as `kinds` lists them), scope, then any-resource before the
+    /// resource's own, then enforce before shadow.
+    fn walk<'a>(
+        &'a self,
+        tenant: &str,
+        resource: &str,
+        kinds: &[Kind],
+        mut visit: impl FnMut(usize, Tier, &'a Arc<Rule>),
+    ) {
         let entry = if tenant.is_empty() {
             None
         } else {
@@ -268,13 +323,13 @@ impl RuleSet {
             .and_then(TenantEntry::plan)
             .and_then(|id| self.plans.get(id as usize)?.as_deref())
             .unwrap_or(&[]);
-        // Slot order: kind (as `kinds` lists them), scope, then
-        // any-resource before the resource's own, then enforce before
-        // shadow. Tiers fill only empty slots, so the most specific row of
-        // each slot wins.
-        let mut found: [Option<&'a Arc<Rule>>; 16] = [None; 16];
-        for tier in [own, plan, &self.defaults] {
-            for rule in tier {
+        let tiers = [
+            (Tier::Tenant, own),
+            (Tier::Plan, plan),
+            (Tier::Default, &self.defaults[..]),
+        ];
+        for (tier, rules) in tiers {
+            for rule in rules {
                 let Some(k) = kinds.iter().position(|k| *k == rule.kind) else {
                     continue;
                 };
@@ -285,15 +340,53 @@ impl RuleSet {
                 } else {
                     continue;
                 };
-                let slot =
-                    &mut found[k * 8 + rule.scope as usize * 4 + specific * 2 + rule.mode as usize];
-                if slot.is_none() {
-                    *slot = Some(rule);
-                }
+                visit(
+                    k * 8 + rule.scope as usize * 4 + specific * 2 + rule.mode as usize,
+                    tier,
+                    rule,
+                );
             }
         }
-        found.into_iter().flatten()
     }
+}
+
+/// Slots a request's rules fill: two kinds, two scopes, any-resource or
+/// the resource's own, enforce or shadow.
+const SLOTS: usize = 16;
+
+/// Whose row a rule in force is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// The tenant's own row.
+    Tenant,
+    /// The row of the tenant's plan.
+    Plan,
+    /// A default row (tenant and plan empty).
+    Default,
+}
+
+impl Tier {
+    /// As the explain view names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tenant => "tenant",
+            Self::Plan => "plan",
+            Self::Default => "default",
+        }
+    }
+}
+
+/// One slot of a request's rules: the row in force and the rows it won
+/// over ([`RuleSet::explain`]).
+#[derive(Debug, Clone)]
+pub struct SlotRules<'a> {
+    /// The rule in force.
+    pub rule: &'a Arc<Rule>,
+    /// Whose row it is.
+    pub owner: Tier,
+    /// Rows of less specific owners in the same slot, most specific first.
+    pub over: Vec<(Tier, &'a Arc<Rule>)>,
 }
 
 /// A row the loader rejected.
