@@ -414,6 +414,7 @@ fn serve_admin(
         engine: parts.engine.clone(),
         rlqs: parts.rlqs.clone(),
         explain: parts.explain.clone(),
+        history: Default::default(),
     });
     let sampler = spawn_sampler(state.clone(), parts.engine.clone(), stop.stopped());
     let ports = config.grpc_limits;
@@ -583,7 +584,7 @@ fn spawn_sampler(
             tokio::select! {
                 _ = &mut stop => return,
                 _ = tick.tick() => {
-                    state.rates.sample();
+                    state.sample();
                     engine.sweep_leases();
                 }
             }

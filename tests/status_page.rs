@@ -180,8 +180,13 @@ async fn chromium_renders_rates_top_tenants_store_health_and_limits() {
 struct Page(String);
 
 async fn render(server: &TestServer) -> Page {
+    render_at(server, "/").await
+}
+
+/// The page at `path` (a fragment may follow), as Chromium leaves it.
+async fn render_at(server: &TestServer, path: &str) -> Page {
     let profile = tempfile::tempdir().unwrap();
-    let url = format!("http://{}/", server.admin);
+    let url = format!("http://{}{path}", server.admin);
     let out = tokio::task::spawn_blocking(move || {
         Command::new("chromium")
             .args([
@@ -194,6 +199,7 @@ async fn render(server: &TestServer) -> Page {
                 "--disable-component-update",
                 "--disable-sync",
                 "--virtual-time-budget=10000",
+                "--window-size=1400,2400",
                 "--dump-dom",
             ])
             .arg(format!("--user-data-dir={}", profile.path().display()))
@@ -212,6 +218,21 @@ async fn render(server: &TestServer) -> Page {
 }
 
 impl Page {
+    /// The JSON in attribute `data-NAME` of the element with `id`.
+    fn data(&self, id: &str, name: &str) -> serde_json::Value {
+        let dom = &self.0;
+        let start = dom
+            .find(&format!("id=\"{id}\""))
+            .unwrap_or_else(|| panic!("no #{id} in {dom}"));
+        let tag = &dom[start..start + dom[start..].find('>').unwrap()];
+        let at = tag
+            .find(&format!("data-{name}=\""))
+            .unwrap_or_else(|| panic!("#{id} has no data-{name}: {tag}"));
+        let value = &tag[at + name.len() + 7..];
+        let value = &value[..value.find('"').unwrap()];
+        serde_json::from_str(&value.replace("&quot;", "\"").replace("&amp;", "&")).unwrap()
+    }
+
     /// A section's text, tags dropped, whitespace collapsed.
     fn section(&self, id: &str) -> String {
         let dom = &self.0;
@@ -298,5 +319,78 @@ async fn chromium_shows_each_redis_nodes_state() {
         let row = format!("127.0.0.1:{} {} - {state}", node.port, counts[i]);
         assert!(store.contains(&row), "{row} in {store}");
     }
+    server.stop().await;
+}
+
+/// The plots show the traffic the test made: the decisions chart's
+/// series sum to exactly the decisions made, the tenants chart draws the
+/// limited tenant with its exact rejections and not the calm one, and the
+/// canvas holds pixels of each drawn series' colour; the latency chart
+/// says the in-process store is not timed. A tenant's link opens its
+/// explain view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chromium_plots_the_last_hour_and_opens_a_tenants_explain_view() {
+    let server = TestServer::launch(Some(&[row("per-key", "", "", "key", 2, "1/hour")]), |c| {
+        c.admin_access.token = Some("pl0t-token".into());
+    })
+    .await;
+    let mut client = server.client().await;
+    for _ in 0..7 {
+        ask(&mut client, req("scraper", "bot-1")).await;
+    }
+    ask(&mut client, req("calm", "k")).await;
+    // The sampler takes a point a second: wait (bounded) until the
+    // history holds every decision.
+    let sums = |h: &serde_json::Value, column: &str| -> u64 {
+        h[column]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .sum()
+    };
+    for _ in 0..100 {
+        let (_, body) = server.http_get("/v1/history").await.unwrap();
+        let h: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if sums(&h, "allowed") == 3 && sums(&h, "rejected") == 5 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let page = render_at(&server, "/#explain/scraper/bot-1?token=pl0t-token").await;
+
+    let decisions = page.data("chart-decisions", "sums");
+    assert_eq!(decisions["allowed"], 3, "{decisions}");
+    assert_eq!(decisions["rejected"], 5, "{decisions}");
+    assert_eq!(decisions["degraded"], 0, "{decisions}");
+    let tenants = page.data("chart-tenants", "sums");
+    assert_eq!(tenants, serde_json::json!({"scraper": 5}));
+    for chart in ["chart-decisions", "chart-tenants"] {
+        let colors = page.data(chart, "colors");
+        let painted = page.data(chart, "painted");
+        for colour in colors.as_array().unwrap() {
+            let n = painted[colour.as_str().unwrap()].as_u64().unwrap();
+            assert!(n > 20, "{chart}: {n} pixels of {colour} in {painted}");
+        }
+    }
+    assert_eq!(page.data("chart-latency", "series"), serde_json::json!([]));
+    assert!(
+        page.section("plots")
+            .contains("no store call timed in the last hour"),
+        "{}",
+        page.section("plots")
+    );
+    // The top table links each tenant and key to its explain view.
+    assert!(page.0.contains("href=\"#explain/scraper/bot-1\""));
+    let explain = page.section("explain");
+    assert!(
+        explain.contains("a request of cost 1: refused by per-key, retry in 3600.0 s"),
+        "{explain}"
+    );
+    assert!(
+        explain.contains("per-key default rate key (any) enforce 2, 1/hour - 0 tokens"),
+        "{explain}"
+    );
+    assert!(explain.contains("rejected per-key 1"), "{explain}");
     server.stop().await;
 }

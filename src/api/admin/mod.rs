@@ -13,6 +13,8 @@
 //! | `/v1/plans`   | JSON: the plans, with their rules and tenants counted  |
 //! | `/v1/envoy-config` | JSON: the Envoy configuration's reload status     |
 //! | `/v1/rlqs` | JSON: the quota buckets subscribed on this instance, highest demand first (`?limit=`), with each one's share and assignment |
+//! | `/v1/history` | JSON: the last hour, a point a second (`?seconds=`): decisions per second, store percentiles, top tenants' rejections, slots held, debt |
+//! | `/assets/uplot.js`, `/assets/uplot.css` | the status page's charting library (vendored) |
 //! | `/v1/top-limited` | JSON: most limited tenants and keys (`?tenants=&keys=`), the tenants seen in debt, and those holding the most concurrency slots |
 //! | `POST /v1/limits`, `DELETE /v1/limits/{name}` | change the limits table (token required) |
 //! | `POST /v1/plans`, `DELETE /v1/plans/{name}`, `PUT`/`DELETE /v1/tenants/{tenant}/plan` | plans and tenants' plans (token required) |
@@ -32,6 +34,7 @@ use serde_json::json;
 
 mod explain;
 pub mod grpc;
+mod history;
 mod limits;
 
 use subtle::ConstantTimeEq;
@@ -69,6 +72,8 @@ pub struct AdminState {
     pub rlqs: Arc<crate::api::quota_view::RlqsView>,
     /// The explain view.
     pub explain: Arc<crate::api::explain::Explainer>,
+    /// The last hour, for the status page's plots.
+    pub history: history::History,
 }
 
 /// True when `authorization` (a header's value) is `Bearer TOKEN` with
@@ -260,6 +265,9 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/v1/rlqs", get(rlqs))
         .route("/v1/top-limited", get(top_limited))
         .route("/v1/explain", get(explain::http))
+        .route("/v1/history", get(history::http))
+        .route("/assets/uplot.js", get(uplot_js))
+        .route("/assets/uplot.css", get(uplot_css))
         .route("/v1/status", get(status))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
@@ -269,6 +277,36 @@ pub fn router(state: Arc<AdminState>) -> Router {
 /// the limits in force, from the JSON endpoints; self-contained.
 async fn index() -> axum::response::Html<&'static str> {
     axum::response::Html(include_str!("status.html"))
+}
+
+/// The charting library the status page draws with, vendored (uPlot, MIT;
+/// `vendor/uplot/README.md`): the page works offline.
+async fn uplot_js() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        include_str!("vendor/uplot/uPlot.iife.min.js"),
+    )
+        .into_response()
+}
+
+async fn uplot_css() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("vendor/uplot/uPlot.min.css"),
+    )
+        .into_response()
+}
+
+impl AdminState {
+    /// Takes the status page's samples (the server calls this every
+    /// second). The plots' time axis is the wall clock's, whatever clock
+    /// decisions read (a test's stands still).
+    pub fn sample(&self) {
+        use crate::clock::Clock;
+        self.rates.sample();
+        let now = crate::clock::SystemClock.now() / 1_000_000;
+        self.history.sample(&self.top, now);
+    }
 }
 
 async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {

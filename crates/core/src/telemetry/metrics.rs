@@ -318,8 +318,12 @@ pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
 /// Circuit breaker state by `store`: 0 closed, 1 open, 2 half-open.
 pub const BREAKER_STATE: &str = "tollgate_store_circuit_state";
 
+/// Store call durations in process, for the status page.
+pub static STORE_LATENCY: super::latency::Latency = super::latency::Latency::new();
+
 /// Records one store call's duration.
 pub fn store_call(store: &'static str, op: &'static str, took: std::time::Duration) {
+    STORE_LATENCY.record(took.as_micros() as u64);
     static HANDLES: OnceLock<dashmap::DashMap<(&str, &str), metrics::Histogram>> = OnceLock::new();
     cached(
         &HANDLES,

@@ -1,5 +1,6 @@
 //! Logs and metrics.
 
+pub mod latency;
 pub mod metrics;
 pub mod recent;
 pub mod top;

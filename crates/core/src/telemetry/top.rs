@@ -161,6 +161,8 @@ pub struct TopTenant {
 }
 
 struct Windows {
+    /// Rejections per tenant since the last [`TopLimited::take_interval`].
+    interval: SpaceSaving,
     started: Micros,
     tenants: [SpaceSaving; 2],
     keys: [SpaceSaving; 2],
@@ -257,6 +259,7 @@ impl TopLimited {
         let sketch = |n| [SpaceSaving::new(n), SpaceSaving::new(n)];
         Self {
             windows: Mutex::new(Windows {
+                interval: SpaceSaving::new(capacity),
                 started: clock.now(),
                 tenants: sketch(capacity),
                 keys: sketch(capacity * 4),
@@ -303,11 +306,24 @@ impl TopLimited {
         let mut w = self.windows.lock();
         self.rotate(&mut w);
         w.tenants[0].add(tenant, weight);
+        w.interval.add(tenant, weight);
         let mut pair = String::with_capacity(tenant.len() + key.len() + 1);
         pair.push_str(tenant);
         pair.push('\u{0}');
         pair.push_str(key);
         w.keys[0].add(&pair, weight);
+    }
+
+    /// The `n` tenants with the most rejections since the previous call
+    /// (or start), with their counts; starts the next interval. For the
+    /// status page's history, which calls it once a second.
+    pub fn take_interval(&self, n: usize) -> Vec<Heavy> {
+        let capacity = self.capacity;
+        let taken = std::mem::replace(
+            &mut self.windows.lock().interval,
+            SpaceSaving::new(capacity),
+        );
+        top(taken.items, n)
     }
 
     /// Records that `key` of `tenant` was seen `debt` tokens below zero.
