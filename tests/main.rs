@@ -13,6 +13,7 @@ mod architecture;
 mod bad_input;
 mod budgets;
 mod cli;
+mod clients;
 mod connections;
 mod deny_cache;
 mod deploy;

@@ -1,0 +1,1 @@
+"""gRPC stubs generated from tollgate.proto (filled in when the package builds)."""
