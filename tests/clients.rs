@@ -48,14 +48,16 @@ fn get(port: u16, path: &str, key: &str) -> (u16, String) {
     .unwrap();
     let mut r = String::new();
     let _ = s.read_to_string(&mut r);
-    let status = r.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = r
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     (status, r.to_ascii_lowercase())
 }
 
 fn run(command: &mut Command, what: &str) {
-    let out = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let out = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     assert!(
         out.status.success(),
         "{what} failed:\n{}\n{}",
@@ -71,13 +73,24 @@ fn server(dir: &Path) -> ServeProcess {
     for args in [
         &["--tenant", "web", "--burst", "2", "--rate", "1/hour"][..],
         &["--tenant", "llm", "--burst", "100", "--rate", "1/hour"][..],
-        &["--tenant", "slots", "--scope", "tenant", "--concurrency", "1"][..],
+        &[
+            "--tenant",
+            "slots",
+            "--scope",
+            "tenant",
+            "--concurrency",
+            "1",
+        ][..],
         &["--tenant", "paced", "--burst", "1", "--rate", "5/second"][..],
     ] {
         let mut all = vec!["limits", "set", "--create", "--wait-for", "none"];
         all.extend_from_slice(args);
         let out = tollgate(dir, &all);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let server = ServeProcess::start(dir, &[]);
     server.wait_ready();
@@ -159,7 +172,11 @@ fn check_app(server: &ServeProcess, app: &dyn Fn(&str, &str) -> (App, u16), name
     // Reserve 50, settle at the 20 used: 80 left. Then a failed piece of
     // work refunds its estimate: still 80.
     let key = format!("{name}-llm");
-    let (status, r) = get(port, &format!("/reserve?key={key}&estimate=50&used=20"), "x");
+    let (status, r) = get(
+        port,
+        &format!("/reserve?key={key}&estimate=50&used=20"),
+        "x",
+    );
     assert_eq!(status, 200, "{name}: {r}");
     assert_eq!(left_after_one(server, "llm", &key), "79/100", "{name}");
     let (status, r) = get(port, &format!("/reserve?key={key}&estimate=30&fail=1"), "x");
@@ -178,10 +195,16 @@ fn check_app(server: &ServeProcess, app: &dyn Fn(&str, &str) -> (App, u16), name
     // (a fifth of a second) instead of failing; without time to wait, it
     // is refused.
     let paced = format!("{name}-paced");
-    assert_eq!(get(port, &format!("/wait?key={paced}&max_wait=0"), "x").0, 200);
+    assert_eq!(
+        get(port, &format!("/wait?key={paced}&max_wait=0"), "x").0,
+        200
+    );
     let (status, r) = get(port, &format!("/wait?key={paced}&max_wait=5"), "x");
     assert_eq!(status, 200, "{name}: {r}");
-    assert_eq!(get(port, &format!("/wait?key={paced}&max_wait=0"), "x").0, 429);
+    assert_eq!(
+        get(port, &format!("/wait?key={paced}&max_wait=0"), "x").0,
+        429
+    );
 
     // A slot: one request holds tenant `slots`' only slot; a second is
     // refused with 429; a request that ends gives it back.
@@ -198,7 +221,10 @@ fn check_app(server: &ServeProcess, app: &dyn Fn(&str, &str) -> (App, u16), name
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(refused, "{name}: a second request is refused while the slot is held");
+    assert!(
+        refused,
+        "{name}: a second request is refused while the slot is held"
+    );
     // Kill the app while it holds the slot: its connection drops and
     // Tollgate frees the slot at once (the lease's 60 s ttl is not waited
     // for).
@@ -214,7 +240,10 @@ fn check_app(server: &ServeProcess, app: &dyn Fn(&str, &str) -> (App, u16), name
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(freed, "{name}: the slot is free after the holder was killed");
+    assert!(
+        freed,
+        "{name}: the slot is free after the holder was killed"
+    );
     drop(_again);
 
     // Tollgate unreachable: fail open lets the request through, fail
@@ -244,7 +273,15 @@ fn python_env(dir: &Path) -> PathBuf {
     let dist = dir.join("dist");
     run(
         Command::new("python3")
-            .args(["-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w"])
+            .args([
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "-w",
+            ])
             .arg(&dist)
             .arg(&package),
         "building the wheel",
@@ -262,7 +299,13 @@ fn python_env(dir: &Path) -> PathBuf {
     let python = venv.join("bin/python");
     run(
         Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .arg(&wheel)
             .args(["starlette", "uvicorn"]),
         "pip install of the wheel",
@@ -298,6 +341,120 @@ fn the_python_package_installs_and_guards_a_wsgi_and_an_asgi_app() {
         let start_app = |target: &str, policy: &str| {
             let mut c = Command::new(&python);
             c.arg(&script).arg(mode);
+            start(c, target, policy)
+        };
+        check_app(&server, &start_app, mode);
+    }
+}
+
+/// Packs `clients/node` with `npm pack` (which copies the proto in) and
+/// installs the tarball with Express and Fastify into a fresh project;
+/// returns the project's directory.
+fn node_project(dir: &Path) -> PathBuf {
+    let package = dir.join("pkg");
+    copy_dir(&Path::new(ROOT).join("clients/node"), &package);
+    // The prepack script reads the proto from the repository layout.
+    let proto = dir.join("proto/tollgate/v1");
+    std::fs::create_dir_all(&proto).unwrap();
+    std::fs::copy(
+        Path::new(ROOT).join("proto/tollgate/v1/tollgate.proto"),
+        proto.join("tollgate.proto"),
+    )
+    .unwrap();
+    let nested = dir.join("clients");
+    std::fs::create_dir_all(&nested).unwrap();
+    std::fs::rename(&package, nested.join("node")).unwrap();
+    let package = nested.join("node");
+    let packed = Command::new("npm")
+        .args(["pack", "--silent", "--pack-destination"])
+        .arg(dir)
+        .current_dir(&package)
+        .output()
+        .expect("npm runs (scripts/test installs it)");
+    assert!(
+        packed.status.success(),
+        "npm pack: {}",
+        String::from_utf8_lossy(&packed.stderr)
+    );
+    let tarball = dir.join(String::from_utf8_lossy(&packed.stdout).trim());
+    let project = dir.join("app");
+    std::fs::create_dir_all(&project).unwrap();
+    std::fs::write(
+        project.join("package.json"),
+        r#"{"name": "app", "version": "1.0.0", "private": true}"#,
+    )
+    .unwrap();
+    run(
+        Command::new("npm")
+            .args(["install", "--silent", "--no-audit", "--no-fund"])
+            .arg(&tarball)
+            .args(["express@4", "fastify@4", "typescript@5", "@types/node@20"])
+            .current_dir(&project),
+        "npm install of the tarball",
+    );
+    std::fs::copy(
+        Path::new(ROOT).join("tests/clients/node_app.js"),
+        project.join("node_app.js"),
+    )
+    .unwrap();
+    project
+}
+
+#[test]
+fn the_node_package_installs_and_guards_an_express_and_a_fastify_app() {
+    let dir = tempfile::tempdir().unwrap();
+    let project = node_project(dir.path());
+    // The package carries its types.
+    let types = std::fs::read_to_string(project.join("node_modules/tollgate-client/index.d.ts"))
+        .expect("the installed package has index.d.ts");
+    assert!(types.contains("export class Tollgate"));
+    assert!(
+        project
+            .join("node_modules/tollgate-client/proto/tollgate/v1/tollgate.proto")
+            .is_file()
+    );
+    // A TypeScript user's code type-checks against them, strictly; a
+    // misuse does not.
+    let typed = "import { Tollgate, RateLimited, Decision, expressMiddleware } from \"tollgate-client\";\n\
+        const t = new Tollgate(\"127.0.0.1:1\", { tenant: \"acme\", onUnreachable: \"closed\" });\n\
+        async function f(): Promise<number> {\n\
+          const d: Decision = await t.shouldAllow(\"alice\", { cost: 2 });\n\
+          const n = await t.reserve(\"alice\", 10, async (r) => { r.used = 3; return r.estimate; });\n\
+          await t.slot(\"alice\", { ttl: 5 }, (s) => s.lease.length);\n\
+          try { await t.waitAllowed(\"a\", { maxWait: 10 }); } catch (e) { if (e instanceof RateLimited) return e.decision.retryAfter; }\n\
+          expressMiddleware(t, { key: (req) => req.headers[\"x-api-key\"] });\n\
+          return d.remaining + n;\n\
+        }\n\
+        f();\n";
+    std::fs::write(project.join("typed.ts"), typed).unwrap();
+    run(
+        Command::new("npx")
+            .args(["tsc", "--noEmit", "--strict", "typed.ts"])
+            .current_dir(&project),
+        "tsc on code using the types",
+    );
+    std::fs::write(
+        project.join("wrong.ts"),
+        "import { Tollgate } from \"tollgate-client\";\nnew Tollgate(\"x\", { onUnreachable: \"maybe\" });\n",
+    )
+    .unwrap();
+    let wrong = Command::new("npx")
+        .args(["tsc", "--noEmit", "--strict", "wrong.ts"])
+        .current_dir(&project)
+        .output()
+        .unwrap();
+    assert!(
+        !wrong.status.success(),
+        "a policy other than open or closed does not type-check"
+    );
+    let data = tempfile::tempdir().unwrap();
+    let server = server(data.path());
+    for mode in ["express", "fastify"] {
+        let start_app = |target: &str, policy: &str| {
+            let mut c = Command::new("node");
+            c.arg(project.join("node_app.js"))
+                .arg(mode)
+                .current_dir(&project);
             start(c, target, policy)
         };
         check_app(&server, &start_app, mode);

@@ -27,7 +27,6 @@ mod envoy_llm;
 mod envoy_metrics;
 mod envoy_refunds;
 mod envoy_xds;
-mod examples;
 mod explain;
 mod fairness;
 mod fuzz;
