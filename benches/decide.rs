@@ -282,5 +282,46 @@ fn header_fields(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, algorithm, memory_store, redis_store, header_fields);
+/// What the explain view's ring of recent decisions costs a decision: an
+/// admission in a slot that recorded one within 100 ms (counted, not
+/// kept: the common case under load), a refusal (always kept), and both
+/// over a million keys (a cache miss per slot).
+fn recent_decisions(c: &mut Criterion) {
+    use tollgate::telemetry::metrics::Outcome;
+    use tollgate::telemetry::recent::Recent;
+    let mut g = c.benchmark_group("recent_decisions");
+    g.throughput(Throughput::Elements(1));
+    let recent = Recent::new();
+    recent.record("acme", "alice", T0, Outcome::Allowed, "per-key", 1);
+    g.bench_function("admitted_sampled_out", |b| {
+        b.iter(|| recent.record("acme", "alice", T0 + 1, Outcome::Allowed, "per-key", 1))
+    });
+    g.bench_function("refused_kept", |b| {
+        b.iter(|| recent.record("acme", "alice", T0 + 1, Outcome::Rejected, "per-key", 1))
+    });
+    let keys: Vec<String> = (0..1_000_000).map(|i| format!("key-{i}")).collect();
+    let mut i = 0;
+    g.bench_function("admitted_million_keys", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            recent.record("acme", &keys[i], T0 + 2, Outcome::Allowed, "per-key", 1)
+        })
+    });
+    g.bench_function("refused_million_keys", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            recent.record("acme", &keys[i], T0 + 2, Outcome::Rejected, "per-key", 1)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    algorithm,
+    memory_store,
+    redis_store,
+    header_fields,
+    recent_decisions
+);
 criterion_main!(benches);

@@ -191,6 +191,20 @@ fn check_app(server: &ServeProcess, app: &dyn Fn(&str, &str) -> (App, u16), name
     assert_eq!(status, 429, "{name}: {r}");
     assert!(r.contains("retry-after: "), "{name}: {r}");
 
+    // A batch: both admitted together; one that cannot fit refused whole
+    // (nothing charged); one no bucket can hold is a caller's error, with
+    // the message saying so.
+    let batch = format!("{name}-batch");
+    let (status, r) = get(port, &format!("/batch?key={batch}&cost=10"), "x");
+    assert_eq!(status, 200, "{name}: {r}");
+    assert!(r.contains("remaining [99, 90]"), "{name}: {r}");
+    let (status, r) = get(port, &format!("/batch?key={batch}&cost=95"), "x");
+    assert_eq!(status, 429, "{name}: {r}");
+    assert_eq!(left_after_one(server, "llm", &batch), "98/100", "{name}");
+    let (status, r) = get(port, &format!("/batch?key={batch}&cost=500"), "x");
+    assert_eq!(status, 400, "{name}: {r}");
+    assert!(r.contains("invalid") && r.contains("500"), "{name}: {r}");
+
     // Backoff: the first is admitted; the second waits for the refill
     // (a fifth of a second) instead of failing; without time to wait, it
     // is refused.

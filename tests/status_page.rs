@@ -301,7 +301,34 @@ async fn chromium_shows_each_redis_nodes_state() {
         }
     }
     assert!(open, "the dead master's breaker opened");
-    let store = render(&server).await.section("store");
+    // Store calls were timed: the history holds their percentiles once the
+    // sampler has taken a point (one a second).
+    for _ in 0..100 {
+        let (_, body) = server.http_get("/v1/history").await.unwrap();
+        let h: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if h["store_p50_us"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v.is_u64())
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let page = render(&server).await;
+    assert_eq!(
+        page.data("chart-latency", "series"),
+        serde_json::json!(["p50", "p90", "p99"])
+    );
+    let sums = page.data("chart-latency", "sums");
+    for q in ["p50", "p90", "p99"] {
+        assert!(sums[q].as_u64().unwrap() > 0, "{sums}");
+    }
+    // Equal percentiles draw over each other: p99, drawn last, shows.
+    let painted = page.data("chart-latency", "painted");
+    assert!(painted["#b3261e"].as_u64().unwrap() > 0, "{painted}");
+    let store = page.section("store");
     assert!(store.contains("degraded"), "{store}");
     assert!(store.contains("store redis"), "{store}");
     assert!(store.contains("circuit breaker open"), "{store}");

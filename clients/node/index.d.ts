@@ -106,6 +106,8 @@ export class RateLimited extends Error {
 export class TollgateError extends Error {
   /** The gRPC status code. */
   readonly code: number;
+  /** Its name: INVALID_ARGUMENT, FAILED_PRECONDITION ... */
+  readonly codeName: string;
   /** What to fix. */
   readonly details: string;
 }

@@ -71,12 +71,17 @@ function unreachableDecision(policy) {
   };
 }
 
-/** Tollgate refused the request as invalid: `code` is the gRPC status. */
+/**
+ * Tollgate refused the request as invalid: `code` is the gRPC status
+ * (`codeName` its name, such as INVALID_ARGUMENT), `details` what to fix.
+ */
 class TollgateError extends Error {
   constructor(err) {
-    super(`${err.code}: ${err.details}`);
+    const codeName = Object.keys(grpc.status).find((k) => grpc.status[k] === err.code) || String(err.code);
+    super(`${codeName}: ${err.details}`);
     this.name = "TollgateError";
     this.code = err.code;
+    this.codeName = codeName;
     this.details = err.details;
   }
 }
@@ -144,9 +149,7 @@ class Tollgate {
       const d = this._failed(err);
       return { allowed: d.allowed, items: items.map(() => d), retryAfter: 0, unreachable: true };
     }
-    const decisions = r.items.map(decisionOf);
-    const waits = decisions.filter((d) => !d.allowed).map((d) => d.retryAfter);
-    return { allowed: r.allowed, items: decisions, retryAfter: waits.length ? Math.max(...waits) : 0, unreachable: false };
+    return { allowed: r.allowed, items: r.results.map(decisionOf), retryAfter: seconds(r.retry_after), unreachable: false };
   }
 
   /**

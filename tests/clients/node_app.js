@@ -6,11 +6,13 @@
 // `/` is behind the package's middleware (tenant TENANT, key x-api-key);
 // `/reserve?key=K&estimate=N[&used=M][&fail=1]` reserves and settles;
 // `/slot?key=K&ms=N` holds a concurrency slot of tenant "slots" for N ms;
-// `/wait?key=K&max_wait=S` waits for tenant "paced" with backoff. The other
+// `/wait?key=K&max_wait=S` waits for tenant "paced" with backoff;
+// `/batch?key=K&cost=N` asks for 1 token of K and N of K-2 of tenant "llm" at
+// once. The other
 // routes pass the middleware as a tenant without rules.
 "use strict";
 
-const { Tollgate, RateLimited, expressMiddleware, fastifyHook } = require("tollgate-client");
+const { Tollgate, RateLimited, TollgateError, expressMiddleware, fastifyHook } = require("tollgate-client");
 
 const [mode, port, target, tenant, policy] = process.argv.slice(2);
 const client = new Tollgate(target, { timeout: 300, onUnreachable: policy });
@@ -50,6 +52,15 @@ async function route(path, q) {
   if (path === "/wait") {
     const d = await client.waitAllowed(key, { tenant: "paced", maxWait: Number(q.max_wait) * 1000 });
     return [d.allowed ? 200 : 429, `allowed=${d.allowed}\n`, {}];
+  }
+  if (path === "/batch") {
+    try {
+      const b = await client.batch([{ key, cost: 1, tenant: "llm" }, { key: `${key}-2`, cost: Number(q.cost), tenant: "llm" }]);
+      return [b.allowed ? 200 : 429, `remaining [${b.items.map((d) => d.remaining).join(", ")}]\n`, {}];
+    } catch (err) {
+      if (err instanceof TollgateError) return [400, `${err.codeName}: ${err.details}\n`, {}];
+      throw err;
+    }
   }
   return [404, "no such route\n", {}];
 }

@@ -7,7 +7,8 @@ tests/clients.rs.
 `/reserve?key=K&estimate=N[&used=M][&fail=1]` reserves and settles with
 the client's context manager; `/slot?key=K&ms=N` holds a concurrency slot
 of tenant "slots" for N ms; `/wait?key=K&max_wait=S` waits for tenant
-"paced" with backoff. The other routes pass the middleware as a tenant
+"paced" with backoff; `/batch?key=K&cost=N` asks for 1 token of K and N of
+K-2 of tenant "llm" at once. The other routes pass the middleware as a tenant
 without rules.
 """
 
@@ -16,7 +17,7 @@ import sys
 import time
 from urllib.parse import parse_qs
 
-from tollgate_client import AsyncTollgate, RateLimited, Tollgate
+from tollgate_client import AsyncTollgate, Item, RateLimited, Tollgate, TollgateError
 
 mode, port, target, tenant, policy = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 
@@ -65,6 +66,13 @@ if mode == "wsgi":
         if path == "/wait":
             d = client.wait_allowed(key, tenant="paced", max_wait=float(q["max_wait"][0]))
             return reply(200 if d.allowed else 429, f"allowed={d.allowed}\n")
+        if path == "/batch":
+            items = [Item(key, 1, tenant="llm"), Item(key + "-2", int(q["cost"][0]), tenant="llm")]
+            try:
+                b = client.batch(items)
+            except TollgateError as e:
+                return reply(400, f"{e.code.name}: {e.message}\n")
+            return reply(200 if b.allowed else 429, f"remaining {[d.remaining for d in b.items]}\n")
         return reply(404, "no such route\n")
 
     def app(environ, start_response):
@@ -72,7 +80,7 @@ if mode == "wsgi":
             status, body, headers = handle(environ["PATH_INFO"], parse_qs(environ.get("QUERY_STRING", "")))
         except RuntimeError:
             status, body, headers = 500, b"the work failed\n", []
-        phrase = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Error"}[status]
+        phrase = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Error"}[status]
         start_response(f"{status} {phrase}", [("Content-Type", "text/plain"), *headers])
         return [body]
 
@@ -137,8 +145,18 @@ else:
         d = await client().wait_allowed(q.get("key", "k"), tenant="paced", max_wait=float(q["max_wait"]))
         return text(200 if d.allowed else 429, f"allowed={d.allowed}\n")
 
+    async def batch(request):
+        q = request.query_params
+        key = q.get("key", "k")
+        items = [Item(key, 1, tenant="llm"), Item(key + "-2", int(q["cost"]), tenant="llm")]
+        try:
+            b = await client().batch(items)
+        except TollgateError as e:
+            return text(400, f"{e.code.name}: {e.message}\n")
+        return text(200 if b.allowed else 429, f"remaining {[d.remaining for d in b.items]}\n")
+
     app = Starlette(routes=[Route("/", hello), Route("/reserve", reserve), Route("/slot", slot),
-                            Route("/wait", wait)])
+                            Route("/wait", wait), Route("/batch", batch)])
     app.add_middleware(TollgateMiddleware, client=client,
                        tenant=lambda scope: middleware_tenant(scope["path"]))
     print(f"listening on 127.0.0.1:{port}", flush=True)

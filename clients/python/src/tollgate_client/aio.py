@@ -95,11 +95,10 @@ class AsyncTollgate:
                 d = Decision.unavailable(self.on_unreachable)
                 return BatchDecision(d.allowed, [d] * len(items), unreachable=True)
             raise invalid(err) from None
-        decisions = [Decision.of(i) for i in r.items]
         return BatchDecision(
             allowed=r.allowed,
-            items=decisions,
-            retry_after=max((d.retry_after for d in decisions if not d.allowed), default=0.0),
+            items=[Decision.of(i) for i in r.results],
+            retry_after=r.retry_after.seconds + r.retry_after.nanos / 1e9,
         )
 
     async def wait_allowed(
