@@ -151,3 +151,46 @@ def check_policy(policy: str) -> Policy:
 def duration(seconds: float) -> dict:
     whole = int(seconds)
     return {"seconds": whole, "nanos": int((seconds - whole) * 1e9)}
+
+
+# The requests, built once for both clients.
+
+def should_allow_request(key, cost, tenant, resource, dry_run) -> "pb.ShouldAllowRequest":
+    return pb.ShouldAllowRequest(key=key, cost=cost, tenant=tenant, resource=resource,
+                                 dry_run=dry_run)
+
+
+def batch_request(items, tenant_of) -> "pb.ShouldAllowBatchRequest":
+    return pb.ShouldAllowBatchRequest(items=[
+        pb.BatchItem(key=i.key, cost=i.cost, tenant=tenant_of(i.tenant), resource=i.resource)
+        for i in items
+    ])
+
+
+def batch_decision(r: "pb.ShouldAllowBatchResponse") -> BatchDecision:
+    return BatchDecision(allowed=r.allowed, items=[Decision.of(i) for i in r.results],
+                         retry_after=_seconds(r.retry_after))
+
+
+def batch_unreachable(policy: Policy, n: int) -> BatchDecision:
+    d = Decision.unavailable(policy)
+    return BatchDecision(d.allowed, [d] * n, unreachable=True)
+
+
+def reserve_request(key, estimate, tenant, resource, ttl) -> "pb.ReserveRequest":
+    return pb.ReserveRequest(key=key, estimate=estimate, tenant=tenant, resource=resource,
+                             ttl=duration(ttl))
+
+
+def acquire_request(key, tenant, resource, ttl, cost) -> "pb.AcquireRequest":
+    # A Hold's lease lives at least a second.
+    return pb.AcquireRequest(key=key, tenant=tenant, resource=resource,
+                             ttl=duration(max(ttl, 1.0)), cost=cost)
+
+
+def settle_at(used: Optional[int], estimate: int, failed: bool) -> int:
+    """What a reservation settles at: the usage set, else the estimate, or
+    0 (a refund) when the work raised."""
+    if used is not None:
+        return used
+    return 0 if failed else estimate

@@ -18,10 +18,16 @@ from ._common import (
     Item,
     Policy,
     RateLimited,
+    acquire_request,
     backoff,
+    batch_decision,
+    batch_request,
+    batch_unreachable,
     check_policy,
-    duration,
     invalid,
+    reserve_request,
+    settle_at,
+    should_allow_request,
     unreachable,
 )
 from ._proto import tollgate_pb2 as pb
@@ -72,8 +78,7 @@ class AsyncTollgate:
         dry_run: bool = False,
     ) -> Decision:
         """May ``key`` spend ``cost`` tokens now?"""
-        request = pb.ShouldAllowRequest(key=key, cost=cost, tenant=self._tenant(tenant),
-                                        resource=resource, dry_run=dry_run)
+        request = should_allow_request(key, cost, self._tenant(tenant), resource, dry_run)
         try:
             return Decision.of(await self._stub.ShouldAllow(request, timeout=self.timeout))
         except grpc.RpcError as err:
@@ -84,22 +89,14 @@ class AsyncTollgate:
 
     async def batch(self, items: Sequence[Item]) -> BatchDecision:
         """Decides every item at once: all are charged, or none is."""
-        request = pb.ShouldAllowBatchRequest(items=[
-            pb.BatchItem(key=i.key, cost=i.cost, tenant=self._tenant(i.tenant), resource=i.resource)
-            for i in items
-        ])
+        request = batch_request(items, self._tenant)
         try:
             r = await self._stub.ShouldAllowBatch(request, timeout=self.timeout)
         except grpc.RpcError as err:
             if unreachable(err):
-                d = Decision.unavailable(self.on_unreachable)
-                return BatchDecision(d.allowed, [d] * len(items), unreachable=True)
+                return batch_unreachable(self.on_unreachable, len(items))
             raise invalid(err) from None
-        return BatchDecision(
-            allowed=r.allowed,
-            items=[Decision.of(i) for i in r.results],
-            retry_after=r.retry_after.seconds + r.retry_after.nanos / 1e9,
-        )
+        return batch_decision(r)
 
     async def wait_allowed(
         self,
@@ -140,8 +137,7 @@ class AsyncTollgate:
     ) -> AsyncIterator[Reservation]:
         """Reserves ``estimate`` and settles in a ``finally`` (see
         :meth:`tollgate_client.Tollgate.reserve`)."""
-        request = pb.ReserveRequest(key=key, estimate=estimate, tenant=self._tenant(tenant),
-                                    resource=resource, ttl=duration(ttl))
+        request = reserve_request(key, estimate, self._tenant(tenant), resource, ttl)
         try:
             r = await self._stub.Reserve(request, timeout=self.timeout)
             decision, token = Decision.of(r.decision), r.reservation
@@ -160,7 +156,7 @@ class AsyncTollgate:
             raise
         finally:
             if token:
-                actual = res.used if res.used is not None else (0 if failed else estimate)
+                actual = settle_at(res.used, estimate, failed)
                 try:
                     await self.settle(token, actual)
                 except grpc.RpcError as err:
@@ -181,9 +177,7 @@ class AsyncTollgate:
         ``Hold`` stream (see :meth:`tollgate_client.Tollgate.slot`)."""
         call = self._stub.Hold()
         try:
-            await call.write(pb.AcquireRequest(key=key, tenant=self._tenant(tenant),
-                                               resource=resource, ttl=duration(max(ttl, 1.0)),
-                                               cost=cost))
+            await call.write(acquire_request(key, self._tenant(tenant), resource, ttl, cost))
             answer = await asyncio.wait_for(call.read(), self.timeout)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             call.cancel()
