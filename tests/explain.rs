@@ -558,6 +558,34 @@ async fn tollgate_explain_prints_the_rules_the_state_and_the_history() {
         text.contains("rejected         cost 1       exports"),
         "{text}"
     );
+    // An Envoy request: this server has no Envoy configuration.
+    let envoy: Vec<String> = [
+        "explain",
+        "--server",
+        &url,
+        "--domain",
+        "edge",
+        "--descriptor",
+        "remote_address=10.0.0.1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let out = run(envoy, TOKEN);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}");
+    for line in [
+        "the request: ALLOWED, 0 left",
+        "descriptor 1 (remote_address=10.0.0.1), 1 hits:",
+        "  no rule applies",
+        "  domain \"edge\" is not in the configuration: nothing in it is limited, limit overrides included",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line:?} in:\n{text}");
+    }
+    assert!(
+        text.starts_with("domain \"edge\" (not configured), at "),
+        "{text}"
+    );
     let out = run(args, "wrong");
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr).unwrap();
