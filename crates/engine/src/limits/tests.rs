@@ -1,5 +1,6 @@
 //! Validation and rule selection.
 
+use super::rules::Tier;
 use super::table::TenantRow;
 use super::*;
 
@@ -167,6 +168,61 @@ fn plan_row(name: &str, plan: &str, scope: &str, burst: i64) -> StoredRow {
         plan: plan.into(),
         ..row(name, "", "", scope, burst, "1/second")
     }
+}
+
+#[test]
+fn explain_lists_each_slots_winner_and_the_rows_it_won_over() {
+    let mut shadow = row("acme-exports-shadow", "acme", "exports", "key", 1, "1/hour");
+    shadow.mode = "shadow".into();
+    let mut cap = row("pro-slots", "", "", "tenant", 3, "1/second");
+    cap.plan = "pro".into();
+    cap.kind = "concurrency".into();
+    let rows = [
+        row("default-key", "", "", "key", 30, "600/minute"),
+        row("default-exports", "", "exports", "key", 2, "2/hour"),
+        plan_row("pro-key", "pro", "key", 300),
+        row("acme-key", "acme", "", "key", 7, "1/second"),
+        row("other-resource", "acme", "imports", "key", 1, "1/hour"),
+        shadow,
+        cap,
+    ];
+    let (set, errors) = RuleSet::from_parts(&rows, &["pro"], &[("acme", "pro")]);
+    assert!(errors.is_empty(), "{errors:?}");
+    let explained: Vec<(&str, Tier, Vec<(&str, Tier)>)> = set
+        .explain("acme", "exports")
+        .into_iter()
+        .map(|s| {
+            (
+                &*s.rule.name,
+                s.owner,
+                s.over.iter().map(|(t, r)| (&*r.name, *t)).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        explained,
+        [
+            (
+                "acme-key",
+                Tier::Tenant,
+                vec![("pro-key", Tier::Plan), ("default-key", Tier::Default)]
+            ),
+            ("default-exports", Tier::Default, vec![]),
+            ("acme-exports-shadow", Tier::Tenant, vec![]),
+            ("pro-slots", Tier::Plan, vec![]),
+        ]
+    );
+    // The rules a decision meets are the explained ones but the cap, in
+    // the same order.
+    assert_eq!(
+        names(&set, "acme", "exports"),
+        ["acme-key", "default-exports", "acme-exports-shadow"]
+    );
+    // Without the plan, the default wins the key slot.
+    let (set, _) = RuleSet::from_parts(&rows, &["pro"], &[]);
+    let first = &set.explain("acme", "")[0];
+    assert_eq!((&*first.rule.name, first.owner), ("acme-key", Tier::Tenant));
+    assert_eq!(first.over.len(), 1);
 }
 
 #[test]
