@@ -188,7 +188,9 @@ fn explain_lists_each_slots_winner_and_the_rows_it_won_over() {
     ];
     let (set, errors) = RuleSet::from_parts(&rows, &["pro"], &[("acme", "pro")]);
     assert!(errors.is_empty(), "{errors:?}");
-    let explained: Vec<(&str, Tier, Vec<(&str, Tier)>)> = set
+    // (the rule in force, its owner, the rows it won over)
+    type Slot<'a> = (&'a str, Tier, Vec<(&'a str, Tier)>);
+    let explained: Vec<Slot> = set
         .explain("acme", "exports")
         .into_iter()
         .map(|s| {
