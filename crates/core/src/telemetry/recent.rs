@@ -204,7 +204,8 @@ mod tests {
             );
         }
         recent.record("acme", "alice", 1_050_000, Outcome::Rejected, "per-key", 3);
-        recent.record("acme", "alice", 1_200_000, Outcome::Allowed, "per-key", 2);
+        // Exactly 100 ms after the last one kept: kept.
+        recent.record("acme", "alice", 1_100_000, Outcome::Allowed, "per-key", 2);
         let h = recent.of("acme", "alice");
         let got: Vec<_> = h
             .decisions
@@ -214,7 +215,7 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                (1_200_000, "allowed", 2),
+                (1_100_000, "allowed", 2),
                 (1_050_000, "rejected", 3),
                 (1_000_000, "allowed", 1)
             ]
