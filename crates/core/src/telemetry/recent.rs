@@ -240,4 +240,64 @@ mod tests {
         assert_eq!(h.decisions[PER_SLOT - 1].cost, 5);
         assert_eq!(h.decisions[0].rule.len(), MAX_RULE_BYTES);
     }
+
+    /// `n` keys of tenant "t" that hash to one slot.
+    fn colliding(recent: &Recent, n: usize) -> Vec<String> {
+        let slot = |k: &str| (recent.hash("t", k) as usize) & (SLOTS - 1);
+        let target = slot("k0");
+        (0..)
+            .map(|i| format!("k{i}"))
+            .filter(|k| slot(k) == target)
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn a_rule_name_is_cut_at_a_character_boundary() {
+        let recent = Recent::new();
+        // Byte 64 falls inside an "é": the name is cut before it.
+        let rule = format!("a{}", "é".repeat(40));
+        recent.record("t", "k", 1, Outcome::Rejected, &rule, 1);
+        let kept = &recent.of("t", "k").decisions[0].rule;
+        assert_eq!(kept, &format!("a{}", "é".repeat(31)));
+    }
+
+    #[test]
+    fn a_keys_skipped_count_leaves_with_its_last_entry() {
+        let recent = Recent::new();
+        let keys = colliding(&recent, 2);
+        let (a, b) = (&keys[0], &keys[1]);
+        recent.record("t", a, 1_000_000, Outcome::Allowed, "r", 1);
+        for i in 1..=3 {
+            recent.record("t", a, 1_000_000 + i, Outcome::Allowed, "r", 1);
+        }
+        assert_eq!(recent.of("t", a).not_shown, 3);
+        // B's refusals fill the slot: A's only entry leaves, and with it
+        // the count of what was skipped before it; B's own count stays.
+        recent.record("t", b, 1_000_010, Outcome::Allowed, "r", 1);
+        for i in 0..PER_SLOT as u64 {
+            recent.record("t", b, 1_000_100 + i, Outcome::Rejected, "r", 1);
+        }
+        assert_eq!(recent.of("t", a), History::default());
+        let hb = recent.of("t", b);
+        assert_eq!((hb.decisions.len(), hb.not_shown), (PER_SLOT, 1));
+    }
+
+    #[test]
+    fn a_slot_counts_skips_for_at_most_its_entries_keys() {
+        let recent = Recent::new();
+        let keys = colliding(&recent, PER_SLOT + 2);
+        // The first admission in the slot is kept; every later one within
+        // 100 ms is skipped, for PER_SLOT keys at most.
+        recent.record("t", &keys[0], 1_000_000, Outcome::Allowed, "r", 1);
+        for k in &keys[1..] {
+            recent.record("t", k, 1_000_001, Outcome::Allowed, "r", 1);
+        }
+        let counted: Vec<u64> = keys[1..]
+            .iter()
+            .map(|k| recent.of("t", k).not_shown)
+            .collect();
+        assert_eq!(counted[..PER_SLOT], [1; PER_SLOT]);
+        assert_eq!(counted[PER_SLOT], 0);
+    }
 }
