@@ -407,7 +407,6 @@ fn serve_admin(
             Box::new(move || serde_json::json!(envoy.status()))
         },
         ready: Default::default(),
-        rates: Default::default(),
         table: parts.table.clone(),
         access: config.admin_access.clone(),
         grpc_in_flight,

@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use tonic::Status;
 
 use super::AdminState;
+use super::limits::bad;
 use crate::algorithm::Micros;
 use crate::api::explain::{
     self, BucketState, DryRun, EnvoyExplanation, ExplainError, Explanation, MAX_QUERY_DESCRIPTORS,
@@ -26,10 +27,6 @@ use crate::proto::v1;
 const USAGE: &str = "query parameters: tenant, key (required) and resource, cost (default 1); \
                      or domain and one descriptor=key=value[,key=value...] per descriptor \
                      ('\\' makes the next character literal), and hits (default 1)";
-
-fn bad(why: impl std::fmt::Display) -> Response {
-    (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
-}
 
 fn failed(err: ExplainError) -> Response {
     match err {

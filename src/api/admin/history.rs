@@ -31,9 +31,10 @@ type Figures = Vec<(Arc<str>, u64)>;
 struct Point {
     /// Unix seconds.
     t: u64,
-    allowed: u64,
-    rejected: u64,
-    degraded: u64,
+    /// When it was taken, for rates.
+    at: tokio::time::Instant,
+    /// Decisions since the point before, per outcome (as [`Outcome::ALL`]).
+    counts: [u64; 7],
     /// Store call p50, p90, p99 (us) in the second; `None` without calls.
     latency: Option<[u64; 3]>,
     rejections: Figures,
@@ -79,25 +80,11 @@ impl History {
             .last
             .replace((totals, latency.clone()))
             .unwrap_or(([0; 7], Vec::new()));
-        let rate = |outcomes: &[Outcome]| {
-            outcomes
-                .iter()
-                .map(|o| {
-                    let i = Outcome::ALL.iter().position(|a| a == o).unwrap_or(0);
-                    totals[i].saturating_sub(before[i])
-                })
-                .sum::<u64>()
-        };
         let previous = inner.points.back().cloned();
         let point = Point {
             t: now,
-            allowed: rate(&[Outcome::Allowed, Outcome::ShadowRejected]),
-            rejected: rate(&[Outcome::Rejected]),
-            degraded: rate(&[
-                Outcome::FailedOpen,
-                Outcome::FailedClosed,
-                Outcome::LocalFallback,
-            ]),
+            at: tokio::time::Instant::now(),
+            counts: std::array::from_fn(|i| totals[i].saturating_sub(before[i])),
             latency: latency::quantiles(&lat_before, &latency, &[0.5, 0.9, 0.99])
                 .map(|q| [q[0], q[1], q[2]]),
             rejections: rejections
@@ -117,6 +104,32 @@ impl History {
         while inner.points.len() > POINTS {
             inner.points.pop_front();
         }
+    }
+
+    /// Decisions per second and outcome over the last ten points (about
+    /// ten seconds), for `/v1/status`; zeros until two points are taken.
+    pub fn per_second(&self) -> [f64; 7] {
+        let inner = self.inner.lock();
+        let n = inner.points.len();
+        if n < 2 {
+            return [0.0; 7];
+        }
+        // Each point counts what happened since the one before it.
+        let from = n.saturating_sub(11);
+        let secs = inner.points[n - 1]
+            .at
+            .duration_since(inner.points[from].at)
+            .as_secs_f64();
+        if secs < 0.5 {
+            return [0.0; 7];
+        }
+        let mut sums = [0u64; 7];
+        for p in inner.points.range(from + 1..) {
+            for (sum, c) in sums.iter_mut().zip(p.counts) {
+                *sum += c;
+            }
+        }
+        sums.map(|s| s as f64 / secs)
     }
 
     /// The last `seconds` of points, columnar (for uPlot): `t`, the
@@ -162,9 +175,9 @@ impl History {
         json!({
             "interval_seconds": 1,
             "t": column(&|p| json!(p.t)),
-            "allowed": column(&|p| json!(p.allowed)),
-            "rejected": column(&|p| json!(p.rejected)),
-            "degraded": column(&|p| json!(p.degraded)),
+            "allowed": column(&|p| json!(count(p, &[Outcome::Allowed, Outcome::ShadowRejected]))),
+            "rejected": column(&|p| json!(count(p, &[Outcome::Rejected]))),
+            "degraded": column(&|p| json!(count(p, &[Outcome::FailedOpen, Outcome::FailedClosed, Outcome::LocalFallback]))),
             "store_p50_us": quantile(0),
             "store_p90_us": quantile(1),
             "store_p99_us": quantile(2),
@@ -173,6 +186,16 @@ impl History {
             "debt": tenants(&|p| &p.debt, Value::Null),
         })
     }
+}
+
+/// A point's decisions of `outcomes`.
+fn count(p: &Point, outcomes: &[Outcome]) -> u64 {
+    Outcome::ALL
+        .iter()
+        .zip(p.counts)
+        .filter(|(o, _)| outcomes.contains(o))
+        .map(|(_, c)| c)
+        .sum()
 }
 
 #[derive(Debug, serde::Deserialize)]

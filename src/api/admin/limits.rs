@@ -50,7 +50,7 @@ pub(super) struct RowRequest {
     name: Option<String>,
 }
 
-fn bad(why: impl std::fmt::Display) -> Response {
+pub(super) fn bad(why: impl std::fmt::Display) -> Response {
     (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
 }
 

@@ -58,8 +58,6 @@ pub struct AdminState {
     pub envoy_status: Box<dyn Fn() -> serde_json::Value + Send + Sync>,
     /// Starting, ready or stopping.
     pub ready: Readiness,
-    /// Decision rates for the status page.
-    pub rates: Rates,
     /// The limits table, for the mutating endpoints.
     pub table: LimitsTable,
     /// Who may call what.
@@ -72,7 +70,7 @@ pub struct AdminState {
     pub rlqs: Arc<crate::api::quota_view::RlqsView>,
     /// The explain view.
     pub explain: Arc<crate::api::explain::Explainer>,
-    /// The last hour, for the status page's plots.
+    /// The last hour, for the status page: its plots and its rates.
     pub history: history::History,
 }
 
@@ -303,7 +301,6 @@ impl AdminState {
     /// decisions read (a test's stands still).
     pub fn sample(&self) {
         use crate::clock::Clock;
-        self.rates.sample();
         let now = crate::clock::SystemClock.now() / 1_000_000;
         self.history.sample(&self.top, now);
     }
@@ -311,7 +308,7 @@ impl AdminState {
 
 async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value> {
     let totals = metrics::totals();
-    let rates = state.rates.per_second(totals);
+    let rates = state.history.per_second();
     let mut total = serde_json::Map::new();
     let mut per_second = serde_json::Map::new();
     for (i, outcome) in metrics::Outcome::ALL.iter().enumerate() {
@@ -350,36 +347,6 @@ async fn status(State(state): State<Arc<AdminState>>) -> Json<serde_json::Value>
         "decisions_total": total,
         "decisions_per_second": per_second,
     }))
-}
-
-/// Decision totals sampled every second, for per-second rates over the last
-/// ten seconds.
-#[derive(Default)]
-pub struct Rates {
-    samples: parking_lot::Mutex<std::collections::VecDeque<(tokio::time::Instant, [u64; 7])>>,
-}
-
-impl Rates {
-    /// Takes a sample (the server calls this every second).
-    pub fn sample(&self) {
-        let mut samples = self.samples.lock();
-        samples.push_back((tokio::time::Instant::now(), metrics::totals()));
-        while samples.len() > 11 {
-            samples.pop_front();
-        }
-    }
-
-    fn per_second(&self, now_totals: [u64; 7]) -> [f64; 7] {
-        let samples = self.samples.lock();
-        let Some((then, old)) = samples.front() else {
-            return [0.0; 7];
-        };
-        let secs = then.elapsed().as_secs_f64();
-        if secs < 0.5 {
-            return [0.0; 7];
-        }
-        std::array::from_fn(|i| now_totals[i].saturating_sub(old[i]) as f64 / secs)
-    }
 }
 
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {

@@ -196,19 +196,12 @@ impl EnvoyRateLimitService {
                 }
             })
             .collect();
-        let deciding = answer
-            .items
-            .iter()
-            .find(|a| !a.allowed)
-            .or(answer.items.first())
-            .and_then(|a| a.line)
-            .map(|l| {
-                let item = probe_line_item(&at_line, l);
-                found[item]
-                    .as_ref()
-                    .map(|m| m.rule.full_key.clone())
-                    .unwrap_or_default()
-            })
+        // One item per descriptor, in order: the first refused one decides.
+        let deciding = answer.items.iter().position(|a| !a.allowed).unwrap_or(0);
+        let deciding = found
+            .get(deciding)
+            .and_then(|m| m.as_ref().ok())
+            .map(|m| m.rule.full_key.clone())
             .unwrap_or_default();
         Ok(EnvoyExplanation {
             at: crate::algorithm::calendar::rfc3339(now),
@@ -218,12 +211,4 @@ impl EnvoyRateLimitService {
             dry_run: dry_run(&answer, headers, deciding),
         })
     }
-}
-
-/// The descriptor whose line is `line`.
-fn probe_line_item(at_line: &[Option<usize>], line: usize) -> usize {
-    at_line
-        .iter()
-        .position(|l| *l == Some(line))
-        .unwrap_or_default()
 }
