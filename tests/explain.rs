@@ -353,6 +353,30 @@ async fn explain_needs_the_admin_token_and_says_what_to_fix() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("key is empty"), "{}", err.message());
+    // Hostile sizes: a key past the cap, far too many descriptors.
+    let err = admin
+        .explain(authorized(native("acme", &"k".repeat(100_000), "", 1)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("at most 256"), "{}", err.message());
+    let many = ExplainRequest {
+        domain: "edge".into(),
+        descriptors: vec![
+            ExplainDescriptor {
+                entries: vec![Entry {
+                    key: "k".into(),
+                    value: "v".into(),
+                }],
+                ..Default::default()
+            };
+            100_000
+        ],
+        ..Default::default()
+    };
+    let err = admin.explain(authorized(many)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(err.message().contains("descriptors"), "{}", err.message());
     let mut stray = native("acme", "a", "", 1);
     stray.descriptors.push(ExplainDescriptor::default());
     let err = admin.explain(authorized(stray)).await.unwrap_err();
