@@ -96,7 +96,9 @@ previous window's count; for a quota "q:START:COUNT:END", the period counted
 (kept one period's length past its end: see apply_window). A missing key is a full bucket or an empty window; a
 value of the other kind (the rule changed algorithm) counts as missing. Each
 key expires (PSETEX) when its state no longer matters (the bucket is full,
-the window is over), plus the margin, so Redis holds only active buckets.
+the window is over), plus the margin, so Redis holds only active buckets
+(the usual call, below, keeps a token bucket's expiry while it covers the
+new state with half the margin to spare).
 A token bucket in debt is full again later than a full refill: its balance
 is below zero.
 
@@ -154,6 +156,223 @@ whose refill time from the debt floor exceeds 100 years, and clamps costs),
 so the integer arithmetic is exact.
 Division goes through floor_div/ceil_div, which correct the rounding of `/`.
 ]]
+
+-- ARGV[1] is "[NOW][@DEADLINE]". Redis's clock is read when the call has
+-- no pinned now or has a deadline; a call that runs past its deadline
+-- returns before anything is read or written.
+local pinned, deadline = string.match(ARGV[1], '^(%d*)@?(%d*)$')
+local now, clock
+if pinned == '' or deadline ~= '' then
+  local t = redis.call('TIME')
+  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if deadline ~= '' and clock >= tonumber(deadline) then
+    return { -1, clock }
+  end
+end
+now = tonumber(pinned) or clock
+
+--[[ The usual call, first and on its own. Every request decides and
+spends ("Ns"), every bucket is a token bucket without a debt floor ("t1"
+or "t0") whose stored value, if any, was written under the same limit,
+every cost is a plain number, and the
+call has no record cap and no journal. Such a call is answered here with
+the same arithmetic as the general path below (apply_tokens, token_debt,
+decide_request), exactly: the differential test in tests/redis_store.rs
+sends both shapes. What makes it cheaper, in Redis's instructions:
+
+- no function is defined before it returns (each `local function` is a
+  closure allocated on every call) and its loop runs a few dozen Lua
+  instructions per bucket;
+- each bucket it changes is written once, at the end (a tenant's ceiling
+  shared by every decision of a coalesced call is one write, not one per
+  decision);
+- a write rarely sets the expiry: SET ... KEEPTTL keeps the one a key has
+  when its new full-again instant falls in the same step of `quantum` µs
+  (half the expiry margin, counted from the epoch) as the instant it held,
+  and only a write that crosses into another step sets one (PSETEX, as the
+  general path does). Wherever an expiry is set, it is the full-again
+  instant F0 written then plus the margin, and every later instant F the
+  key holds without a new expiry is in F0's step, so the key still expires
+  after F + margin - quantum = F + margin / 2: never before its state stops
+  mattering (the bucket is full again at F).
+
+Anything else, found at any point before that final write, falls through
+to the general path, which starts over: nothing has been written. ]]
+local fast_margin = ARGV[3]
+if #KEYS <= 3999 and not string.find(fast_margin, '%D') and not string.find(ARGV[2], '[^%d,s]') then
+  repeat
+    local match, fmt = string.match, string.format
+    local margin_ms = tonumber(fast_margin)
+    local quantum = margin_ms * 500
+    local snapshot = redis.call('MGET', unpack(KEYS))
+    local out = { clock or now }
+    -- The call's writes, in the order keys were first written: key, value,
+    -- full-again instant, the value's limit suffix, and the full-again
+    -- instant the key held when the call started (false: none); `at` maps
+    -- a key to its place.
+    local wkey, wvalue, wfull, wsuffix, wheld, at = {}, {}, {}, {}, {}, {}
+    -- The request being decided, per bucket when it has several: its new
+    -- value (false when it refuses), full-again instant, limit suffix,
+    -- instant held when the call started, and debt before.
+    local pvalue, pfull, psuffix, pheld, pdebt = {}, {}, {}, {}, {}
+    -- The limit of the bucket being decided, as read: its ":INTERVAL:BURST"
+    -- suffix, interval, burst and capacity in µs; and the one before it (a
+    -- decision's per-key bucket and its tenant's ceiling alternate).
+    local last_limit, suffix, interval, burst, tolerance
+    local prev_limit, prev_suffix, prev_interval, prev_burst, prev_tolerance
+    local k, o, consumed, bail = 0, 1, 0, false
+    for ns in string.gmatch(ARGV[2], '(%d+)s') do
+      consumed = consumed + #ns + 2
+      local n = 1
+      if ns ~= '1' then
+        n = tonumber(ns)
+      end
+      local first = k + 1
+      k = k + n
+      if k > #KEYS then
+        bail = true
+        break
+      end
+      local all = true
+      for i = first, k do
+        local a = 1 + 3 * i
+        local rule, limit, c = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+        if limit ~= last_limit then
+          local l, x, iv, bu, t = last_limit, suffix, interval, burst, tolerance
+          if limit == prev_limit then
+            last_limit, suffix, interval, burst, tolerance =
+              prev_limit, prev_suffix, prev_interval, prev_burst, prev_tolerance
+          else
+            local i_, b_ = match(limit, '^(%d+):(%d+)$')
+            if not i_ then
+              bail = true
+              break
+            end
+            last_limit, suffix, interval, burst = limit, ':' .. limit, tonumber(i_), tonumber(b_)
+            tolerance = interval * burst
+          end
+          prev_limit, prev_suffix, prev_interval, prev_burst, prev_tolerance = l, x, iv, bu, t
+        end
+        local cost = 1
+        if c ~= '1' then
+          cost = tonumber(c)
+        end
+        if (rule ~= 't1' and rule ~= 't0') or not cost then
+          bail = true
+          break
+        end
+        local key = KEYS[i]
+        -- The full-again instant the bucket holds: as an earlier request of
+        -- the call wrote it, else as the call found it.
+        local w, f, rest, orig = at[key], false, nil, false
+        if w then
+          f, rest = wfull[w], wsuffix[w]
+        else
+          local held = snapshot[i]
+          if held then
+            local fs
+            fs, rest = match(held, '^(%d+)(:.*)$')
+            f = fs and tonumber(fs)
+            orig = f
+          end
+        end
+        local debt = 0
+        if f then
+          -- Written under another limit: rescaled by the general path.
+          if rest ~= suffix then
+            bail = true
+            break
+          end
+          if f > now then
+            debt = f - now
+          end
+        end
+        local ok, third, reset = false, 0, debt
+        local needed = debt + cost * interval
+        if cost > burst then
+          third = -1
+        elseif needed > tolerance then
+          third = needed - tolerance
+        else
+          ok, reset = true, needed
+        end
+        -- Whole tokens left (negative: owed, a bucket that a rule with a
+        -- floor took into debt): floor((tolerance - reset) / interval).
+        -- Exact: with |a| < 2^53, a / b never rounds across an integer, so
+        -- a % b (a - floor(a / b) * b, in the VM, cheaper than calling
+        -- math.floor) is exact too.
+        local left = tolerance - reset
+        local balance = (left - left % interval) / interval
+        out[o + 2], out[o + 3] = third, reset
+        if ok then
+          out[o + 1] = balance * 2 + 1
+          local value = fmt('%d', now + needed) .. suffix
+          if n == 1 then
+            -- The request's only bucket: spent now.
+            if not w then
+              w = #wkey + 1
+              wkey[w], wheld[w], at[key] = key, orig, w
+            end
+            wvalue[w], wfull[w], wsuffix[w] = value, now + needed, suffix
+          else
+            local j = i - first + 1
+            pvalue[j], pfull[j], psuffix[j], pheld[j], pdebt[j] = value, now + needed, suffix, orig, debt
+          end
+        else
+          out[o + 1] = balance * 2
+          if n > 1 then
+            pvalue[i - first + 1] = false
+          end
+          if rule == 't1' then
+            all = false
+          end
+        end
+        o = o + 3
+      end
+      if bail then
+        break
+      end
+      if n > 1 then
+        if all then
+          for j = 1, n do
+            local v = pvalue[j]
+            if v then
+              local key = KEYS[first + j - 1]
+              local w = at[key]
+              if not w then
+                w = #wkey + 1
+                wkey[w], wheld[w], at[key] = key, pheld[j], w
+              end
+              wvalue[w], wfull[w], wsuffix[w] = v, pfull[j], psuffix[j]
+            end
+          end
+        else
+          -- Nothing is spent: the admitting buckets report what they hold.
+          for j = 1, n do
+            if pvalue[j] then
+              local iv, bu = match(ARGV[3 * (first + j) - 1], '^(%d+):(%d+)$')
+              iv = tonumber(iv)
+              local left, x = tonumber(bu) * iv - pdebt[j], o - 3 * (n - j)
+              out[x - 2], out[x] = (left - left % iv) / iv * 2 + 1, pdebt[j]
+            end
+          end
+        end
+      end
+    end
+    if bail or k ~= #KEYS or consumed ~= #ARGV[2] + 1 or k == 0 then
+      break
+    end
+    for w = 1, #wkey do
+      local full, was = wfull[w], wheld[w]
+      if was and quantum > 0 and full - full % quantum == was - was % quantum then
+        redis.call('SET', wkey[w], wvalue[w], 'KEEPTTL')
+      else
+        redis.call('PSETEX', wkey[w], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), wvalue[w])
+      end
+    end
+    return out
+  until true
+end
 
 local function floor_div(a, b)
   local q = math.floor(a / b)
@@ -446,19 +665,6 @@ local function read_cost(s)
   return v, v
 end
 
--- ARGV[1] is "[NOW][@DEADLINE]". Redis's clock is read when the call has
--- no pinned now or has a deadline; a call that runs past its deadline
--- returns before anything is read or written.
-local pinned, deadline = string.match(ARGV[1], '^(%d*)@?(%d*)$')
-local now, clock
-if pinned == '' or deadline ~= '' then
-  local t = redis.call('TIME')
-  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  if deadline ~= '' and clock >= tonumber(deadline) then
-    return { -1, clock }
-  end
-end
-now = tonumber(pinned) or clock
 local margin_ms, record_cap, journaled = string.match(ARGV[3], '^(%d+):?(%d*)(j?)$')
 margin_ms, record_cap = tonumber(margin_ms), tonumber(record_cap)
 local journal = journaled == 'j' and KEYS[#KEYS]

@@ -393,6 +393,37 @@ async fn lua_and_rust_make_identical_decisions_on_random_sequences() {
     );
 }
 
+/// The script's usual call (every request spends, every bucket a token
+/// bucket without a debt floor) has a path of its own, which this sequence
+/// takes at nearly every spend: single and multi-bucket requests, shadow
+/// buckets that refuse beside enforced ones that admit, costs above the
+/// burst, the clock stepping by a few µs and back.
+#[tokio::test]
+async fn lua_and_rust_agree_on_the_usual_call() {
+    let (allowed, denied, backwards) = differential(Sequence {
+        seed: 0x51_7cc1_b727_220a,
+        limits: limits(&[
+            (5, "10/second"),
+            (3, "1/second"),
+            (30, "600/minute"),
+            (2, "3000/second"),
+        ]),
+        quotas: Vec::new(),
+        cycle: Cycle::default(),
+        max_step: 500_000,
+        jump_one_in: 200,
+        max_jump: 60_000_000,
+        tiny_one_in: 5,
+        zero_cost_one_in: 20,
+        steps: 3000,
+    })
+    .await;
+    assert!(
+        allowed > 500 && denied > 500 && backwards > 50,
+        "{allowed} {denied} {backwards}"
+    );
+}
+
 /// Where Lua's doubles and Rust's integers could part: bursts and costs up
 /// to the largest tolerance (100 years of µs, 3.15e15), 1 µs intervals,
 /// year-long limits and windows, clock steps from 0 µs to two years, costs
@@ -847,6 +878,23 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
             .contains("ARGV[2] 1s covers 1 keys, but the call has 2"),
         "{err}"
     );
+    // Requests not separated by commas are one request with an argument,
+    // here too few for two keys, on the usual call's path as on the other.
+    let mut inv = script.prepare_invoke();
+    inv.key("tollgate:{t}:k::a")
+        .key("tollgate:{t}:k::b")
+        .arg("")
+        .arg("1s1s")
+        .arg(1000);
+    for _ in 0..2 {
+        inv.arg("t1").arg("1000000:10").arg("1");
+    }
+    let err = inv.invoke_async::<Vec<i64>>(&mut conn).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("ARGV[2] 1s1s covers 1 keys, but the call has 2"),
+        "{err}"
+    );
     let keys: Vec<String> = conn.keys("tollgate:*").await.unwrap();
     assert!(keys.is_empty(), "{keys:?}");
 }
@@ -934,6 +982,107 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
     );
     let stored: String = conn.get("tollgate:{t}:k::same").await.unwrap();
     assert_eq!(stored, format!("{}:1000000:2", now + 2_000_000));
+}
+
+/// The usual call (every request spends, every bucket a token bucket) sets
+/// a key's expiry only when its full-again instant moves into another step
+/// of half the expiry margin, and keeps it otherwise, so the key still
+/// outlives its state: with a 60 s margin (30 s steps) and a token every
+/// 10 s, spends taking the bucket to 10 s, 20 s, 30 s and 40 s from now set
+/// it twice (at 10 s, then crossing into the next step at 30 s).
+#[tokio::test]
+async fn the_usual_call_sets_an_expiry_only_when_it_moves_a_step() {
+    let server = RedisServer::start();
+    let mut conn = connect(&server).await;
+    let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
+    // A multiple of the 30 s step: the steps start at now, +30 s, ...
+    let now: i64 = 1_699_999_980_000_000;
+    assert_eq!(now % 30_000_000, 0);
+    let key = "tollgate:{t}:k::expiry";
+    let spend = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut inv = script.prepare_invoke();
+        inv.key(key).arg(now).arg("1s").arg(60_000);
+        inv.arg("t1").arg("10000000:10").arg(1);
+        let mut conn = conn.clone();
+        async move { inv.invoke_async::<Vec<i64>>(&mut conn).await.unwrap() }
+    };
+    let pttl = |port| -> i64 { redis_cli(port, &["PTTL", key]).parse().unwrap() };
+    redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
+    assert_eq!(spend(&mut conn).await, [now, 9 * 2 + 1, 0, 10_000_000]);
+    // Set: 10 s to full, plus the margin, plus the millisecond rounded up.
+    let first = pttl(server.port);
+    assert!(first > 60_000 && first <= 70_001, "{first}");
+    assert_eq!(spend(&mut conn).await, [now, 8 * 2 + 1, 0, 20_000_000]);
+    // Kept: 20 s to full is still in the first step.
+    let kept = pttl(server.port);
+    assert!(kept <= first, "{kept} after {first}");
+    assert_eq!(spend(&mut conn).await, [now, 7 * 2 + 1, 0, 30_000_000]);
+    // Set again: 30 s to full opens the next step.
+    let second = pttl(server.port);
+    assert!(second > 70_001 && second <= 90_001, "{second}");
+    assert_eq!(spend(&mut conn).await, [now, 6 * 2 + 1, 0, 40_000_000]);
+    assert!(pttl(server.port) <= second);
+    let stored: String = conn.get(key).await.unwrap();
+    assert_eq!(stored, format!("{}:10000000:10", now + 40_000_000));
+    let stats = redis_cli(server.port, &["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_psetex:calls=2,"), "{stats}");
+    assert!(stats.contains("cmdstat_set:calls=2,"), "{stats}");
+    // A zero margin leaves no room: every write sets the expiry.
+    redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
+    let mut inv = script.prepare_invoke();
+    inv.key(key).arg(now).arg("1s").arg(0);
+    inv.arg("t1").arg("10000000:10").arg(1);
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(reply, [now, 5 * 2 + 1, 0, 50_000_000]);
+    let stats = redis_cli(server.port, &["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_psetex:calls=1,"), "{stats}");
+    assert!(!stats.contains("cmdstat_set:"), "{stats}");
+}
+
+/// In a coalesced call, a bucket shared by its decisions (the tenant's
+/// ceiling beside each key's bucket) is written once, with what the last
+/// decision left, and each decision still sees what the earlier ones
+/// spent; a decision refused by its key's bucket spends nothing from the
+/// ceiling and reports what the ceiling holds.
+#[tokio::test]
+async fn a_bucket_shared_by_a_calls_decisions_is_written_once() {
+    let server = RedisServer::start();
+    let mut conn = connect(&server).await;
+    let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
+    let now: i64 = 1_700_000_000_000_000;
+    let ceiling = "tollgate:{t}:t::";
+    // alice spends 1, bob 3 of a burst of 2 (refused, never fits), carol 1.
+    let mut inv = script.prepare_invoke();
+    inv.arg(now).arg("2s,2s,2s").arg(1000);
+    for (key, cost) in [("alice", 1), ("bob", 3), ("carol", 1)] {
+        inv.key(format!("tollgate:{{t}}:k::{key}"))
+            .arg("t1")
+            .arg("1000000:2")
+            .arg(cost);
+        inv.key(ceiling).arg("t1").arg("500000:10").arg(cost);
+    }
+    redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
+    #[rustfmt::skip]
+    assert_eq!(
+        reply,
+        vec![
+            now,
+            // alice: her bucket 1 left, the ceiling 9 left.
+            2 + 1, 0, 1_000_000, 9 * 2 + 1, 0, 500_000,
+            // bob: never fits his burst; the ceiling would admit 3 and
+            // reports its 9 (full again in 0.5 s).
+            2 * 2, -1, 0, 9 * 2 + 1, 0, 500_000,
+            // carol: her bucket 1 left, the ceiling 8 left.
+            2 + 1, 0, 1_000_000, 8 * 2 + 1, 0, 1_000_000,
+        ]
+    );
+    let stored: String = conn.get(ceiling).await.unwrap();
+    assert_eq!(stored, format!("{}:500000:10", now + 1_000_000));
+    let keys: Vec<String> = conn.keys("tollgate:{t}:k::*").await.unwrap();
+    assert_eq!(keys.len(), 2, "bob's bucket is not written: {keys:?}");
+    let stats = redis_cli(server.port, &["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_psetex:calls=3,"), "{stats}");
 }
 
 /// A call of more keys than one MGET reads (4 000): the script reads them in
