@@ -986,56 +986,55 @@ async fn requests_of_one_call_see_what_earlier_ones_wrote() {
 
 /// The usual call (every request spends, every bucket a token bucket) sets
 /// a key's expiry only when its full-again instant moves into another step
-/// of half the expiry margin, and keeps it otherwise, so the key still
-/// outlives its state: with a 60 s margin (30 s steps) and a token every
-/// 10 s, spends taking the bucket to 10 s, 20 s, 30 s and 40 s from now set
-/// it twice (at 10 s, then crossing into the next step at 30 s).
+/// of half the expiry margin (counted from the epoch, on Redis's clock),
+/// and keeps it otherwise. With a 60 s margin (30 s steps) and a token
+/// every 10 s, four spends take the bucket to 10, 20, 30 and 40 s from the
+/// first: a span of 30 s, so exactly one step boundary is crossed wherever
+/// Redis's clock stands, and the expiry is set exactly twice. A pinned now
+/// (as tests pass) is not the clock expiry runs on: every write sets it.
 #[tokio::test]
 async fn the_usual_call_sets_an_expiry_only_when_it_moves_a_step() {
     let server = RedisServer::start();
-    let mut conn = connect(&server).await;
+    let conn = connect(&server).await;
     let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
-    // A multiple of the 30 s step: the steps start at now, +30 s, ...
-    let now: i64 = 1_699_999_980_000_000;
-    assert_eq!(now % 30_000_000, 0);
     let key = "tollgate:{t}:k::expiry";
-    let spend = |conn: &mut redis::aio::MultiplexedConnection| {
+    let spend = |now: &str, margin: u64| {
         let mut inv = script.prepare_invoke();
-        inv.key(key).arg(now).arg("1s").arg(60_000);
+        inv.key(key).arg(now).arg("1s").arg(margin);
         inv.arg("t1").arg("10000000:10").arg(1);
         let mut conn = conn.clone();
         async move { inv.invoke_async::<Vec<i64>>(&mut conn).await.unwrap() }
     };
-    let pttl = |port| -> i64 { redis_cli(port, &["PTTL", key]).parse().unwrap() };
+    let step = 30_000_000;
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
-    assert_eq!(spend(&mut conn).await, [now, 9 * 2 + 1, 0, 10_000_000]);
-    // Set: 10 s to full, plus the margin, plus the millisecond rounded up.
-    let first = pttl(server.port);
-    assert!(first > 60_000 && first <= 70_001, "{first}");
-    assert_eq!(spend(&mut conn).await, [now, 8 * 2 + 1, 0, 20_000_000]);
-    // Kept: 20 s to full is still in the first step.
-    let kept = pttl(server.port);
-    assert!(kept <= first, "{kept} after {first}");
-    assert_eq!(spend(&mut conn).await, [now, 7 * 2 + 1, 0, 30_000_000]);
-    // Set again: 30 s to full opens the next step.
-    let second = pttl(server.port);
-    assert!(second > 70_001 && second <= 90_001, "{second}");
-    assert_eq!(spend(&mut conn).await, [now, 6 * 2 + 1, 0, 40_000_000]);
-    assert!(pttl(server.port) <= second);
-    let stored: String = conn.get(key).await.unwrap();
-    assert_eq!(stored, format!("{}:10000000:10", now + 40_000_000));
+    let mut full_at = Vec::new();
+    for n in 1..=4 {
+        let reply = spend("", 60_000).await;
+        // [Redis's clock, 2 × remaining + allowed, retry, reset]
+        assert_eq!(reply[1..3], [(10 - n) * 2 + 1, 0]);
+        full_at.push(reply[0] + reply[3]);
+        let pttl: i64 = redis_cli(server.port, &["PTTL", key]).parse().unwrap();
+        // Never shorter than the state with half the margin to spare.
+        assert!(pttl >= reply[3] / 1000 + 30_000, "{pttl} for {reply:?}");
+    }
+    assert_eq!(full_at[3] - full_at[0], step);
+    let crossings = full_at.windows(2).filter(|w| w[0] / step != w[1] / step).count();
+    assert_eq!(crossings, 1, "{full_at:?}");
     let stats = redis_cli(server.port, &["INFO", "commandstats"]);
     assert!(stats.contains("cmdstat_psetex:calls=2,"), "{stats}");
     assert!(stats.contains("cmdstat_set:calls=2,"), "{stats}");
-    // A zero margin leaves no room: every write sets the expiry.
+    let stored: String = conn.clone().get(key).await.unwrap();
+    assert_eq!(stored, format!("{}:10000000:10", full_at[3]));
+
+    // A zero margin leaves no room, and a pinned now is not Redis's clock:
+    // every write sets the expiry.
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
-    let mut inv = script.prepare_invoke();
-    inv.key(key).arg(now).arg("1s").arg(0);
-    inv.arg("t1").arg("10000000:10").arg(1);
-    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
-    assert_eq!(reply, [now, 5 * 2 + 1, 0, 50_000_000]);
+    spend("", 0).await;
+    let pinned = full_at[3].to_string();
+    spend(&pinned, 60_000).await;
+    spend(&pinned, 60_000).await;
     let stats = redis_cli(server.port, &["INFO", "commandstats"]);
-    assert!(stats.contains("cmdstat_psetex:calls=1,"), "{stats}");
+    assert!(stats.contains("cmdstat_psetex:calls=3,"), "{stats}");
     assert!(!stats.contains("cmdstat_set:"), "{stats}");
 }
 
