@@ -1018,7 +1018,10 @@ async fn the_usual_call_sets_an_expiry_only_when_it_moves_a_step() {
         assert!(pttl >= reply[3] / 1000 + 30_000, "{pttl} for {reply:?}");
     }
     assert_eq!(full_at[3] - full_at[0], step);
-    let crossings = full_at.windows(2).filter(|w| w[0] / step != w[1] / step).count();
+    let crossings = full_at
+        .windows(2)
+        .filter(|w| w[0] / step != w[1] / step)
+        .count();
     assert_eq!(crossings, 1, "{full_at:?}");
     let stats = redis_cli(server.port, &["INFO", "commandstats"]);
     assert!(stats.contains("cmdstat_psetex:calls=2,"), "{stats}");
