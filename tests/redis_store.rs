@@ -1041,6 +1041,32 @@ async fn the_usual_call_sets_an_expiry_only_when_it_moves_a_step() {
     assert!(!stats.contains("cmdstat_set:"), "{stats}");
 }
 
+/// A bucket full again one microsecond from now is one microsecond short:
+/// a spend leaves no whole token, and the next spend waits 1 µs (the usual
+/// call's path counts the smallest debt too).
+#[tokio::test]
+async fn a_bucket_one_microsecond_from_full_is_not_full() {
+    let server = RedisServer::start();
+    let mut conn = connect(&server).await;
+    let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
+    let now: i64 = 1_700_000_000_000_000;
+    let key = "tollgate:{t}:k::almost";
+    let _: () = conn
+        .set(key, format!("{}:1000000:2", now + 1))
+        .await
+        .unwrap();
+    let mut inv = script.prepare_invoke();
+    inv.key(key).arg(now).arg("1s").arg(1000);
+    inv.arg("t1").arg("1000000:2").arg(1);
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(reply, [now, 1, 0, 1_000_001]);
+    let mut inv = script.prepare_invoke();
+    inv.key(key).arg(now).arg("1s").arg(1000);
+    inv.arg("t1").arg("1000000:2").arg(1);
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(reply, [now, 0, 1, 1_000_001]);
+}
+
 /// In a coalesced call, a bucket shared by its decisions (the tenant's
 /// ceiling beside each key's bucket) is written once, with what the last
 /// decision left, and each decision still sees what the earlier ones
