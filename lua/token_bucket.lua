@@ -212,15 +212,15 @@ if #KEYS <= 3999 and not string.find(fast_margin, '%D') and not string.find(ARGV
     end
     local snapshot = redis.call('MGET', unpack(KEYS))
     local out = { clock or now }
-    -- The call's writes, in the order keys were first written: key, value,
-    -- full-again instant, the value's limit suffix, and the full-again
-    -- instant the key held when the call started (false: none); `at` maps
-    -- a key to its place.
-    local wkey, wvalue, wfull, wsuffix, wheld, at = {}, {}, {}, {}, {}, {}
+    -- The call's writes, in the order keys were first written: key,
+    -- full-again instant and limit suffix (the value, formatted once when
+    -- written), and the full-again instant the key held when the call
+    -- started (false: none); `at` maps a key to its place.
+    local wkey, wfull, wsuffix, wheld, at = {}, {}, {}, {}, {}
     -- The request being decided, per bucket when it has several: its new
-    -- value (false when it refuses), full-again instant, limit suffix,
-    -- instant held when the call started, and debt before.
-    local pvalue, pfull, psuffix, pheld, pdebt = {}, {}, {}, {}, {}
+    -- full-again instant (false when it refuses), limit suffix, instant
+    -- held when the call started, and debt before.
+    local pfull, psuffix, pheld, pdebt = {}, {}, {}, {}
     -- The limit of the bucket being decided, as read: its ":INTERVAL:BURST"
     -- suffix, interval, burst and capacity in µs; and the one before it (a
     -- decision's per-key bucket and its tenant's ceiling alternate).
@@ -312,22 +312,21 @@ if #KEYS <= 3999 and not string.find(fast_margin, '%D') and not string.find(ARGV
         out[o + 2], out[o + 3] = third, reset
         if ok then
           out[o + 1] = balance * 2 + 1
-          local value = fmt('%d', now + needed) .. suffix
           if n == 1 then
             -- The request's only bucket: spent now.
             if not w then
               w = #wkey + 1
               wkey[w], wheld[w], at[key] = key, orig, w
             end
-            wvalue[w], wfull[w], wsuffix[w] = value, now + needed, suffix
+            wfull[w], wsuffix[w] = now + needed, suffix
           else
             local j = i - first + 1
-            pvalue[j], pfull[j], psuffix[j], pheld[j], pdebt[j] = value, now + needed, suffix, orig, debt
+            pfull[j], psuffix[j], pheld[j], pdebt[j] = now + needed, suffix, orig, debt
           end
         else
           out[o + 1] = balance * 2
           if n > 1 then
-            pvalue[i - first + 1] = false
+            pfull[i - first + 1] = false
           end
           if rule == 't1' then
             all = false
@@ -341,21 +340,21 @@ if #KEYS <= 3999 and not string.find(fast_margin, '%D') and not string.find(ARGV
       if n > 1 then
         if all then
           for j = 1, n do
-            local v = pvalue[j]
-            if v then
+            local full = pfull[j]
+            if full then
               local key = KEYS[first + j - 1]
               local w = at[key]
               if not w then
                 w = #wkey + 1
                 wkey[w], wheld[w], at[key] = key, pheld[j], w
               end
-              wvalue[w], wfull[w], wsuffix[w] = v, pfull[j], psuffix[j]
+              wfull[w], wsuffix[w] = full, psuffix[j]
             end
           end
         else
           -- Nothing is spent: the admitting buckets report what they hold.
           for j = 1, n do
-            if pvalue[j] then
+            if pfull[j] then
               local iv, bu = match(ARGV[3 * (first + j) - 1], '^(%d+):(%d+)$')
               iv = tonumber(iv)
               local left, x = tonumber(bu) * iv - pdebt[j], o - 3 * (n - j)
@@ -370,10 +369,11 @@ if #KEYS <= 3999 and not string.find(fast_margin, '%D') and not string.find(ARGV
     end
     for w = 1, #wkey do
       local full, was = wfull[w], wheld[w]
+      local value = fmt('%d', full) .. wsuffix[w]
       if was and quantum > 0 and full - full % quantum == was - was % quantum then
-        redis.call('SET', wkey[w], wvalue[w], 'KEEPTTL')
+        redis.call('SET', wkey[w], value, 'KEEPTTL')
       else
-        redis.call('PSETEX', wkey[w], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), wvalue[w])
+        redis.call('PSETEX', wkey[w], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), value)
       end
     end
     return out
