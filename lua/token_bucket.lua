@@ -171,213 +171,244 @@ if pinned == '' or deadline ~= '' then
 end
 now = tonumber(pinned) or clock
 
---[[ The usual call, first and on its own. Every request decides and
-spends ("Ns"), every bucket is a token bucket without a debt floor ("t1"
-or "t0") whose stored value, if any, was written under the same limit,
-every cost is a plain number, and the
-call has no record cap and no journal. Such a call is answered here with
-the same arithmetic as the general path below (apply_tokens, token_debt,
-decide_request), exactly: the differential test in tests/redis_store.rs
-sends both shapes. What makes it cheaper, in Redis's instructions:
+--[[ The usual call, first and on its own, in a form of its own (ARGV[2]
+starts with "="): every request decides and spends ("Ns"), every bucket is
+a token bucket without a debt floor, every cost is spent as needed, and
+there is no record cap and no journal. Tollgate writes it so:
 
+KEYS      the call's bucket keys, each once, in the order first named.
+ARGV[2]   "=", then bytes: L, the number of limits; then per request its
+          number of buckets N (1 to 255) and per bucket three bytes: its
+          key (1 to #KEYS), its limit (1 to L, plus 128 for a shadow
+          bucket), its cost (0: 1 token; C: ARGV[3 + L + C]).
+ARGV[3]   MARGIN, the expiry margin in milliseconds.
+ARGV[4 .. 3 + L]  the limits, "INTERVAL:BURST".
+ARGV[4 + L ..]    the costs other than 1.
+Reply     { clock, then one value per bucket: 2 * reset_after + allowed }.
+          Balance and retry_after follow from it and the bucket's limit and
+          cost, which the caller knows (src/store/redis/script.rs): a
+          bucket holds floor((BURST * INTERVAL - reset_after) / INTERVAL)
+          whole tokens (negative: owed), and a refused one may retry
+          reset_after + COST * INTERVAL - BURST * INTERVAL µs later, never
+          when COST > BURST.
+
+The same arithmetic as the general path below (apply_tokens, token_debt,
+decide_request), exactly: the differential tests in tests/redis_store.rs
+take it at nearly every spend. What makes it cheaper, in Redis's
+instructions (scripts/script-cost):
+
+- a key and a limit are sent, read and parsed once per call, not once per
+  bucket: a tenant's ceiling shared by every decision of a coalesced call
+  is one key, one value parsed, one write;
+- one reply value per bucket instead of three;
 - no function is defined before it returns (each `local function` is a
-  closure allocated on every call) and its loop runs a few dozen Lua
-  instructions per bucket;
-- each bucket it changes is written once, at the end (a tenant's ceiling
-  shared by every decision of a coalesced call is one write, not one per
-  decision);
+  closure allocated on every call), no table grows one entry at a time
+  (the per-key tables are sized by copying MGET's reply), and the loop runs
+  a few dozen Lua instructions per bucket;
+- each bucket it changes is written once, at the end;
 - a write rarely sets the expiry: SET ... KEEPTTL keeps the one a key has
   when its new full-again instant falls in the same step of `quantum` µs
   (half the expiry margin, counted from the epoch) as the instant it held,
   and only a write that crosses into another step sets one (PSETEX, as the
   general path does; with a pinned now, whose instants are not the ones
-  expiry runs on, every write does). Wherever an expiry is set, it is the full-again
-  instant F0 written then plus the margin, and every later instant F the
-  key holds without a new expiry is in F0's step, so the key still expires
-  after F + margin - quantum = F + margin / 2: never before its state stops
-  mattering (the bucket is full again at F).
+  expiry runs on, every write does). Wherever an expiry is set, it is the
+  full-again instant F0 written then plus the margin, and every later
+  instant F the key holds without a new expiry is in F0's step, so the key
+  still expires after F + margin - quantum = F + margin / 2: never before
+  its state stops mattering (the bucket is full again at F).
 
-Anything else, found at any point before that final write, falls through
-to the general path, which starts over: nothing has been written. ]]
-local fast_margin = ARGV[3]
-if #KEYS <= 3999 and not string.find(fast_margin, '%D') and not string.find(ARGV[2], '[^%d,s]') then
+Anything else, found at any point before that final write (a value
+written under another limit, or of another kind), falls through to the
+general path, given the call rewritten in the general form: nothing has
+been written. ]]
+local KEYS, ARGV = KEYS, ARGV
+local usual = string.byte(ARGV[2], 1) == 61
+if usual then
   repeat
-    local match, fmt = string.match, string.format
-    local margin_ms = tonumber(fast_margin)
+    local find, sub, fmt = string.find, string.sub, string.format
+    local plan = { string.byte(ARGV[2], 2, -1) }
+    local nkeys, nlimits, margin_ms = #KEYS, plan[1], tonumber(ARGV[3])
+    if not nlimits or not margin_ms or nkeys == 0 then
+      break
+    end
     -- Expiry runs on Redis's clock: with a pinned now (tests), whose
     -- instants are not Redis's, every write sets it.
     local quantum = 0
     if pinned == '' then
       quantum = margin_ms * 500
     end
-    local snapshot = redis.call('MGET', unpack(KEYS))
-    local out = { clock or now }
-    -- The call's writes, in the order keys were first written: key,
-    -- full-again instant and limit suffix (the value, formatted once when
-    -- written), and the full-again instant the key held when the call
-    -- started (false: none); `at` maps a key to its place.
-    local wkey, wfull, wsuffix, wheld, at = {}, {}, {}, {}, {}
-    -- The request being decided, per bucket when it has several: its new
-    -- full-again instant (false when it refuses), limit suffix, instant
-    -- held when the call started, and debt before.
-    local pfull, psuffix, pheld, pdebt = {}, {}, {}, {}
-    -- The limit of the bucket being decided, as read: its ":INTERVAL:BURST"
-    -- suffix, interval, burst and capacity in µs; and the one before it (a
-    -- decision's per-key bucket and its tenant's ceiling alternate).
-    local last_limit, suffix, interval, burst, tolerance
-    local prev_limit, prev_suffix, prev_interval, prev_burst, prev_tolerance
-    local k, o, consumed, bail = 0, 1, 0, false
-    for ns in string.gmatch(ARGV[2], '(%d+)s') do
-      consumed = consumed + #ns + 2
-      local n = 1
-      if ns ~= '1' then
-        n = tonumber(ns)
-      end
-      local first = k + 1
-      k = k + n
-      if k > #KEYS then
-        bail = true
+    -- Per limit: the stored value's suffix (":INTERVAL:BURST"), interval,
+    -- burst and capacity in µs.
+    local lsuffix, linterval, lburst, ltolerance = {}, {}, {}, {}
+    local bad = false
+    for l = 1, nlimits do
+      local limit = ARGV[3 + l]
+      local i_, b_ = string.match(limit or '', '^(%d+):(%d+)$')
+      if not i_ then
+        bad = true
         break
       end
+      local iv, bu = tonumber(i_), tonumber(b_)
+      lsuffix[l], linterval[l], lburst[l], ltolerance[l] = ':' .. limit, iv, bu, iv * bu
+    end
+    if bad then
+      break
+    end
+    local costs = { 1 }
+    for c = 4 + nlimits, #ARGV do
+      local cost = tonumber(ARGV[c])
+      if not cost then
+        bad = true
+        break
+      end
+      costs[c - 2 - nlimits] = cost
+    end
+    if bad then
+      break
+    end
+    local raw = redis.call('MGET', unpack(KEYS))
+    -- Per key, each table sized once by copying `raw`: the suffix of the
+    -- limit its state is held under (until first read: the raw value, or
+    -- false when missing), its full-again instant (false: none) and the
+    -- instant it held when the call started (until first read, both the
+    -- raw value too). A key is written when the two instants differ.
+    local ksuffix, kfull, kheld = { unpack(raw) }, { unpack(raw) }, { unpack(raw) }
+    local out = { clock or now }
+    -- The request being decided, per bucket when it has several: its key,
+    -- new full-again instant (false when it refuses), suffix and debt
+    -- before (made for the first such request).
+    local pkey, pfull, psuffix, pdebt
+    local p, o, np = 2, 1, #plan
+    while p <= np do
+      local n = plan[p]
+      p = p + 1
       local all = true
-      for i = first, k do
-        local a = 1 + 3 * i
-        local rule, limit, c = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-        if limit ~= last_limit then
-          local l, x, iv, bu, t = last_limit, suffix, interval, burst, tolerance
-          if limit == prev_limit then
-            last_limit, suffix, interval, burst, tolerance =
-              prev_limit, prev_suffix, prev_interval, prev_burst, prev_tolerance
-          else
-            local i_, b_ = match(limit, '^(%d+):(%d+)$')
-            if not i_ then
-              bail = true
-              break
-            end
-            last_limit, suffix, interval, burst = limit, ':' .. limit, tonumber(i_), tonumber(b_)
-            tolerance = interval * burst
-          end
-          prev_limit, prev_suffix, prev_interval, prev_burst, prev_tolerance = l, x, iv, bu, t
+      if n ~= 1 and not pkey then
+        pkey, pfull, psuffix, pdebt = {}, {}, {}, {}
+      end
+      for j = 1, n do
+        local ki, lb, ci = plan[p], plan[p + 1], plan[p + 2]
+        p = p + 3
+        local shadow = lb and lb >= 128
+        if shadow then
+          lb = lb - 128
         end
-        local cost = 1
-        if c ~= '1' then
-          cost = tonumber(c)
-        end
-        if (rule ~= 't1' and rule ~= 't0') or not cost then
-          bail = true
+        local suffix, cost = lsuffix[lb], costs[ci and ci + 1]
+        if not suffix or not cost or not ki or ki < 1 or ki > nkeys then
+          bad = true
           break
         end
-        local key = KEYS[i]
-        -- The full-again instant the bucket holds: as an earlier request of
-        -- the call wrote it, else as the call found it.
-        local w, f, rest, orig = at[key], false, nil, false
-        if w then
-          f, rest = wfull[w], wsuffix[w]
-        else
-          local held = snapshot[i]
+        local interval, burst, tolerance = linterval[lb], lburst[lb], ltolerance[lb]
+        -- The full-again instant the bucket holds: as an earlier request
+        -- of the call wrote it, else as the call found it.
+        local f, held = false, ksuffix[ki]
+        if held == suffix then
+          f = kfull[ki]
+        elseif held == raw[ki] then
           if held then
-            local fs
-            fs, rest = match(held, '^(%d+)(:.*)$')
-            f = fs and tonumber(fs)
-            orig = f
+            local cut = #held - #suffix
+            f = cut >= 1 and find(held, suffix, cut + 1, true) and tonumber(sub(held, 1, cut))
+            if not f then
+              -- Written under another limit, or of another kind.
+              bad = true
+              break
+            end
+            ksuffix[ki], kfull[ki], kheld[ki] = suffix, f, f
           end
+        else
+          bad = true
+          break
         end
         local debt = 0
-        if f then
-          -- Written under another limit: rescaled by the general path.
-          if rest ~= suffix then
-            bail = true
-            break
-          end
-          if f > now then
-            debt = f - now
-          end
+        if f and f > now then
+          debt = f - now
         end
-        local ok, third, reset = false, 0, debt
         local needed = debt + cost * interval
-        if cost > burst then
-          third = -1
-        elseif needed > tolerance then
-          third = needed - tolerance
-        else
-          ok, reset = true, needed
-        end
-        -- Whole tokens left (negative: owed, a bucket that a rule with a
-        -- floor took into debt): floor((tolerance - reset) / interval).
-        -- Exact: with |a| < 2^53, a / b never rounds across an integer, so
-        -- a % b (a - floor(a / b) * b, in the VM, cheaper than calling
-        -- math.floor) is exact too.
-        local left = tolerance - reset
-        local balance = (left - left % interval) / interval
-        out[o + 2], out[o + 3] = third, reset
-        if ok then
-          out[o + 1] = balance * 2 + 1
-          if n == 1 then
-            -- The request's only bucket: spent now.
-            if not w then
-              w = #wkey + 1
-              wkey[w], wheld[w], at[key] = key, orig, w
-            end
-            wfull[w], wsuffix[w] = now + needed, suffix
-          else
-            local j = i - first + 1
-            pfull[j], psuffix[j], pheld[j], pdebt[j] = now + needed, suffix, orig, debt
-          end
-        else
-          out[o + 1] = balance * 2
+        o = o + 1
+        if cost > burst or needed > tolerance then
+          out[o] = debt * 2
           if n > 1 then
-            pfull[i - first + 1] = false
+            pfull[j] = false
           end
-          if rule == 't1' then
+          if not shadow then
             all = false
           end
+        elseif n == 1 then
+          -- The request's only bucket: spent now.
+          out[o] = needed * 2 + 1
+          ksuffix[ki], kfull[ki] = suffix, now + needed
+        else
+          out[o] = needed * 2 + 1
+          pkey[j], pfull[j], psuffix[j], pdebt[j] = ki, now + needed, suffix, debt
         end
-        o = o + 3
       end
-      if bail then
+      if bad or not n then
+        bad = true
         break
       end
       if n > 1 then
         if all then
           for j = 1, n do
-            local full = pfull[j]
-            if full then
-              local key = KEYS[first + j - 1]
-              local w = at[key]
-              if not w then
-                w = #wkey + 1
-                wkey[w], wheld[w], at[key] = key, pheld[j], w
-              end
-              wfull[w], wsuffix[w] = full, psuffix[j]
+            if pfull[j] then
+              local ki = pkey[j]
+              ksuffix[ki], kfull[ki] = psuffix[j], pfull[j]
             end
           end
         else
           -- Nothing is spent: the admitting buckets report what they hold.
           for j = 1, n do
             if pfull[j] then
-              local iv, bu = match(ARGV[3 * (first + j) - 1], '^(%d+):(%d+)$')
-              iv = tonumber(iv)
-              local left, x = tonumber(bu) * iv - pdebt[j], o - 3 * (n - j)
-              out[x - 2], out[x] = (left - left % iv) / iv * 2 + 1, pdebt[j]
+              out[o - n + j] = pdebt[j] * 2 + 1
             end
           end
         end
       end
     end
-    if bail or k ~= #KEYS or consumed ~= #ARGV[2] + 1 or k == 0 then
+    if bad or o == 1 then
       break
     end
-    for w = 1, #wkey do
-      local full, was = wfull[w], wheld[w]
-      local value = fmt('%d', full) .. wsuffix[w]
-      if was and quantum > 0 and full - full % quantum == was - was % quantum then
-        redis.call('SET', wkey[w], value, 'KEEPTTL')
-      else
-        redis.call('PSETEX', wkey[w], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), value)
+    for ki = 1, nkeys do
+      local full, was = kfull[ki], kheld[ki]
+      if full ~= was then
+        local value = fmt('%d%s', full, ksuffix[ki])
+        if was and quantum > 0 and full - full % quantum == was - was % quantum then
+          redis.call('SET', KEYS[ki], value, 'KEEPTTL')
+        else
+          redis.call('PSETEX', KEYS[ki], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), value)
+        end
       end
     end
     return out
   until true
+  -- The general form of the same call: per bucket its key, rule, limit and
+  -- cost; per request "Ns".
+  local plan = { string.byte(ARGV[2], 2, -1) }
+  local nlimits = plan[1] or 0
+  local keys, argv, shape = {}, { ARGV[1], '', ARGV[3] }, {}
+  local p = 2
+  while p <= #plan do
+    local n = plan[p]
+    if n == 0 then
+      return redis.error_reply('token_bucket.lua: a request in ARGV[2] has no buckets')
+    end
+    shape[#shape + 1] = n .. 's'
+    p = p + 1
+    for _ = 1, n do
+      local ki, lb, ci = plan[p], plan[p + 1], plan[p + 2]
+      local li = (lb or 0) % 128
+      local limit, cost = ARGV[3 + li], ci and (ci == 0 and '1' or ARGV[3 + nlimits + ci])
+      if not ci or not KEYS[ki] or li < 1 or li > nlimits or not cost then
+        return redis.error_reply('token_bucket.lua: ARGV[2] names a key, limit or cost the call does not have')
+      end
+      keys[#keys + 1] = KEYS[ki]
+      argv[#argv + 1] = lb >= 128 and 't0' or 't1'
+      argv[#argv + 1] = limit
+      argv[#argv + 1] = cost
+      p = p + 3
+    end
+  end
+  argv[2] = table.concat(shape, ',')
+  KEYS, ARGV = keys, argv
 end
 
 local function floor_div(a, b)
@@ -1175,5 +1206,13 @@ for q = 0, count - 1 do
 end
 if journal then
   out[#out + 1] = noted
+end
+if usual then
+  -- The usual form's reply: one value per bucket, 2 * reset_after + allowed.
+  local r = { out[1] }
+  for i = 1, (#out - 1) / 3 do
+    r[i + 1] = out[3 * i + 1] * 2 + out[3 * i - 1] % 2
+  end
+  return r
 end
 return out

@@ -879,7 +879,7 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
         "{err}"
     );
     // Requests not separated by commas are one request with an argument,
-    // here too few for two keys, on the usual call's path as on the other.
+    // here too few for two keys.
     let mut inv = script.prepare_invoke();
     inv.key("tollgate:{t}:k::a")
         .key("tollgate:{t}:k::b")
@@ -895,6 +895,30 @@ async fn the_script_refuses_a_malformed_request_list_and_writes_nothing() {
             .contains("ARGV[2] 1s1s covers 1 keys, but the call has 2"),
         "{err}"
     );
+    // The usual form naming a key, a limit or a cost the call lacks, or a
+    // request of no buckets, writes nothing and says which.
+    for plan in [
+        &b"=\x01\x01\x03\x01\x00"[..],
+        b"=\x01\x01\x01\x02\x00",
+        b"=\x01\x01\x01\x01\x01",
+        b"=\x01\x01\x01\x01",
+        b"=\x01\x00",
+    ] {
+        let mut inv = script.prepare_invoke();
+        inv.key("tollgate:{t}:k::a")
+            .key("tollgate:{t}:k::b")
+            .arg("")
+            .arg(plan)
+            .arg(1000)
+            .arg("1000000:10");
+        let err = inv.invoke_async::<Vec<i64>>(&mut conn).await.unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("ARGV[2] names a key, limit or cost the call does not have")
+                || err.contains("a request in ARGV[2] has no buckets"),
+            "{plan:?}: {err}"
+        );
+    }
     let keys: Vec<String> = conn.keys("tollgate:*").await.unwrap();
     assert!(keys.is_empty(), "{keys:?}");
 }
@@ -998,10 +1022,15 @@ async fn the_usual_call_sets_an_expiry_only_when_it_moves_a_step() {
     let conn = connect(&server).await;
     let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
     let key = "tollgate:{t}:k::expiry";
+    // The usual form: one key, one limit, one decision of one bucket at
+    // cost 1.
     let spend = |now: &str, margin: u64| {
         let mut inv = script.prepare_invoke();
-        inv.key(key).arg(now).arg("1s").arg(margin);
-        inv.arg("t1").arg("10000000:10").arg(1);
+        inv.key(key)
+            .arg(now)
+            .arg(&b"=\x01\x01\x01\x01\x00"[..])
+            .arg(margin);
+        inv.arg("10000000:10");
         let mut conn = conn.clone();
         async move { inv.invoke_async::<Vec<i64>>(&mut conn).await.unwrap() }
     };
@@ -1010,12 +1039,17 @@ async fn the_usual_call_sets_an_expiry_only_when_it_moves_a_step() {
     let mut full_at = Vec::new();
     for n in 1..=4 {
         let reply = spend("", 60_000).await;
-        // [Redis's clock, 2 × remaining + allowed, retry, reset]
-        assert_eq!(reply[1..3], [(10 - n) * 2 + 1, 0]);
-        full_at.push(reply[0] + reply[3]);
+        // [Redis's clock, 2 × reset_after + allowed]
+        assert_eq!(reply.len(), 2);
+        let reset = reply[1] >> 1;
+        assert_eq!(
+            (reply[1] & 1, (100_000_000 - reset) / 10_000_000),
+            (1, 10 - n)
+        );
+        full_at.push(reply[0] + reset);
         let pttl: i64 = redis_cli(server.port, &["PTTL", key]).parse().unwrap();
         // Never shorter than the state with half the margin to spare.
-        assert!(pttl >= reply[3] / 1000 + 30_000, "{pttl} for {reply:?}");
+        assert!(pttl >= reset / 1000 + 30_000, "{pttl} for {reply:?}");
     }
     assert_eq!(full_at[3] - full_at[0], step);
     let crossings = full_at
@@ -1079,16 +1113,25 @@ async fn a_bucket_shared_by_a_calls_decisions_is_written_once() {
     let script = redis::Script::new(tollgate_core::store::TOKEN_BUCKET_LUA);
     let now: i64 = 1_700_000_000_000_000;
     let ceiling = "tollgate:{t}:t::";
-    // alice spends 1, bob 3 of a burst of 2 (refused, never fits), carol 1.
+    // alice spends 1, bob 3 of a burst of 2 (refused, never fits), carol 1,
+    // in the usual form: keys alice (1), the ceiling (2), bob (3), carol
+    // (4); limits 1 000 000:2 (1) and 500 000:10 (2); cost 3 (1).
     let mut inv = script.prepare_invoke();
-    inv.arg(now).arg("2s,2s,2s").arg(1000);
-    for (key, cost) in [("alice", 1), ("bob", 3), ("carol", 1)] {
-        inv.key(format!("tollgate:{{t}}:k::{key}"))
-            .arg("t1")
-            .arg("1000000:2")
-            .arg(cost);
-        inv.key(ceiling).arg("t1").arg("500000:10").arg(cost);
+    for key in ["alice", "", "bob", "carol"] {
+        match key {
+            "" => inv.key(ceiling),
+            key => inv.key(format!("tollgate:{{t}}:k::{key}")),
+        };
     }
+    #[rustfmt::skip]
+    let plan = [
+        b'=', 2,
+        2, 1, 1, 0, 2, 2, 0,
+        2, 3, 1, 1, 2, 2, 1,
+        2, 4, 1, 0, 2, 2, 0,
+    ];
+    inv.arg(now).arg(&plan[..]).arg(1000);
+    inv.arg("1000000:2").arg("500000:10").arg(3);
     redis_cli(server.port, &["CONFIG", "RESETSTAT"]);
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await.unwrap();
     #[rustfmt::skip]
@@ -1096,13 +1139,14 @@ async fn a_bucket_shared_by_a_calls_decisions_is_written_once() {
         reply,
         vec![
             now,
-            // alice: her bucket 1 left, the ceiling 9 left.
-            2 + 1, 0, 1_000_000, 9 * 2 + 1, 0, 500_000,
-            // bob: never fits his burst; the ceiling would admit 3 and
-            // reports its 9 (full again in 0.5 s).
-            2 * 2, -1, 0, 9 * 2 + 1, 0, 500_000,
+            // alice: her bucket full again in 1 s (1 left), the ceiling in
+            // 0.5 s (9 left).
+            2 * 1_000_000 + 1, 2 * 500_000 + 1,
+            // bob: never fits his burst (full now); the ceiling would
+            // admit 3 and reports what it holds (full again in 0.5 s).
+            0, 2 * 500_000 + 1,
             // carol: her bucket 1 left, the ceiling 8 left.
-            2 + 1, 0, 1_000_000, 8 * 2 + 1, 0, 1_000_000,
+            2 * 1_000_000 + 1, 2 * 1_000_000 + 1,
         ]
     );
     let stored: String = conn.get(ceiling).await.unwrap();

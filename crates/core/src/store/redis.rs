@@ -55,6 +55,7 @@ mod node;
 mod script;
 mod topology;
 mod url;
+mod usual;
 
 use node::Answer;
 use script::{Kind, Reply, Request, record_body};

@@ -13,6 +13,7 @@ use super::journal::journal_of;
 use super::node::Answer;
 use super::script::{self, Reply, Request, parse_reply};
 use super::topology::slot_of;
+use super::usual::{self, UsualCall};
 use super::{Shared, TOKEN_BUCKET_LUA};
 use crate::store::StoreError;
 use crate::telemetry::metrics;
@@ -190,8 +191,12 @@ impl Shared {
         let journal = (self.config.journal && requests.iter().any(|r| r.may_enter_a_period()))
             .then(|| journal_of(key))
             .flatten();
-        let write = |deadline_on_node: i64| {
-            script::evalsha(
+        // The usual call (every request spends, every bucket a token
+        // bucket) in its own form, which costs Redis far less.
+        let usual = journal.is_none().then(|| UsualCall::of(requests)).flatten();
+        let write = |deadline_on_node: i64| match &usual {
+            Some(usual) => usual.evalsha(self.script.get_hash(), &now, deadline_on_node, margin_ms),
+            None => script::evalsha(
                 self.script.get_hash(),
                 requests,
                 &now,
@@ -199,7 +204,7 @@ impl Shared {
                 margin_ms,
                 self.config.max_records_per_tenant,
                 journal.as_deref(),
-            )
+            ),
         };
         // Counted as sent unless the node's breaker refuses it outright.
         if !self.routes.refuses(slot_of(key)) {
@@ -227,6 +232,9 @@ impl Shared {
         if let Some(journal) = &journal {
             let appended = ints.pop().unwrap_or_default();
             self.pending.appended(journal, appended);
+        }
+        if usual.is_some() {
+            return usual::parse_reply(&ints, requests);
         }
         parse_reply(&ints, requests.iter().map(|r| (&r.kind, &r.charges[..])))
     }
