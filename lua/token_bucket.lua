@@ -225,8 +225,9 @@ local KEYS, ARGV = KEYS, ARGV
 local usual = string.byte(ARGV[2], 1) == 61
 if usual then
   repeat
-    local find, sub, fmt = string.find, string.sub, string.format
-    local plan = { string.byte(ARGV[2], 2, -1) }
+    local byte, find, sub, fmt, call = string.byte, string.find, string.sub, string.format, redis.call
+    local spec = ARGV[2]
+    local plan = { byte(spec, 2, -1) }
     local nkeys, nlimits, margin_ms = #KEYS, plan[1], tonumber(ARGV[3])
     if not nlimits or not margin_ms or nkeys == 0 then
       break
@@ -237,9 +238,11 @@ if usual then
     if pinned == '' then
       quantum = margin_ms * 500
     end
-    -- Per limit: the stored value's suffix (":INTERVAL:BURST"), interval,
-    -- burst and capacity in µs.
-    local lsuffix, linterval, lburst, ltolerance = {}, {}, {}, {}
+    -- Per limit, at its index and at its index + 128 (the same limit on a
+    -- shadow bucket): the stored value's suffix (":INTERVAL:BURST"), the
+    -- interval and the capacity in µs. A cost above the burst needs more
+    -- than the capacity, so the capacity alone decides.
+    local lsuffix, linterval, ltolerance = {}, {}, {}
     local bad = false
     for l = 1, nlimits do
       local limit = ARGV[3 + l]
@@ -248,60 +251,57 @@ if usual then
         bad = true
         break
       end
-      local iv, bu = tonumber(i_), tonumber(b_)
-      lsuffix[l], linterval[l], lburst[l], ltolerance[l] = ':' .. limit, iv, bu, iv * bu
+      local suffix, interval = ':' .. limit, tonumber(i_)
+      local tolerance = interval * tonumber(b_)
+      lsuffix[l], linterval[l], ltolerance[l] = suffix, interval, tolerance
+      lsuffix[l + 128], linterval[l + 128], ltolerance[l + 128] = suffix, interval, tolerance
     end
     if bad then
       break
     end
-    local costs = { 1 }
-    for c = 4 + nlimits, #ARGV do
-      local cost = tonumber(ARGV[c])
+    local costs = { [0] = 1 }
+    for c = 1, #ARGV - 3 - nlimits do
+      local cost = tonumber(ARGV[3 + nlimits + c])
       if not cost then
         bad = true
         break
       end
-      costs[c - 2 - nlimits] = cost
+      costs[c] = cost
     end
     if bad then
       break
     end
-    local raw = redis.call('MGET', unpack(KEYS))
+    local raw = call('MGET', unpack(KEYS))
     -- Per key, each table sized once by copying `raw`: the suffix of the
     -- limit its state is held under (until first read: the raw value, or
     -- false when missing), its full-again instant (false: none) and the
     -- instant it held when the call started (until first read, both the
     -- raw value too). A key is written when the two instants differ.
     local ksuffix, kfull, kheld = { unpack(raw) }, { unpack(raw) }, { unpack(raw) }
-    local out = { clock or now }
-    -- The request being decided, per bucket when it has several: its key,
-    -- new full-again instant (false when it refuses), suffix and debt
-    -- before (made for the first such request).
-    local pkey, pfull, psuffix, pdebt
+    -- The reply, sized once by copying the plan's bytes (more of them than
+    -- buckets) and cut after the last bucket's value.
+    local out = { byte(spec, 1, -1) }
+    out[1] = clock or now
     local p, o, np = 2, 1, #plan
     while p <= np do
       local n = plan[p]
       p = p + 1
-      local all = true
-      if n ~= 1 and not pkey then
-        pkey, pfull, psuffix, pdebt = {}, {}, {}, {}
+      if n == 0 then
+        bad = true
+        break
       end
-      for j = 1, n do
-        local ki, lb, ci = plan[p], plan[p + 1], plan[p + 2]
+      local first, all = p, true
+      for _ = 1, n do
+        local ki, lb = plan[p], plan[p + 1]
+        local suffix, cost, held = lsuffix[lb], costs[plan[p + 2]], ksuffix[ki]
         p = p + 3
-        local shadow = lb and lb >= 128
-        if shadow then
-          lb = lb - 128
-        end
-        local suffix, cost = lsuffix[lb], costs[ci and ci + 1]
-        if not suffix or not cost or not ki or ki < 1 or ki > nkeys then
+        if not suffix or not cost or held == nil then
           bad = true
           break
         end
-        local interval, burst, tolerance = linterval[lb], lburst[lb], ltolerance[lb]
         -- The full-again instant the bucket holds: as an earlier request
         -- of the call wrote it, else as the call found it.
-        local f, held = false, ksuffix[ki]
+        local f = false
         if held == suffix then
           f = kfull[ki]
         elseif held == raw[ki] then
@@ -323,58 +323,61 @@ if usual then
         if f and f > now then
           debt = f - now
         end
-        local needed = debt + cost * interval
+        local needed = debt + cost * linterval[lb]
         o = o + 1
-        if cost > burst or needed > tolerance then
+        if needed > ltolerance[lb] then
           out[o] = debt * 2
-          if n > 1 then
-            pfull[j] = false
-          end
-          if not shadow then
+          if lb < 128 then
             all = false
           end
-        elseif n == 1 then
-          -- The request's only bucket: spent now.
-          out[o] = needed * 2 + 1
-          ksuffix[ki], kfull[ki] = suffix, now + needed
         else
           out[o] = needed * 2 + 1
-          pkey[j], pfull[j], psuffix[j], pdebt[j] = ki, now + needed, suffix, debt
+          if n == 1 then
+            -- The request's only bucket: spent now.
+            ksuffix[ki], kfull[ki] = suffix, now + needed
+          end
         end
       end
-      if bad or not n then
-        bad = true
+      if bad then
         break
       end
       if n > 1 then
-        if all then
-          for j = 1, n do
-            if pfull[j] then
-              local ki = pkey[j]
-              ksuffix[ki], kfull[ki] = psuffix[j], pfull[j]
+        -- The request's buckets again, once all are decided: each admitting
+        -- one spends when every enforced bucket admits, else reports what
+        -- it holds (nothing is spent).
+        local base = o - n
+        p = first
+        for j = base + 1, o do
+          local v = out[j]
+          if v % 2 == 1 then
+            local ki = plan[p]
+            if all then
+              ksuffix[ki], kfull[ki] = lsuffix[plan[p + 1]], now + (v - 1) / 2
+            else
+              local f = kfull[ki]
+              if f and f > now then
+                out[j] = (f - now) * 2 + 1
+              else
+                out[j] = 1
+              end
             end
           end
-        else
-          -- Nothing is spent: the admitting buckets report what they hold.
-          for j = 1, n do
-            if pfull[j] then
-              out[o - n + j] = pdebt[j] * 2 + 1
-            end
-          end
+          p = p + 3
         end
       end
     end
     if bad or o == 1 then
       break
     end
+    out[o + 1] = nil
     for ki = 1, nkeys do
       local full, was = kfull[ki], kheld[ki]
       if full ~= was then
-        local value = fmt('%d%s', full, ksuffix[ki])
+        local value = fmt('%d', full) .. ksuffix[ki]
         if was and quantum > 0 and full - full % quantum == was - was % quantum then
-          redis.call('SET', KEYS[ki], value, 'KEEPTTL')
+          call('SET', KEYS[ki], value, 'KEEPTTL')
         else
-          redis.call('PSETEX', KEYS[ki], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), value)
+          call('PSETEX', KEYS[ki], fmt('%d', (full - now - (full - now) % 1000) / 1000 + margin_ms + 1), value)
         end
       end
     end
