@@ -6,6 +6,11 @@ decisions, several requests one after another (each all-or-nothing on its
 own, each seeing what the earlier ones wrote), all at the same instant.
 Every bucket of the call is read with one MGET before the first decision.
 
+This header describes the general form of a call. The usual call (every
+request spends, every bucket a token bucket) comes in a compact form of its
+own, ARGV[2] starting with "=": it is described where it is decided, below
+the clock's reading, and crates/core/src/store/redis/usual.rs writes it.
+
 The same arithmetic as src/algorithm/token_bucket.rs (`decide`), plan.rs (`plan`) and window.rs
 (fixed and sliding windows); the differential test in tests/redis_store.rs
 feeds both the same random sequences and requires identical answers.
@@ -186,7 +191,7 @@ ARGV[4 .. 3 + L]  the limits, "INTERVAL:BURST".
 ARGV[4 + L ..]    the costs other than 1.
 Reply     { clock, then one value per bucket: 2 * reset_after + allowed }.
           Balance and retry_after follow from it and the bucket's limit and
-          cost, which the caller knows (src/store/redis/script.rs): a
+          cost, which the caller knows (crates/core/src/store/redis/usual.rs): a
           bucket holds floor((BURST * INTERVAL - reset_after) / INTERVAL)
           whole tokens (negative: owed), and a refused one may retry
           reset_after + COST * INTERVAL - BURST * INTERVAL µs later, never
