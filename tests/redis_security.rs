@@ -248,3 +248,79 @@ async fn sentinel_over_tls_with_a_password() {
     let logs = logs_of(server);
     assert!(!logs.contains(PASSWORD), "{logs}");
 }
+
+/// An ACL user and a database other than 0 (`redis://USER:PASSWORD@…/5`):
+/// the buckets live in that database, a wrong password for the user
+/// leaves the service degraded, and a connection Redis closes under a
+/// running Tollgate is replaced with the same user and database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acl_user_and_a_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port(false);
+    let _redis = start_redis(dir.path(), &["--port", &port.to_string()]);
+    wait_for(port, &[]);
+    let admin = |args: &[&str]| {
+        let mut all = vec!["-a", PASSWORD, "--no-auth-warning"];
+        all.extend_from_slice(args);
+        redis_cli(port, &all)
+    };
+    assert_eq!(
+        admin(&[
+            "ACL",
+            "SETUSER",
+            "limiter",
+            "on",
+            ">limiter-pw",
+            "~*",
+            "+@all"
+        ]),
+        "OK"
+    );
+
+    let url = format!("redis://limiter:limiter-pw@127.0.0.1:{port}/5");
+    let server = ServeProcess::start(dir.path(), &["--store", &url]);
+    server.wait_ready();
+    let r = decide(&server.grpc).await;
+    assert_eq!((r.allowed, r.degraded, r.remaining), (true, 0, 29));
+    assert_eq!(
+        admin(&["-n", "5", "DBSIZE"]),
+        "1",
+        "the bucket is in database 5"
+    );
+    assert_eq!(admin(&["-n", "0", "DBSIZE"]), "0");
+
+    // Redis closes every connection of the user: the next decisions are
+    // decided by Redis again, over a new connection, from the same bucket.
+    let killed: u32 = admin(&["CLIENT", "KILL", "USER", "limiter"])
+        .parse()
+        .unwrap();
+    assert!(killed >= 1, "Tollgate held a connection as limiter");
+    let mut after = None;
+    for _ in 0..100 {
+        let r = decide(&server.grpc).await;
+        if r.degraded == 0 {
+            after = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = after.expect("decided by Redis again after its connection was closed");
+    assert_eq!(
+        (r.allowed, r.remaining),
+        (true, 28),
+        "the same bucket in database 5"
+    );
+    assert_eq!(admin(&["-n", "5", "DBSIZE"]), "1");
+    assert_eq!(admin(&["-n", "0", "DBSIZE"]), "0");
+    drop(server);
+
+    let wrong = format!("redis://limiter:not-{PASSWORD}@127.0.0.1:{port}/5");
+    let server = ServeProcess::start(dir.path(), &["--store", &wrong, "--store-timeout", "200ms"]);
+    let r = decide(&server.grpc).await;
+    assert_eq!(r.degraded, 1, "a refused AUTH leaves the store unavailable");
+    let logs = logs_of(server);
+    assert!(
+        !logs.contains(PASSWORD),
+        "the password leaked into the logs: {logs}"
+    );
+}

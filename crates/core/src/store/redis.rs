@@ -48,6 +48,7 @@ use smallvec::SmallVec;
 use tokio::time::Instant;
 
 mod coalesce;
+mod conn;
 mod exec;
 mod journal;
 mod keys;
@@ -198,16 +199,13 @@ impl RedisStore {
         // rustls needs one process-wide crypto provider for rediss://; an
         // error only means one is installed already.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let certs = match &config.ca_cert {
-            Some(path) => Some(redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(std::fs::read(path).map_err(|e| {
-                    StoreError::Config(format!("Redis CA certificate {}: {e}", path.display()))
-                })?),
-            }),
+        let ca_cert = match &config.ca_cert {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                StoreError::Config(format!("Redis CA certificate {}: {e}", path.display()))
+            })?),
             None => None,
         };
-        let routes = Routes::new(&config, certs)?;
+        let routes = Routes::new(&config, ca_cert)?;
         let shared = Shared {
             routes,
             script: redis::Script::new(TOKEN_BUCKET_LUA),

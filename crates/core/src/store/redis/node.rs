@@ -16,11 +16,11 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared};
 use parking_lot::Mutex;
-use redis::aio::MultiplexedConnection;
 use redis::{Cmd, ServerErrorKind, Value};
 use tokio::time::Instant;
 
 use super::coalesce::Waiting;
+use super::conn::{ConnError, Connection, Endpoint};
 use crate::store::StoreError;
 use crate::store::breaker::{Breaker, BreakerState, Open};
 use crate::telemetry::metrics;
@@ -40,8 +40,8 @@ pub(super) enum Answer {
 /// The connection's state.
 enum Conn {
     Idle,
-    Connecting(Shared<BoxFuture<'static, Result<(MultiplexedConnection, u64), String>>>),
-    Ready(MultiplexedConnection, u64),
+    Connecting(Shared<BoxFuture<'static, Result<(Connection, u64), String>>>),
+    Ready(Connection, u64),
 }
 
 /// See the module docs.
@@ -50,7 +50,7 @@ pub(super) struct Node {
     pub addr: String,
     /// The metric label: the address, or `other` past [`MAX_NODE_LABELS`].
     pub label: String,
-    client: redis::Client,
+    endpoint: Endpoint,
     connect_timeout: Duration,
     conn: Mutex<Conn>,
     generation: AtomicU64,
@@ -83,7 +83,7 @@ impl Node {
     pub fn new(
         addr: String,
         label: String,
-        client: redis::Client,
+        endpoint: Endpoint,
         connect_timeout: Duration,
         breaker: Breaker,
         coalesce: bool,
@@ -93,7 +93,7 @@ impl Node {
         Self {
             addr,
             label,
-            client,
+            endpoint,
             connect_timeout,
             conn: Mutex::new(Conn::Idle),
             generation: AtomicU64::new(0),
@@ -126,29 +126,41 @@ impl Node {
 
     /// True when a connection is open.
     pub fn connected(&self) -> bool {
-        matches!(*self.conn.lock(), Conn::Ready(..))
+        matches!(&*self.conn.lock(), Conn::Ready(c, _) if !c.is_broken())
     }
 
     /// The connection, connecting first when there is none (in a task of
     /// its own, shared by every caller that waits for it).
-    async fn connection(self: &Arc<Self>) -> Result<(MultiplexedConnection, u64), String> {
+    async fn connection(self: &Arc<Self>) -> Result<(Connection, u64), String> {
         let connecting = {
             let mut conn = self.conn.lock();
+            if let Conn::Ready(c, generation) = &*conn {
+                if !c.is_broken() {
+                    return Ok((c.clone(), *generation));
+                }
+                // Broken (a write its caller abandoned, say): connect again.
+                *conn = Conn::Idle;
+                self.clock_offset.store(UNKNOWN, Ordering::Relaxed);
+            }
             match &*conn {
-                Conn::Ready(c, generation) => return Ok((c.clone(), *generation)),
+                Conn::Ready(..) => unreachable!("a broken connection was just dropped"),
                 Conn::Connecting(f) => f.clone(),
                 Conn::Idle => {
                     let node = self.clone();
                     // The lock is held until the state says Connecting, so
                     // the task's own update always comes after.
                     let task = tokio::spawn(async move {
-                        let config = redis::AsyncConnectionConfig::new()
-                            .set_connection_timeout(Some(node.connect_timeout))
-                            .set_response_timeout(None);
-                        let made = node
-                            .client
-                            .get_multiplexed_async_connection_with_config(&config)
-                            .await;
+                        let made = match tokio::time::timeout(
+                            node.connect_timeout,
+                            Connection::open(&node.endpoint),
+                        )
+                        .await
+                        {
+                            Ok(made) => made,
+                            Err(_) => {
+                                Err(format!("no connection within {:?}", node.connect_timeout))
+                            }
+                        };
                         let mut conn = node.conn.lock();
                         match made {
                             Ok(c) => {
@@ -159,7 +171,7 @@ impl Node {
                             }
                             Err(e) => {
                                 *conn = Conn::Idle;
-                                Err(e.to_string())
+                                Err(e)
                             }
                         }
                     });
@@ -299,48 +311,34 @@ impl Node {
                 self.addr
             )))
         };
-        let (mut conn, generation) =
-            match tokio::time::timeout_at(deadline, self.connection()).await {
-                Ok(Ok(conn)) => conn,
-                Ok(Err(e)) => {
-                    self.failed("connect");
-                    return Err(Failure::Transient(StoreError::Unavailable(format!(
-                        "Redis node {}: {e}",
-                        self.addr
-                    ))));
-                }
-                Err(_) => return Err(late()),
-            };
-        let sent = if asking {
-            let mut pipe = redis::pipe();
-            pipe.cmd("ASKING").add_command(cmd.clone());
-            tokio::time::timeout_at(deadline, async {
-                let mut replies = conn.send_packed_commands(&pipe, 1, 1).await?;
-                Ok(replies.pop().unwrap_or(Value::Nil))
-            })
-            .await
-        } else {
-            tokio::time::timeout_at(deadline, conn.send_packed_command(cmd)).await
-        };
-        let value = match sent {
+        let (conn, generation) = match tokio::time::timeout_at(deadline, self.connection()).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                self.failed("connect");
+                return Err(Failure::Transient(StoreError::Unavailable(format!(
+                    "Redis node {}: {e}",
+                    self.addr
+                ))));
+            }
             Err(_) => return Err(late()),
-            Ok(Err(e)) => match e.kind() {
-                redis::ErrorKind::Server(kind) => {
-                    let code = e.code().unwrap_or_default().to_owned();
-                    let detail = e.detail().unwrap_or_default().to_owned();
-                    return self.server_error(Some(kind), &code, &detail);
-                }
-                _ => {
-                    if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() {
-                        self.broken(generation);
-                    }
-                    self.failed(io_kind(&e));
-                    return Err(Failure::Transient(StoreError::Unavailable(format!(
-                        "Redis node {}: {e}",
-                        self.addr
-                    ))));
-                }
-            },
+        };
+        let (packed, skip) = if asking {
+            let mut packed = redis::cmd("ASKING").get_packed_command();
+            cmd.write_packed_command(&mut packed);
+            (packed, 1)
+        } else {
+            (cmd.get_packed_command(), 0)
+        };
+        let value = match tokio::time::timeout_at(deadline, conn.send(&packed, skip)).await {
+            Err(_) => return Err(late()),
+            Ok(Err(e)) => {
+                self.broken(generation);
+                self.failed(io_kind(&e));
+                return Err(Failure::Transient(StoreError::Unavailable(format!(
+                    "Redis node {}: {e}",
+                    self.addr
+                ))));
+            }
             Ok(Ok(value)) => value,
         };
         match value {
@@ -408,13 +406,11 @@ enum Failure {
     Other(StoreError),
 }
 
-fn io_kind(e: &redis::RedisError) -> &'static str {
-    if e.is_timeout() {
-        "timeout"
-    } else if e.is_connection_refusal() {
-        "connection_refused"
-    } else {
-        "io"
+fn io_kind(e: &ConnError) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut => "timeout",
+        std::io::ErrorKind::ConnectionRefused => "connection_refused",
+        _ => "io",
     }
 }
 
@@ -456,11 +452,10 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
         Arc::new(Node::new(
             format!("127.0.0.1:{port}"),
             "test".into(),
-            client,
+            Endpoint::plain("127.0.0.1", port),
             Duration::from_secs(1),
             Breaker::new(threshold, cooldown),
             false,

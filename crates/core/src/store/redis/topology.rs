@@ -30,6 +30,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use super::RedisConfig;
+use super::conn::Endpoint;
 use super::node::{MAX_NODE_LABELS, Node};
 use super::url::Url;
 use crate::store::StoreError;
@@ -50,32 +51,31 @@ const MIN_REFRESH_GAP: Duration = Duration::from_millis(50);
 /// How a node's connection is made.
 struct Template {
     info: ConnectionInfo,
-    certs: Option<redis::TlsCertificates>,
+    /// `rediss://`: the TLS settings every node's connection uses.
+    tls: Option<Arc<rustls::ClientConfig>>,
     timeout: Duration,
     breaker: (u32, Duration),
     coalesce: bool,
 }
 
 impl Template {
-    fn client(&self, host: &str, port: u16, auth: bool) -> Result<redis::Client, StoreError> {
-        let addr = match self.info.addr() {
-            ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
-                host: host.to_owned(),
-                port,
-                insecure: *insecure,
-                tls_params: None,
-            },
-            _ => ConnectionAddr::Tcp(host.to_owned(), port),
-        };
-        let mut info = self.info.clone().set_addr(addr);
-        if !auth {
-            info = info.set_redis_settings(redis::RedisConnectionInfo::default());
+    /// How `host:port` is reached: over TLS when the URL says so, with
+    /// the URL's credentials and database unless `auth` is false (a
+    /// Sentinel is asked without the primary's).
+    fn endpoint(&self, host: &str, port: u16, auth: bool) -> Endpoint {
+        let settings = self.info.redis_settings();
+        Endpoint {
+            host: host.to_owned(),
+            port,
+            tls: self.tls.clone(),
+            username: auth
+                .then(|| settings.username().map(str::to_owned))
+                .flatten(),
+            password: auth
+                .then(|| settings.password().map(str::to_owned))
+                .flatten(),
+            db: if auth { settings.db() } else { 0 },
         }
-        match &self.certs {
-            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
-            None => redis::Client::open(info),
-        }
-        .map_err(|e| StoreError::Config(format!("Redis node {host}:{port}: {e}")))
     }
 }
 
@@ -139,10 +139,7 @@ pub(super) struct Topology {
 }
 
 impl Topology {
-    pub fn new(
-        config: &RedisConfig,
-        certs: Option<redis::TlsCertificates>,
-    ) -> Result<Arc<Self>, StoreError> {
+    pub fn new(config: &RedisConfig, ca_cert: Option<Vec<u8>>) -> Result<Arc<Self>, StoreError> {
         let bad = |e: &dyn std::fmt::Display| {
             StoreError::Config(format!("{}: {e}", config.redacted_url()))
         };
@@ -173,9 +170,20 @@ impl Topology {
             }
         };
         let info = info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+        let tls = match info.addr() {
+            ConnectionAddr::TcpTls { insecure: true, .. } => {
+                return Err(bad(
+                    &"rediss:// with #insecure is not supported: give the server's CA with --redis-ca-cert",
+                ));
+            }
+            ConnectionAddr::TcpTls { .. } => {
+                Some(tls_config(ca_cert.as_deref()).map_err(|e| bad(&e))?)
+            }
+            _ => None,
+        };
         let template = Template {
             info,
-            certs,
+            tls,
             timeout: config.timeout,
             breaker: (config.breaker_threshold, config.breaker_cooldown),
             coalesce: config.coalesce > 1,
@@ -203,11 +211,11 @@ impl Topology {
             Mode::Sentinel { sentinels, .. } => {
                 for (host, port) in sentinel_addrs {
                     // Sentinels are asked without the primary's credentials.
-                    let client = topology.template.client(&host, port, false)?;
+                    let endpoint = topology.template.endpoint(&host, port, false);
                     sentinels.push(Arc::new(Node::new(
                         format!("{host}:{port}"),
                         "sentinel".into(),
-                        client,
+                        endpoint,
                         topology.template.timeout,
                         Breaker::new(1, Duration::ZERO),
                         false,
@@ -251,7 +259,7 @@ impl Topology {
         let node = Arc::new(Node::new(
             addr.clone(),
             label,
-            self.template.client(host, port, true)?,
+            self.template.endpoint(host, port, true),
             self.template.timeout,
             Breaker::new(threshold, cooldown),
             self.template.coalesce,
@@ -627,6 +635,32 @@ fn endpoint_pair(parts: &[Value]) -> Option<(String, u16)> {
         _ => return None,
     };
     Some((host, port))
+}
+
+/// The TLS settings of `rediss://`: trust the CA certificates of `ca_pem`
+/// when given (only them), else the usual public roots.
+fn tls_config(ca_pem: Option<&[u8]>) -> Result<Arc<rustls::ClientConfig>, String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_pem {
+        Some(pem) => {
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| format!("the Redis CA certificate: {e}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("the Redis CA certificate: {e}"))?;
+            }
+            if roots.is_empty() {
+                return Err("the Redis CA certificate file holds no certificate".into());
+            }
+        }
+        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
 }
 
 fn host_port(info: &ConnectionInfo) -> Option<(String, u16)> {
