@@ -759,6 +759,20 @@ fn store_urls_are_checked_and_passwords_never_shown() {
         RedisConfig::new("redis://:secret@h:1").redacted_url(),
         "redis://:***@h:1"
     );
+    // TLS without checking the server's certificate is refused, saying
+    // what to give instead.
+    let insecure = RedisStore::new(
+        RedisConfig::new("rediss://:secret@127.0.0.1:6380/#insecure"),
+        None,
+    );
+    assert_eq!(
+        insecure.err().map(|e| e.to_string()),
+        Some(
+            "store configuration: rediss://:***@127.0.0.1:6380/#insecure: rediss:// with #insecure \
+             is not supported: give the server's CA with --redis-ca-cert"
+                .into()
+        )
+    );
 }
 
 /// A plain client connection to `server`, to look at keys or call the

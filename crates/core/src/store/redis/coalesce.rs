@@ -174,19 +174,19 @@ pub(super) async fn decide(
         // A free slot and nothing else waiting: send now from this task,
         // with no hop. The guard frees the slot (or drains what queued
         // meanwhile) even if this caller is cancelled mid-call.
-        Some(batch) if batch.len() == 1 => {
+        Some(mut batch) if batch.len() == 1 => {
             let _slot = Slot(shared, &node);
-            send_coalesced(shared, batch).await;
+            send_coalesced(shared, &mut batch).await;
         }
         // A free slot and others waiting: the call carries their
         // decisions too, so it runs in a task of its own, which a
         // cancelled caller cannot abandon half-way.
-        Some(batch) => {
+        Some(mut batch) => {
             let shared = shared.clone();
             let node = node.clone();
             tokio::spawn(async move {
                 let _slot = Slot(&shared, &node);
-                send_coalesced(&shared, batch).await;
+                send_coalesced(&shared, &mut batch).await;
             });
         }
         // Every slot busy: the next call takes this decision, or the take
@@ -231,18 +231,18 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
         let Some(coalesce) = &node.waiting else {
             return;
         };
+        // One batch, emptied by each call and filled again by the next take.
+        let mut batch = Vec::new();
         loop {
-            let mut batch;
             {
                 let mut waiting = coalesce.lock();
-                batch = Vec::with_capacity(waiting.queue.len().min(shared.config.coalesce));
                 waiting.take_into(&mut batch, shared.config.coalesce, Instant::now());
                 if batch.is_empty() {
                     waiting.in_flight -= 1;
                     return;
                 }
             }
-            send_coalesced(&shared, batch).await;
+            send_coalesced(&shared, &mut batch).await;
         }
     });
 }
@@ -250,8 +250,9 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
 /// Sends coalesced decisions, one script call per hash tag (a cluster runs
 /// a script on one slot; a single Redis takes them all in one call), each
 /// call by the earliest deadline among its decisions or [`MIN_CALL_SHARE`]
-/// of the timeout from now, whichever is later, and answers each.
-async fn send_coalesced(shared: &Shared, mut taken: Vec<Queued>) {
+/// of the timeout from now, whichever is later, and answers each; `taken`
+/// is left empty.
+async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
     let floor = Instant::now() + shared.config.timeout / MIN_CALL_SHARE;
     // (hash tag, members, the earliest deadline among them)
     let mut groups: SmallVec<[(&str, Vec<usize>, Instant); 1]> = SmallVec::new();
