@@ -134,18 +134,15 @@ impl Node {
     async fn connection(self: &Arc<Self>) -> Result<(Connection, u64), String> {
         let connecting = {
             let mut conn = self.conn.lock();
-            if let Conn::Ready(c, generation) = &*conn {
-                if !c.is_broken() {
+            match &*conn {
+                Conn::Ready(c, generation) if !c.is_broken() => {
                     return Ok((c.clone(), *generation));
                 }
-                // Broken (a write its caller abandoned, say): connect again.
-                *conn = Conn::Idle;
-                self.clock_offset.store(UNKNOWN, Ordering::Relaxed);
-            }
-            match &*conn {
-                Conn::Ready(..) => unreachable!("a broken connection was just dropped"),
                 Conn::Connecting(f) => f.clone(),
-                Conn::Idle => {
+                // None yet, or one found broken (a write its caller
+                // abandoned, say): connect, and learn the clock again.
+                Conn::Idle | Conn::Ready(..) => {
+                    self.clock_offset.store(UNKNOWN, Ordering::Relaxed);
                     let node = self.clone();
                     // The lock is held until the state says Connecting, so
                     // the task's own update always comes after.
