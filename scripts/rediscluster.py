@@ -142,9 +142,11 @@ class Cluster:
 
 
 def binaries():
-    """The release build's tollgate (or $TOLLGATE_BIN) and tollgate-bench."""
-    tollgate = os.environ.get("TOLLGATE_BIN", os.path.join(ROOT, "target/release/tollgate"))
-    bench = os.path.join(ROOT, "target/release/tollgate-bench")
+    """The release build's tollgate (or $TOLLGATE_BIN) and tollgate-bench,
+    in $CARGO_TARGET_DIR when it is set."""
+    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
+    tollgate = os.environ.get("TOLLGATE_BIN", os.path.join(target, "release/tollgate"))
+    bench = os.path.join(target, "release/tollgate-bench")
     for b in (tollgate, bench):
         if not os.path.exists(b):
             raise SystemExit(f"{b} missing: cargo build --release --bin tollgate --bin tollgate-bench")
