@@ -208,8 +208,10 @@ instructions (scripts/script-cost):
 - one reply value per bucket instead of three;
 - no function is defined before it returns (each `local function` is a
   closure allocated on every call), no table grows one entry at a time
-  (the per-key tables are sized by copying MGET's reply), and the loop runs
-  a few dozen Lua instructions per bucket;
+  (the per-key tables are sized by copying MGET's reply, the per-limit ones
+  made with room for two limits, and MGET's reply itself keeps each key's
+  starting instant), and the loop runs a few dozen Lua instructions per
+  bucket;
 - each bucket it changes is written once, at the end;
 - a write rarely sets the expiry: SET ... KEEPTTL keeps the one a key has
   when its new full-again instant falls in the same step of `quantum` µs
@@ -246,8 +248,13 @@ if usual then
     -- Per limit, at its index and at its index + 128 (the same limit on a
     -- shadow bucket): the stored value's suffix (":INTERVAL:BURST"), the
     -- interval and the capacity in µs. A cost above the burst needs more
-    -- than the capacity, so the capacity alone decides.
-    local lsuffix, linterval, ltolerance = {}, {}, {}
+    -- than the capacity, so the capacity alone decides. Each table is
+    -- made with room for two limits, so that the usual one or two are
+    -- stored without the table growing (an index the call has no limit
+    -- for holds false).
+    local lsuffix = { false, false, [129] = false, [130] = false }
+    local linterval = { false, false, [129] = false, [130] = false }
+    local ltolerance = { false, false, [129] = false, [130] = false }
     local bad = false
     for l = 1, nlimits do
       local limit = ARGV[3 + l]
@@ -279,13 +286,16 @@ if usual then
     local raw = call('MGET', unpack(KEYS))
     -- Per key, each table sized once by copying `raw`: the suffix of the
     -- limit its state is held under (until first read: the raw value, or
-    -- false when missing), its full-again instant (false: none) and the
-    -- instant it held when the call started (until first read, both the
-    -- raw value too). A key is written when the two instants differ.
-    local ksuffix, kfull, kheld = { unpack(raw) }, { unpack(raw) }, { unpack(raw) }
-    -- The reply, sized once by copying the plan's bytes (more of them than
-    -- buckets) and cut after the last bucket's value.
-    local out = { byte(spec, 1, -1) }
+    -- false when missing) and its full-again instant (false: none; until
+    -- first read, the raw value too). `raw` itself, once a key is read,
+    -- holds the instant the key held when the call started. A key is
+    -- written when the two instants differ.
+    local ksuffix, kfull, kheld = { unpack(raw) }, { unpack(raw) }, raw
+    -- The reply, sized once by copying the first of the plan's bytes (a
+    -- bucket takes three, so a third of them and one more are at least as
+    -- many as the clock and the buckets) and cut after the last bucket's
+    -- value.
+    local out = { byte(spec, 1, 2 + (#spec - 2) / 3) }
     out[1] = clock or now
     local p, o, np = 2, 1, #plan
     while p <= np do
@@ -309,7 +319,7 @@ if usual then
         local f = false
         if held == suffix then
           f = kfull[ki]
-        elseif held == raw[ki] then
+        elseif held == kheld[ki] then
           if held then
             local cut = #held - #suffix
             f = cut >= 1 and find(held, suffix, cut + 1, true) and tonumber(sub(held, 1, cut))
