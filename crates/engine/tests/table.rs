@@ -1253,6 +1253,66 @@ fn postgres_edits_arrive_by_notification() {
     });
 }
 
+/// A PostgreSQL schema that is already current is not applied again: an
+/// instance starting while another reads the tables (a transaction holding
+/// them) opens without waiting for that read, which the schema's ALTER
+/// TABLE and DROP TRIGGER statements would (and, with the lock orders
+/// crossed, deadlock with). A schema applied by another script is applied
+/// again, and what it lacked is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_current_postgres_schema_is_not_applied_while_others_read() {
+    use sqlx::Connection;
+    let pg = postgres::Postgres::start();
+    let first = LimitsTable::open(&pg.url()).await.unwrap();
+    let mut reader = sqlx::PgConnection::connect(&pg.url()).await.unwrap();
+    let mut read = reader.begin().await.unwrap();
+    for table in ["tenants", "limits", "plans"] {
+        let n: i64 =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+                .fetch_one(&mut *read)
+                .await
+                .unwrap();
+        assert_eq!(n, i64::from(table == "limits"), "{table}");
+    }
+    // Only a hang guard: the open either returns or waits for the reader.
+    let second = tokio::time::timeout(Duration::from_secs(120), LimitsTable::open(&pg.url()))
+        .await
+        .expect("the open waited for the reader's transaction")
+        .unwrap();
+    assert_eq!(names(&second.rows().await.unwrap()), ["default-per-key"]);
+    read.commit().await.unwrap();
+
+    // As a table another version of the script made: a trigger missing.
+    let digest: String = sqlx::query_scalar("SELECT digest FROM limits_schema")
+        .fetch_one(&mut reader)
+        .await
+        .unwrap();
+    assert_eq!(digest.len(), 16, "{digest:?}");
+    first
+        .execute_sql(
+            "DROP TRIGGER limits_touch ON limits; UPDATE limits_schema SET digest = 'other'",
+        )
+        .await
+        .unwrap();
+    let third = LimitsTable::open(&pg.url()).await.unwrap();
+    let touch: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_trigger WHERE tgname = 'limits_touch'")
+            .fetch_one(&mut reader)
+            .await
+            .unwrap();
+    assert_eq!(touch, 1);
+    let again: String = sqlx::query_scalar("SELECT digest FROM limits_schema")
+        .fetch_one(&mut reader)
+        .await
+        .unwrap();
+    assert_eq!(again, digest);
+    // Still the one default row, not seeded twice.
+    assert_eq!(names(&third.rows().await.unwrap()), ["default-per-key"]);
+    for table in [first, second, third] {
+        table.close().await;
+    }
+}
+
 /// Warnings logged anywhere in the process.
 #[derive(Clone, Default)]
 struct Warnings(Arc<parking_lot::Mutex<Vec<String>>>);

@@ -1,6 +1,10 @@
 -- The limits tables (PostgreSQL): the same tables as the SQLite default.
 -- Applied at start-up under an advisory lock, so instances starting together
--- do not race; every statement is idempotent.
+-- do not race; every statement is idempotent. It runs only when
+-- `limits_schema` holds another digest of this text (crates/engine/src/
+-- limits/table.rs): its ALTER TABLE and DROP TRIGGER statements lock the
+-- tables exclusively even when they change nothing, and running instances
+-- read those tables.
 CREATE TABLE IF NOT EXISTS limits (
     id                   BIGSERIAL   PRIMARY KEY,
     name                 TEXT        NOT NULL UNIQUE,
@@ -189,3 +193,9 @@ CREATE TABLE IF NOT EXISTS quota_alerts (
 CREATE INDEX IF NOT EXISTS quota_alerts_due ON quota_alerts (next_attempt)
     WHERE delivered_at IS NULL;
 CREATE INDEX IF NOT EXISTS quota_alerts_detected ON quota_alerts (detected_at);
+
+-- The digest of this script as last applied (one row).
+CREATE TABLE IF NOT EXISTS limits_schema (
+    id     SMALLINT NOT NULL PRIMARY KEY CHECK (id = 1),
+    digest TEXT     NOT NULL
+);

@@ -29,6 +29,10 @@ use crate::store::redact;
 const SCHEMA: &str = include_str!("schema_sqlite.sql");
 const SCHEMA_POSTGRES: &str = include_str!("schema_postgres.sql");
 
+/// How many times a PostgreSQL migration that lost a deadlock is tried
+/// again before start-up fails with it.
+const MIGRATION_ATTEMPTS: u64 = 5;
+
 /// The channel PostgreSQL notifies on every change of the tables; the
 /// payload is the table's new version.
 pub const NOTIFY_CHANNEL: &str = "tollgate_limits";
@@ -499,23 +503,17 @@ impl LimitsTable {
                 }
             }
             Pool::Postgres(pool) => {
-                let mut tx = pool.begin().await?;
-                // One instance migrates at a time.
-                sqlx::query("SELECT pg_advisory_xact_lock(7305521)")
-                    .execute(&mut *tx)
-                    .await?;
-                let exists: bool = sqlx::query("SELECT to_regclass('limits') IS NOT NULL")
-                    .fetch_one(&mut *tx)
-                    .await?
-                    .try_get(0)?;
-                sqlx::raw_sql(SCHEMA_POSTGRES).execute(&mut *tx).await?;
-                if !exists {
-                    let row = default_row().stored();
-                    bound!(sqlx::query(self.sql(INSERT)), &insert_binds(&row))
-                        .execute(&mut *tx)
-                        .await?;
+                // A schema change that meets another instance's reads may
+                // deadlock with them; PostgreSQL aborts one side, and the
+                // migration, if it is that side, is tried again.
+                let mut attempt = 0;
+                while let Err(e) = migrate_postgres(pool).await {
+                    if !is_deadlock(&e) || attempt == MIGRATION_ATTEMPTS {
+                        return Err(e.into());
+                    }
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
                 }
-                tx.commit().await?;
             }
         }
         Ok(())
@@ -1343,3 +1341,67 @@ mod alerts;
 mod periods;
 pub use alerts::{AlertCounts, AlertRow, AlertWrite, alert_id};
 pub use periods::{PeriodFilter, PeriodRow, PeriodWrite};
+
+/// Applies [`SCHEMA_POSTGRES`] unless the database already holds this
+/// script (its digest in `limits_schema`), one instance at a time, and
+/// seeds the default rule into a new table. A current schema takes no lock
+/// on the limits tables, so instances starting while others read them
+/// never wait for or deadlock with those reads.
+async fn migrate_postgres(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let digest = schema_digest(SCHEMA_POSTGRES);
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(7305521)")
+        .execute(&mut *tx)
+        .await?;
+    let exists: bool = sqlx::query("SELECT to_regclass('limits') IS NOT NULL")
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get(0)?;
+    let applied: Option<String> = if exists {
+        sqlx::query_scalar(
+            "SELECT (SELECT digest FROM limits_schema WHERE id = 1) \
+             WHERE to_regclass('limits_schema') IS NOT NULL",
+        )
+        .fetch_optional(&mut *tx)
+        .await?
+        .flatten()
+    } else {
+        None
+    };
+    if applied.as_deref() != Some(digest.as_str()) {
+        sqlx::raw_sql(SCHEMA_POSTGRES).execute(&mut *tx).await?;
+        sqlx::query(
+            "INSERT INTO limits_schema (id, digest) VALUES (1, $1) \
+             ON CONFLICT (id) DO UPDATE SET digest = EXCLUDED.digest",
+        )
+        .bind(&digest)
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !exists {
+        let row = default_row().stored();
+        bound!(
+            sqlx::query(sqlx::AssertSqlSafe(numbered(INSERT))),
+            &insert_binds(&row)
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await
+}
+
+/// A digest of the schema script (64-bit FNV-1a, in hex): another script
+/// gives another digest, and the same one the same in every build.
+fn schema_digest(script: &str) -> String {
+    let hash = script.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{hash:016x}")
+}
+
+/// Whether PostgreSQL aborted the statement to break a deadlock.
+fn is_deadlock(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "40P01")
+}
