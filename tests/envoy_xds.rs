@@ -84,24 +84,66 @@ impl AggregatedDiscoveryService for Ads {
     }
 }
 
-/// The management server on `port` (0: any), until the handle is aborted.
-async fn serve(
+/// A management server on a runtime of its own. tonic serves each
+/// connection on a task of its own, which outlives the accept loop; so
+/// only ending the runtime ends the connections too, as a management
+/// server's death does.
+struct Management {
     port: u16,
-    snapshots: watch::Receiver<Option<DiscoveryResponse>>,
-    heard: mpsc::UnboundedSender<DiscoveryRequest>,
-) -> (u16, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let service = AggregatedDiscoveryServiceServer::new(Ads { snapshots, heard });
-    let task = tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
-            .await;
-    });
-    (port, task)
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Management {
+    /// Serves on `port` (0: any), waiting for the port while a stopped
+    /// server still holds it.
+    fn start(
+        port: u16,
+        snapshots: watch::Receiver<Option<DiscoveryResponse>>,
+        heard: mpsc::UnboundedSender<DiscoveryRequest>,
+    ) -> Self {
+        let mut attempts = 0;
+        let listener = loop {
+            match std::net::TcpListener::bind(("127.0.0.1", port)) {
+                Ok(listener) => break listener,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && attempts < 500 => {
+                    attempts += 1;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("binding 127.0.0.1:{port}: {e}"),
+            }
+        };
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let service = AggregatedDiscoveryServiceServer::new(Ads { snapshots, heard });
+        runtime.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await;
+        });
+        Self {
+            port,
+            runtime: Some(runtime),
+        }
+    }
+
+    /// Ends the server and every connection and stream it holds.
+    fn stop(self) {}
+}
+
+impl Drop for Management {
+    fn drop(&mut self) {
+        // Dropping a runtime would block, which an async test may not do.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// A snapshot: domain `edge`, one rule `ip` of `n` a minute, plus `extra`
@@ -172,7 +214,8 @@ async fn limit(server: &TestServer) -> u32 {
 async fn snapshots_are_applied_acked_nacked_and_followed_across_a_restart() {
     let (publish, snapshots) = watch::channel(Some(snapshot("v1", 3, vec![])));
     let (heard_tx, mut heard) = mpsc::unbounded_channel();
-    let (port, ads) = serve(0, snapshots.clone(), heard_tx.clone()).await;
+    let ads = Management::start(0, snapshots.clone(), heard_tx.clone());
+    let port = ads.port;
     let address = format!("grpc://127.0.0.1:{port}");
     let server = TestServer::launch(None, |c| c.envoy_xds.server = Some(address)).await;
 
@@ -262,11 +305,10 @@ async fn snapshots_are_applied_acked_nacked_and_followed_across_a_restart() {
 
     // The management server dies and comes back, on the same port, with
     // v6: the client resubscribes from v2 and follows.
+    ads.stop();
     publish.send_replace(Some(snapshot("v6", 13, vec![])));
-    ads.abort();
-    let _ = ads.await;
     while heard.try_recv().is_ok() {}
-    let (_, ads) = serve(port, snapshots, heard_tx).await;
+    let ads = Management::start(port, snapshots, heard_tx);
     let resubscribed = loop {
         let request = next(&mut heard).await;
         if request.response_nonce.is_empty() {
@@ -287,7 +329,7 @@ async fn snapshots_are_applied_acked_nacked_and_followed_across_a_restart() {
     assert_eq!(status["status"]["xds"]["version"], "v6");
     assert_eq!(status["status"]["last_error"], serde_json::Value::Null);
     server.stop().await;
-    ads.abort();
+    ads.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1536,3 +1536,166 @@ async fn leases_agree_between_lua_and_rust() {
         assert!(granted > 100 && refused > 100 && released > 15 && expired > 10);
     }
 }
+
+/// On a cluster, `count` tenants whose keys one master serves, and that
+/// master's index.
+fn tenants_on_one_master(cluster: &RedisCluster, count: usize) -> (usize, Vec<String>) {
+    let master = cluster.owner(cluster.slot_of("batch-0")).unwrap();
+    let tenants = (0..)
+        .map(|i| format!("batch-{i}"))
+        .filter(|t| cluster.owner(cluster.slot_of(t)) == Some(master))
+        .take(count)
+        .collect();
+    (master, tenants)
+}
+
+/// `name`'s count in `INFO` text: `name:N`, or the first figure of
+/// `name:count=N,…` and `name:calls=N,…`.
+fn info_count(info: &str, name: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(|v| v.split(',').next().unwrap_or_default())
+        .map(|v| v.rsplit('=').next().unwrap_or_default().trim().to_owned())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+/// What one master counted while a batch went out.
+struct Counted {
+    reads: u64,
+    evalsha: u64,
+    noscript: u64,
+}
+
+/// Holds a cluster master frozen while two decisions of `tenants[0]` are
+/// in flight to it (so every coalescing slot of its node is taken) and two
+/// decisions of every tenant queue behind them; `while_frozen` runs once
+/// the two are written, before the rest are asked. The thaw answers the
+/// two, and the queue goes out as one batch: one script call per tenant.
+/// Checks that of each tenant's two, from a bucket of 1 a day, the first
+/// is admitted and the second refused, and returns what the master
+/// counted from the freeze to the end (its reads include the `INFO` that
+/// reads the counts).
+async fn a_batch_behind_a_frozen_master(
+    cluster: &RedisCluster,
+    master: usize,
+    tenants: &[String],
+    while_frozen: impl FnOnce(),
+) -> Counted {
+    let port = cluster.nodes[master].port;
+    let store = coalescing_store_with_timeout(cluster.url(), Duration::from_secs(10));
+    let c = [Charge {
+        limit: Limit::new(1, "1/day".parse().unwrap()).unwrap(),
+        cost: 1,
+        need: 1,
+        enforce: true,
+    }];
+    let decide = |tenant: &str, key: &str| {
+        let store = store.clone();
+        let b = [BucketKey::new(tenant, BucketKind::KEY, "", key)];
+        tokio::spawn(async move { store.apply(Request::new(&b, &c, Op::SPEND)).await })
+    };
+    // Every tenant's first call loads the script and learns the clock.
+    for tenant in tenants {
+        assert!(decide(tenant, "warm").await.unwrap().unwrap().allowed);
+    }
+    let count = |info: &str| Counted {
+        reads: info_count(info, "total_reads_processed"),
+        evalsha: info_count(info, "cmdstat_evalsha"),
+        noscript: info_count(info, "errorstat_NOSCRIPT"),
+    };
+    let before = count(&redis_cli(
+        port,
+        &["INFO", "stats", "commandstats", "errorstats"],
+    ));
+    cluster.nodes[master].freeze();
+    let in_flight = [
+        decide(&tenants[0], "ahead-0"),
+        decide(&tenants[0], "ahead-1"),
+    ];
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    while_frozen();
+    let queued: Vec<_> = tenants
+        .iter()
+        .flat_map(|t| [t; 2])
+        .map(|t| (t.clone(), decide(t, "hot")))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cluster.nodes[master].thaw();
+    for t in in_flight {
+        assert!(t.await.unwrap().unwrap().allowed);
+    }
+    let mut admitted: HashMap<String, Vec<u64>> = HashMap::new();
+    for (tenant, t) in queued {
+        let o = t.await.unwrap().expect("every queued decision is decided");
+        let seen = admitted.entry(tenant).or_default();
+        if o.allowed {
+            seen.push(o.verdicts[0].remaining);
+        } else {
+            assert_eq!(o.verdicts[0].remaining, 0, "refused: the bucket is empty");
+        }
+    }
+    for tenant in tenants {
+        assert_eq!(admitted[tenant], [0], "{tenant}: the first of two admitted");
+    }
+    let after = count(&redis_cli(
+        port,
+        &["INFO", "stats", "commandstats", "errorstats"],
+    ));
+    Counted {
+        reads: after.reads - before.reads,
+        evalsha: after.evalsha - before.evalsha,
+        noscript: after.noscript - before.noscript,
+    }
+}
+
+/// On a cluster, the script calls of one coalesced batch that are bound for
+/// one master (one call per tenant) go in one write, which Redis reads at
+/// once, and every decision is as exact as when sent alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_tenants_on_one_master_is_one_write() {
+    let cluster = RedisCluster::start();
+    let (master, tenants) = tenants_on_one_master(&cluster, 30);
+    let counted = a_batch_behind_a_frozen_master(&cluster, master, &tenants, || {}).await;
+    eprintln!(
+        "{} reads for {} script calls",
+        counted.reads, counted.evalsha
+    );
+    // Two in flight, then the batch: thirty calls of two decisions each.
+    assert_eq!(counted.evalsha, 2 + 30);
+    // The two in flight (one read, or two), the batch's one write, the
+    // INFO. Written one by one, the batch's calls take Redis several reads.
+    assert!(
+        counted.reads <= 4,
+        "{} reads for {} script calls",
+        counted.reads,
+        counted.evalsha
+    );
+    assert_eq!(counted.noscript, 0);
+}
+
+/// A batch's shared write that finds the script gone (a `SCRIPT FLUSH`, as
+/// after a restart or failover) has every call of it answered `NOSCRIPT`
+/// once: each loads the script and is asked again on its own, and nothing
+/// is lost or counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_write_finds_the_script_gone_loads_it_and_decides() {
+    use std::io::{Read, Write};
+    let cluster = RedisCluster::start();
+    let (master, tenants) = tenants_on_one_master(&cluster, 30);
+    // Connected before the freeze, so that its FLUSH, written while the
+    // master is frozen, is read right after the two calls in flight (Redis
+    // serves sockets in the order they became readable) and before the
+    // batch that follows their answers.
+    let mut flusher =
+        std::net::TcpStream::connect(("127.0.0.1", cluster.nodes[master].port)).unwrap();
+    let counted = a_batch_behind_a_frozen_master(&cluster, master, &tenants, || {
+        flusher.write_all(b"SCRIPT FLUSH\r\n").unwrap();
+    })
+    .await;
+    let mut ok = [0; 5];
+    flusher.read_exact(&mut ok).unwrap();
+    assert_eq!(&ok, b"+OK\r\n");
+    assert_eq!(counted.noscript, 30, "each call of the batch, once");
+    // The two in flight, the batch's thirty refused, then each again.
+    assert_eq!(counted.evalsha, 2 + 30 + 30);
+}

@@ -248,11 +248,14 @@ fn release_or_drain(shared: &Arc<Shared>, node: &Arc<Node>) {
 }
 
 /// Sends coalesced decisions, one script call per hash tag (a cluster runs
-/// a script on one slot; a single Redis takes them all in one call), each
-/// call by the earliest deadline among its decisions or [`MIN_CALL_SHARE`]
-/// of the timeout from now, whichever is later, and answers each; `taken`
-/// is left empty.
+/// a script on one slot; a single Redis takes them all in one call), the
+/// calls in one write, by the earliest deadline among their decisions or
+/// [`MIN_CALL_SHARE`] of the timeout from now, whichever is later, and
+/// answers each; `taken` is left empty.
 async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
+    if taken.is_empty() {
+        return;
+    }
     let floor = Instant::now() + shared.config.timeout / MIN_CALL_SHARE;
     // (hash tag, members, the earliest deadline among them)
     let mut groups: SmallVec<[(&str, Vec<usize>, Instant); 1]> = SmallVec::new();
@@ -270,12 +273,33 @@ async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
     } else if let Some(deadline) = taken.iter().map(|q| q.deadline).min() {
         groups.push(("", (0..taken.len()).collect(), deadline));
     }
-    let calls = groups.iter().map(|(_, members, deadline)| {
-        let group: SmallVec<[&Request; 16]> = members.iter().map(|&i| &taken[i].request).collect();
-        let deadline = (*deadline).max(floor);
-        async move { shared.run_refs_by(&group, deadline).await }
-    });
-    let answers = futures_util::future::join_all(calls).await;
+    let answers: SmallVec<[Result<Vec<Reply>, StoreError>; 1]> =
+        if let [(_, _, deadline)] = &groups[..] {
+            let group: SmallVec<[&Request; 16]> = taken.iter().map(|q| &q.request).collect();
+            smallvec::smallvec![shared.run_refs_by(&group, (*deadline).max(floor)).await]
+        } else {
+            // Several tags share one write, and so its deadline.
+            let deadline = groups
+                .iter()
+                .map(|(.., d)| *d)
+                .min()
+                .unwrap_or(floor)
+                .max(floor);
+            let requests: Vec<&Request> = groups
+                .iter()
+                .flat_map(|(_, members, _)| members.iter().map(|&i| &taken[i].request))
+                .collect();
+            let mut rest = &requests[..];
+            let calls: SmallVec<[&[&Request]; 8]> = groups
+                .iter()
+                .map(|(_, members, _)| {
+                    let (call, after) = rest.split_at(members.len());
+                    rest = after;
+                    call
+                })
+                .collect();
+            shared.run_many_by(&calls, deadline).await.into()
+        };
     let members: SmallVec<[Vec<usize>; 1]> = groups.into_iter().map(|(_, m, _)| m).collect();
     let mut replies: Vec<Option<oneshot::Sender<_>>> =
         taken.drain(..).map(|q| Some(q.reply)).collect();

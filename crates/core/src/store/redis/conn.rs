@@ -237,29 +237,69 @@ impl Connection {
     /// passes over the first `skip` and returns the next. An error reply
     /// comes back as [`Value::ServerError`].
     pub async fn send(&self, packed: &[u8], skip: usize) -> Result<Value, ConnError> {
-        let state = &self.inner.state;
         let (reply, answer) = oneshot::channel();
-        {
-            let mut writer = self.inner.writer.lock().await;
-            if self.is_broken() {
-                return Err(state.error());
-            }
-            state.waiters.lock().push_back(Waiter { skip, reply });
-            // A write its caller abandons half-way leaves a partial command
-            // on the wire: nothing after it could be read right.
-            let cut = BreakUnlessDone(state, false);
-            let written = async {
-                writer.write_all(packed).await?;
-                writer.flush().await
-            }
-            .await;
-            cut.done();
-            if let Err(e) = written {
-                state.fail(ConnError::broken(e.kind(), format!("writing: {e}")));
-                return Err(state.error());
-            }
+        self.write(packed, [Waiter { skip, reply }]).await?;
+        answer
+            .await
+            .unwrap_or_else(|_| Err(self.inner.state.error()))
+    }
+
+    /// Writes `packed`, `count` commands one after another, in one write,
+    /// and waits for their replies, in order. Each error reply comes back
+    /// as [`Value::ServerError`] in its place; when the connection breaks
+    /// part-way, the replies that arrived before stay in theirs.
+    pub async fn send_many(
+        &self,
+        packed: &[u8],
+        count: usize,
+    ) -> Result<Vec<Result<Value, ConnError>>, ConnError> {
+        let mut answers = Vec::with_capacity(count);
+        let waiters = (0..count).map(|_| {
+            let (reply, answer) = oneshot::channel();
+            answers.push(answer);
+            Waiter { skip: 0, reply }
+        });
+        // Collected first: the waiters are queued under the writer's lock.
+        let waiters: Vec<Waiter> = waiters.collect();
+        self.write(packed, waiters).await?;
+        let mut values = Vec::with_capacity(count);
+        for answer in answers {
+            values.push(
+                answer
+                    .await
+                    .unwrap_or_else(|_| Err(self.inner.state.error())),
+            );
         }
-        answer.await.unwrap_or_else(|_| Err(state.error()))
+        Ok(values)
+    }
+
+    /// Queues `waiters` for the replies and writes `packed`, under the
+    /// writer's lock, so that replies meet their waiters in write order.
+    async fn write(
+        &self,
+        packed: &[u8],
+        waiters: impl IntoIterator<Item = Waiter>,
+    ) -> Result<(), ConnError> {
+        let state = &self.inner.state;
+        let mut writer = self.inner.writer.lock().await;
+        if self.is_broken() {
+            return Err(state.error());
+        }
+        state.waiters.lock().extend(waiters);
+        // A write its caller abandons half-way leaves a partial command on
+        // the wire: nothing after it could be read right.
+        let cut = BreakUnlessDone(state, false);
+        let written = async {
+            writer.write_all(packed).await?;
+            writer.flush().await
+        }
+        .await;
+        cut.done();
+        if let Err(e) = written {
+            state.fail(ConnError::broken(e.kind(), format!("writing: {e}")));
+            return Err(state.error());
+        }
+        Ok(())
     }
 }
 

@@ -3,6 +3,7 @@
 //! script where a node lacks it, and checking that a script call ran by
 //! its deadline on the node's clock.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::Value;
@@ -10,7 +11,7 @@ use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::journal::journal_of;
-use super::node::Answer;
+use super::node::{Answer, Node};
 use super::script::{self, Reply, Request, parse_reply};
 use super::topology::slot_of;
 use super::usual::{self, UsualCall};
@@ -73,13 +74,29 @@ impl Shared {
         key: &str,
         command: Command<'_>,
     ) -> Result<Value, StoreError> {
+        let node = self.routes.route(slot_of(key), deadline).await?;
+        self.exec_from(deadline, key, command, node, None).await
+    }
+
+    /// [`Shared::exec_by`] from `node`, taking `answered` (when given) as
+    /// its answer to the first try.
+    async fn exec_from(
+        &self,
+        deadline: Instant,
+        key: &str,
+        command: Command<'_>,
+        mut node: Arc<Node>,
+        mut answered: Option<Answer>,
+    ) -> Result<Value, StoreError> {
         let slot = slot_of(key);
-        let mut node = self.routes.route(slot, deadline).await?;
         let mut asking = false;
         let mut loaded = false;
         for _ in 0..MAX_REDIRECTS {
             let refused = node.refuses();
             let call = async {
+                if let Some(answer) = answered.take() {
+                    return Ok(answer);
+                }
                 match command {
                     Command::Plain(cmd) => node.call(cmd, asking, deadline).await,
                     Command::Script(write) => {
@@ -108,27 +125,13 @@ impl Shared {
             };
             match answer {
                 Answer::Value(value) if matches!(command, Command::Script(_)) => {
-                    match script::clock_of(&value) {
-                        Some(script::Clock::OnTime(clock)) => node.observe_clock(clock),
-                        Some(script::Clock::Late(clock)) => {
-                            node.observe_clock(clock);
-                            metrics::store_error("redis", "late");
-                            // Redis ran it after the deadline as this
-                            // node's clock was known; when the caller
-                            // still waits (Redis's clock stepped forward),
-                            // ask again with the clock just learnt.
-                            if Instant::now() < deadline {
-                                continue;
-                            }
-                            return Err(StoreError::Unavailable(format!(
-                                "Redis node {} ran the call after its caller's deadline; \
-                                 nothing was applied",
-                                node.addr
-                            )));
-                        }
-                        None => {}
+                    match on_time(&node, value, deadline) {
+                        Ran::Done(value) => return Ok(value),
+                        // Redis's clock stepped forward: ask again with the
+                        // clock just learnt.
+                        Ran::AskAgain => continue,
+                        Ran::TooLate(err) => return Err(err),
                     }
-                    return Ok(value);
                 }
                 Answer::Value(value) => return Ok(value),
                 Answer::Redirect { moved, addr } => {
@@ -180,12 +183,134 @@ impl Shared {
         requests: &[&Request],
         deadline: Instant,
     ) -> Result<Vec<Reply>, StoreError> {
-        let now = self
-            .clock
-            .as_ref()
-            .map(|c| c.now().to_string())
-            .unwrap_or_default();
-        let margin_ms = self.config.expiry_margin.as_millis() as u64;
+        let call = self.prepare(requests);
+        let reply = self
+            .exec_until(
+                "decide",
+                deadline,
+                call.key(),
+                Command::Script(&|on_node| call.write(on_node)),
+            )
+            .await?;
+        call.read(&reply)
+    }
+
+    /// Decides each of `calls` in a script call of its own (each one hash
+    /// tag's requests, in order), all by `deadline`; the calls bound for
+    /// one node go in one write.
+    pub(super) async fn run_many_by(
+        &self,
+        calls: &[&[&Request]],
+        deadline: Instant,
+    ) -> Vec<Result<Vec<Reply>, StoreError>> {
+        let prepared: SmallVec<[Prepared; 4]> = calls.iter().map(|r| self.prepare(r)).collect();
+        let keys: SmallVec<[&str; 4]> = prepared.iter().map(Prepared::key).collect();
+        let writers: SmallVec<[_; 4]> = prepared
+            .iter()
+            .map(|call| move |on_node: i64| call.write(on_node))
+            .collect();
+        let replies = self.exec_scripts_by(deadline, &keys, &writers).await;
+        prepared
+            .iter()
+            .zip(replies)
+            .map(|(call, reply)| call.read(&reply?))
+            .collect()
+    }
+
+    /// Script calls, each named by its first key, all by `deadline`: the
+    /// calls bound for one node go in one write. One its node does not
+    /// simply answer (a redirect, `TRYAGAIN`, `NOSCRIPT`, a run past its
+    /// deadline on a clock that stepped) had nothing applied; it is asked
+    /// again on its own, as [`Shared::exec_by`] asks.
+    async fn exec_scripts_by<W: Fn(i64) -> redis::Cmd + Sync>(
+        &self,
+        deadline: Instant,
+        keys: &[&str],
+        writers: &[W],
+    ) -> Vec<Result<Value, StoreError>> {
+        let started = Instant::now();
+        let mut results: Vec<Option<Result<Value, StoreError>>> =
+            (0..keys.len()).map(|_| None).collect();
+        // Each node with the calls bound for it.
+        let mut nodes: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            match self.routes.route(slot_of(key), deadline).await {
+                Ok(node) => match nodes.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
+                    Some((_, members)) => members.push(i),
+                    None => nodes.push((node, vec![i])),
+                },
+                Err(err) => results[i] = Some(Err(err)),
+            }
+        }
+        let writes = nodes.iter().map(|(node, members)| async move {
+            let refused = node.refuses();
+            let answers = async {
+                node.learn_clock(deadline).await?;
+                let on_node = node.deadline_on_node(deadline).ok_or_else(|| {
+                    StoreError::Unavailable(format!("Redis node {}: connection dropped", node.addr))
+                })?;
+                let cmds: Vec<redis::Cmd> = members.iter().map(|&i| writers[i](on_node)).collect();
+                node.call_many(&cmds, deadline).await
+            }
+            .await;
+            if !refused && answers.as_ref().is_err() {
+                self.routes.refresh_soon();
+            }
+            answers
+        });
+        let written = futures_util::future::join_all(writes).await;
+        // Each call its node did not simply answer, from that answer.
+        let mut again: Vec<(usize, Arc<Node>, Option<Answer>)> = Vec::new();
+        for ((node, members), answers) in nodes.iter().zip(written) {
+            let answers = match answers {
+                Ok(answers) => answers,
+                Err(err) => {
+                    for &i in members {
+                        results[i] = Some(Err(err.clone()));
+                    }
+                    continue;
+                }
+            };
+            for (&i, answer) in members.iter().zip(answers) {
+                match answer {
+                    Ok(Answer::Value(value)) => match on_time(node, value, deadline) {
+                        Ran::Done(value) => results[i] = Some(Ok(value)),
+                        Ran::AskAgain => again.push((i, node.clone(), None)),
+                        Ran::TooLate(err) => results[i] = Some(Err(err)),
+                    },
+                    Ok(answer) => again.push((i, node.clone(), Some(answer))),
+                    Err(err) => {
+                        if !node.refuses() {
+                            self.routes.refresh_soon();
+                        }
+                        results[i] = Some(Err(err));
+                    }
+                }
+            }
+        }
+        let asked = again.into_iter().map(|(i, node, answer)| async move {
+            let command = Command::Script(&writers[i]);
+            (
+                i,
+                self.exec_from(deadline, keys[i], command, node, answer)
+                    .await,
+            )
+        });
+        for (i, result) in futures_util::future::join_all(asked).await {
+            results[i] = Some(result);
+        }
+        for _ in keys {
+            metrics::store_call("redis", "decide", started.elapsed());
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every call is answered"))
+            .collect()
+    }
+
+    /// A script call of `requests` made ready: counted as sent (unless its
+    /// node's breaker refuses it outright), its form chosen.
+    fn prepare<'a>(&'a self, requests: &'a [&'a Request]) -> Prepared<'a> {
         let key = &requests[0].keys[0];
         // Quota counters may enter a period: the call journals it.
         let journal = (self.config.journal && requests.iter().any(|r| r.may_enter_a_period()))
@@ -194,27 +319,100 @@ impl Shared {
         // The usual call (every request spends, every bucket a token
         // bucket) in its own form, which costs Redis far less.
         let usual = journal.is_none().then(|| UsualCall::of(requests)).flatten();
-        let write = |deadline_on_node: i64| match &usual {
-            Some(usual) => usual.evalsha(self.script.get_hash(), &now, deadline_on_node, margin_ms),
-            None => script::evalsha(
-                self.script.get_hash(),
-                requests,
-                &now,
-                deadline_on_node,
-                margin_ms,
-                self.config.max_records_per_tenant,
-                journal.as_deref(),
-            ),
-        };
-        // Counted as sent unless the node's breaker refuses it outright.
         if !self.routes.refuses(slot_of(key)) {
             metrics::store_decisions("redis", requests.len());
         }
-        let reply = self
-            .exec_until("decide", deadline, key, Command::Script(&write))
-            .await?;
+        Prepared {
+            shared: self,
+            requests,
+            now: self
+                .clock
+                .as_ref()
+                .map(|c| c.now().to_string())
+                .unwrap_or_default(),
+            journal,
+            usual,
+        }
+    }
+}
+
+/// A script call's reply checked against its deadline on the node's clock.
+enum Ran {
+    /// Run in time: the reply.
+    Done(Value),
+    /// Run after the deadline as the node's clock was known, which applies
+    /// nothing, while the caller still waits: ask again.
+    AskAgain,
+    /// Run after the deadline, and the caller's wait is over.
+    TooLate(StoreError),
+}
+
+fn on_time(node: &Node, value: Value, deadline: Instant) -> Ran {
+    match script::clock_of(&value) {
+        Some(script::Clock::OnTime(clock)) => {
+            node.observe_clock(clock);
+            Ran::Done(value)
+        }
+        Some(script::Clock::Late(clock)) => {
+            node.observe_clock(clock);
+            metrics::store_error("redis", "late");
+            if Instant::now() < deadline {
+                Ran::AskAgain
+            } else {
+                Ran::TooLate(StoreError::Unavailable(format!(
+                    "Redis node {} ran the call after its caller's deadline; nothing was applied",
+                    node.addr
+                )))
+            }
+        }
+        None => Ran::Done(value),
+    }
+}
+
+/// One script call of decisions, ready to be written on any node and its
+/// reply read.
+struct Prepared<'a> {
+    shared: &'a Shared,
+    requests: &'a [&'a Request],
+    /// The fixed clock's instant (tests), or empty: Redis's own.
+    now: String,
+    journal: Option<String>,
+    usual: Option<UsualCall<'a>>,
+}
+
+impl Prepared<'_> {
+    /// The key that routes the call.
+    fn key(&self) -> &str {
+        &self.requests[0].keys[0]
+    }
+
+    /// The call as written for a node, given the deadline on its clock.
+    fn write(&self, deadline_on_node: i64) -> redis::Cmd {
+        let shared = self.shared;
+        let margin_ms = shared.config.expiry_margin.as_millis() as u64;
+        match &self.usual {
+            Some(usual) => usual.evalsha(
+                shared.script.get_hash(),
+                &self.now,
+                deadline_on_node,
+                margin_ms,
+            ),
+            None => script::evalsha(
+                shared.script.get_hash(),
+                self.requests,
+                &self.now,
+                deadline_on_node,
+                margin_ms,
+                shared.config.max_records_per_tenant,
+                self.journal.as_deref(),
+            ),
+        }
+    }
+
+    /// The verdicts in `reply`, in the order of the requests.
+    fn read(&self, reply: &Value) -> Result<Vec<Reply>, StoreError> {
         // Read in place: the reply is a flat array of integers.
-        let ints: Option<SmallVec<[i64; 64]>> = match &reply {
+        let ints: Option<SmallVec<[i64; 64]>> = match reply {
             Value::Array(items) => items
                 .iter()
                 .map(|v| match v {
@@ -229,13 +427,16 @@ impl Shared {
                 "Redis answered decide unexpectedly: {reply:?}, not an array of integers"
             )));
         };
-        if let Some(journal) = &journal {
+        if let Some(journal) = &self.journal {
             let appended = ints.pop().unwrap_or_default();
-            self.pending.appended(journal, appended);
+            self.shared.pending.appended(journal, appended);
         }
-        if usual.is_some() {
-            return usual::parse_reply(&ints, requests);
+        if self.usual.is_some() {
+            return usual::parse_reply(&ints, self.requests);
         }
-        parse_reply(&ints, requests.iter().map(|r| (&r.kind, &r.charges[..])))
+        parse_reply(
+            &ints,
+            self.requests.iter().map(|r| (&r.kind, &r.charges[..])),
+        )
     }
 }

@@ -252,31 +252,57 @@ impl Node {
         asking: bool,
         deadline: Instant,
     ) -> Result<Answer, StoreError> {
-        let pending = match self.breaker.admit() {
-            Ok(()) => Pending {
-                node: self,
-                done: false,
-            },
-            Err(Open) => {
-                metrics::store_error("redis", "circuit_open");
-                return Err(StoreError::Unavailable(format!(
-                    "Redis node {}: circuit breaker open",
-                    self.addr
-                )));
-            }
-        };
+        let pending = self.admit()?;
         let result = self.send(cmd, asking, deadline).await;
         let healthy = match &result {
             Ok(_) => true,
-            Err(Failure::Transient(_)) => false,
-            // An error in the script or a refused command says nothing
-            // about the node's health.
-            Err(Failure::Other(_)) => true,
+            Err(failure) => !failure.is_transient(),
         };
         pending.report(healthy);
-        result.map_err(|f| match f {
-            Failure::Transient(e) | Failure::Other(e) => e,
-        })
+        result.map_err(Failure::into_error)
+    }
+
+    /// Sends `cmds` one after another in one write, by `deadline`, through
+    /// the breaker as one call, and answers each in its place. What fails
+    /// them all (an open breaker, no connection, no answer by `deadline`)
+    /// is the outer error; a connection that breaks part-way fails the
+    /// commands whose replies had not arrived.
+    pub async fn call_many(
+        self: &Arc<Self>,
+        cmds: &[Cmd],
+        deadline: Instant,
+    ) -> Result<Vec<Result<Answer, StoreError>>, StoreError> {
+        let pending = self.admit()?;
+        let result = self.send_many(cmds, deadline).await;
+        let healthy = match &result {
+            Ok(answers) => !answers
+                .iter()
+                .any(|a| a.as_ref().is_err_and(Failure::is_transient)),
+            Err(failure) => !failure.is_transient(),
+        };
+        pending.report(healthy);
+        let answers = result.map_err(Failure::into_error)?;
+        Ok(answers
+            .into_iter()
+            .map(|a| a.map_err(Failure::into_error))
+            .collect())
+    }
+
+    /// Lets a call through the breaker, or refuses it while it is open.
+    fn admit(&self) -> Result<Pending<'_>, StoreError> {
+        match self.breaker.admit() {
+            Ok(()) => Ok(Pending {
+                node: self,
+                done: false,
+            }),
+            Err(Open) => {
+                metrics::store_error("redis", "circuit_open");
+                Err(StoreError::Unavailable(format!(
+                    "Redis node {}: circuit breaker open",
+                    self.addr
+                )))
+            }
+        }
     }
 
     /// Sends `cmd` without the breaker (slot-map and Sentinel queries).
@@ -291,7 +317,7 @@ impl Node {
                 "Redis node {} redirected a query",
                 self.addr
             ))),
-            Err(Failure::Transient(e) | Failure::Other(e)) => Err(e),
+            Err(failure) => Err(failure.into_error()),
         }
     }
 
@@ -301,24 +327,7 @@ impl Node {
         asking: bool,
         deadline: Instant,
     ) -> Result<Answer, Failure> {
-        let late = || {
-            self.failed("timeout");
-            Failure::Transient(StoreError::Unavailable(format!(
-                "Redis node {}: no answer in time",
-                self.addr
-            )))
-        };
-        let (conn, generation) = match tokio::time::timeout_at(deadline, self.connection()).await {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => {
-                self.failed("connect");
-                return Err(Failure::Transient(StoreError::Unavailable(format!(
-                    "Redis node {}: {e}",
-                    self.addr
-                ))));
-            }
-            Err(_) => return Err(late()),
-        };
+        let (conn, generation) = self.connection_by(deadline).await?;
         let (packed, skip) = if asking {
             let mut packed = redis::cmd("ASKING").get_packed_command();
             cmd.write_packed_command(&mut packed);
@@ -326,18 +335,83 @@ impl Node {
         } else {
             (cmd.get_packed_command(), 0)
         };
-        let value = match tokio::time::timeout_at(deadline, conn.send(&packed, skip)).await {
-            Err(_) => return Err(late()),
+        match tokio::time::timeout_at(deadline, conn.send(&packed, skip)).await {
+            Err(_) => Err(self.late()),
+            Ok(Err(e)) => Err(self.lost(generation, &e)),
+            Ok(Ok(value)) => self.answer(value),
+        }
+    }
+
+    async fn send_many(
+        self: &Arc<Self>,
+        cmds: &[Cmd],
+        deadline: Instant,
+    ) -> Result<Vec<Result<Answer, Failure>>, Failure> {
+        let (conn, generation) = self.connection_by(deadline).await?;
+        let mut packed = Vec::new();
+        for cmd in cmds {
+            cmd.write_packed_command(&mut packed);
+        }
+        let values =
+            match tokio::time::timeout_at(deadline, conn.send_many(&packed, cmds.len())).await {
+                Err(_) => return Err(self.late()),
+                Ok(Err(e)) => return Err(self.lost(generation, &e)),
+                Ok(Ok(values)) => values,
+            };
+        // A break part-way is one failure of the node, however many
+        // commands it cut off.
+        let mut lost = None;
+        Ok(values
+            .into_iter()
+            .map(|value| match value {
+                Ok(value) => self.answer(value),
+                Err(e) => Err(Failure::Transient(
+                    lost.get_or_insert_with(|| self.lost(generation, &e).into_error())
+                        .clone(),
+                )),
+            })
+            .collect())
+    }
+
+    /// The connection, connecting first if there is none, by `deadline`.
+    async fn connection_by(
+        self: &Arc<Self>,
+        deadline: Instant,
+    ) -> Result<(Connection, u64), Failure> {
+        match tokio::time::timeout_at(deadline, self.connection()).await {
+            Ok(Ok(conn)) => Ok(conn),
             Ok(Err(e)) => {
-                self.broken(generation);
-                self.failed(io_kind(&e));
-                return Err(Failure::Transient(StoreError::Unavailable(format!(
+                self.failed("connect");
+                Err(Failure::Transient(StoreError::Unavailable(format!(
                     "Redis node {}: {e}",
                     self.addr
-                ))));
+                ))))
             }
-            Ok(Ok(value)) => value,
-        };
+            Err(_) => Err(self.late()),
+        }
+    }
+
+    /// No answer by the caller's deadline.
+    fn late(&self) -> Failure {
+        self.failed("timeout");
+        Failure::Transient(StoreError::Unavailable(format!(
+            "Redis node {}: no answer in time",
+            self.addr
+        )))
+    }
+
+    /// Connection `generation` broke under a call.
+    fn lost(&self, generation: u64, e: &ConnError) -> Failure {
+        self.broken(generation);
+        self.failed(io_kind(e));
+        Failure::Transient(StoreError::Unavailable(format!(
+            "Redis node {}: {e}",
+            self.addr
+        )))
+    }
+
+    /// A reply, as routing needs to know it.
+    fn answer(&self, value: Value) -> Result<Answer, Failure> {
         match value {
             Value::ServerError(err) => {
                 self.server_error(err.kind(), err.code(), err.details().unwrap_or_default())
@@ -399,8 +473,21 @@ impl Node {
 enum Failure {
     /// The node is down, slow or not serving: counts against its breaker.
     Transient(StoreError),
-    /// Anything else.
+    /// Anything else (an error in the script, a refused command: nothing
+    /// about the node's health).
     Other(StoreError),
+}
+
+impl Failure {
+    fn is_transient(&self) -> bool {
+        matches!(self, Self::Transient(_))
+    }
+
+    fn into_error(self) -> StoreError {
+        match self {
+            Self::Transient(e) | Self::Other(e) => e,
+        }
+    }
 }
 
 fn io_kind(e: &ConnError) -> &'static str {
