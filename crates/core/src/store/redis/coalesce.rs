@@ -298,7 +298,9 @@ async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
                     call
                 })
                 .collect();
-            shared.run_many_by(&calls, deadline).await.into()
+            // Boxed: its state would otherwise enlarge every call's future,
+            // which the single-tag path moves into a box per decision.
+            Box::pin(shared.run_many_by(&calls, deadline)).await.into()
         };
     let members: SmallVec<[Vec<usize>; 1]> = groups.into_iter().map(|(_, m, _)| m).collect();
     let mut replies: Vec<Option<oneshot::Sender<_>>> =
