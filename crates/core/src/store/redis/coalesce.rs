@@ -276,7 +276,11 @@ async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
     let answers: SmallVec<[Result<Vec<Reply>, StoreError>; 1]> =
         if let [(_, _, deadline)] = &groups[..] {
             let group: SmallVec<[&Request; 16]> = taken.iter().map(|q| &q.request).collect();
-            smallvec::smallvec![shared.run_refs_by(&group, (*deadline).max(floor)).await]
+            // Boxed, as the calls of several tags are below: a call's state
+            // would otherwise enlarge every decision's future, which the store
+            // moves into a box of its own per decision.
+            let call = Box::pin(shared.run_refs_by(&group, (*deadline).max(floor)));
+            smallvec::smallvec![call.await]
         } else {
             // Several tags share one write, and so its deadline.
             let deadline = groups

@@ -68,26 +68,29 @@ impl Shared {
             .map_err(|e| StoreError::Protocol(format!("Redis answered {op} unexpectedly: {e}")))
     }
 
-    pub(super) async fn exec_by(
-        &self,
+    pub(super) fn exec_by<'a>(
+        &'a self,
         deadline: Instant,
-        key: &str,
-        command: Command<'_>,
-    ) -> Result<Value, StoreError> {
-        let node = self.routes.route(slot_of(key), deadline).await?;
-        self.exec_from(deadline, key, command, node, None).await
+        key: &'a str,
+        command: Command<'a>,
+    ) -> impl Future<Output = Result<Value, StoreError>> + Send + 'a {
+        // Not a layer of its own: every decision's future holds this one.
+        self.exec_from(deadline, key, command, None)
     }
 
-    /// [`Shared::exec_by`] from `node`, taking `answered` (when given) as
-    /// its answer to the first try.
+    /// [`Shared::exec_by`], from `first` when given: the node a call was
+    /// sent to and how it answered (so the first try is not made again).
     async fn exec_from(
         &self,
         deadline: Instant,
         key: &str,
         command: Command<'_>,
-        mut node: Arc<Node>,
-        mut answered: Option<Answer>,
+        first: Option<(Arc<Node>, Option<Answer>)>,
     ) -> Result<Value, StoreError> {
+        let (mut node, mut answered) = match first {
+            Some(first) => first,
+            None => (self.routes.route(slot_of(key), deadline).await?, None),
+        };
         let slot = slot_of(key);
         let mut asking = false;
         let mut loaded = false;
@@ -292,7 +295,7 @@ impl Shared {
             let command = Command::Script(&writers[i]);
             (
                 i,
-                self.exec_from(deadline, keys[i], command, node, answer)
+                self.exec_from(deadline, keys[i], command, Some((node, answer)))
                     .await,
             )
         });
