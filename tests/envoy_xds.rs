@@ -133,13 +133,21 @@ impl Management {
         }
     }
 
-    /// Ends the server and every connection and stream it holds.
-    fn stop(self) {}
+    /// Ends the server and every connection and stream it holds, and
+    /// returns once they are gone (so none of them sends anything after).
+    fn stop(mut self) {
+        let runtime = self.runtime.take().expect("a running server");
+        // Waiting for a runtime blocks, which an async test's own thread
+        // may not do; another thread may.
+        std::thread::spawn(move || runtime.shutdown_timeout(Duration::from_secs(10)))
+            .join()
+            .unwrap();
+    }
 }
 
 impl Drop for Management {
     fn drop(&mut self) {
-        // Dropping a runtime would block, which an async test may not do.
+        // A test that failed first: end it without waiting.
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }
