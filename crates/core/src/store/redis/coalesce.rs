@@ -273,38 +273,25 @@ async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
     } else if let Some(deadline) = taken.iter().map(|q| q.deadline).min() {
         groups.push(("", (0..taken.len()).collect(), deadline));
     }
+    // Each form of the call is boxed: its state would otherwise enlarge
+    // every decision's future, which the store moves into a box of its own
+    // per decision.
     let answers: SmallVec<[Result<Vec<Reply>, StoreError>; 1]> =
         if let [(_, _, deadline)] = &groups[..] {
             let group: SmallVec<[&Request; 16]> = taken.iter().map(|q| &q.request).collect();
-            // Boxed, as the calls of several tags are below: a call's state
-            // would otherwise enlarge every decision's future, which the store
-            // moves into a box of its own per decision.
             let call = Box::pin(shared.run_refs_by(&group, (*deadline).max(floor)));
             smallvec::smallvec![call.await]
         } else {
             // Several tags share one write, and so its deadline.
-            let deadline = groups
+            let deadline = groups.iter().map(|(.., d)| *d).min().unwrap_or(floor);
+            let requests: SmallVec<[SmallVec<[&Request; 8]>; 8]> = groups
                 .iter()
-                .map(|(.., d)| *d)
-                .min()
-                .unwrap_or(floor)
-                .max(floor);
-            let requests: Vec<&Request> = groups
-                .iter()
-                .flat_map(|(_, members, _)| members.iter().map(|&i| &taken[i].request))
+                .map(|(_, members, _)| members.iter().map(|&i| &taken[i].request).collect())
                 .collect();
-            let mut rest = &requests[..];
-            let calls: SmallVec<[&[&Request]; 8]> = groups
-                .iter()
-                .map(|(_, members, _)| {
-                    let (call, after) = rest.split_at(members.len());
-                    rest = after;
-                    call
-                })
-                .collect();
-            // Boxed: its state would otherwise enlarge every call's future,
-            // which the single-tag path moves into a box per decision.
-            Box::pin(shared.run_many_by(&calls, deadline)).await.into()
+            let calls: SmallVec<[&[&Request]; 8]> = requests.iter().map(|r| &r[..]).collect();
+            Box::pin(shared.run_many_by(&calls, deadline.max(floor)))
+                .await
+                .into()
         };
     let members: SmallVec<[Vec<usize>; 1]> = groups.into_iter().map(|(_, m, _)| m).collect();
     let mut replies: Vec<Option<oneshot::Sender<_>>> =

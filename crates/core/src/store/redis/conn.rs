@@ -254,13 +254,12 @@ impl Connection {
         count: usize,
     ) -> Result<Vec<Result<Value, ConnError>>, ConnError> {
         let mut answers = Vec::with_capacity(count);
-        let waiters = (0..count).map(|_| {
+        let mut waiters = Vec::with_capacity(count);
+        for _ in 0..count {
             let (reply, answer) = oneshot::channel();
+            waiters.push(Waiter { skip: 0, reply });
             answers.push(answer);
-            Waiter { skip: 0, reply }
-        });
-        // Collected first: the waiters are queued under the writer's lock.
-        let waiters: Vec<Waiter> = waiters.collect();
+        }
         self.write(packed, waiters).await?;
         let mut values = Vec::with_capacity(count);
         for answer in answers {

@@ -68,6 +68,8 @@ impl Shared {
             .map_err(|e| StoreError::Protocol(format!("Redis answered {op} unexpectedly: {e}")))
     }
 
+    /// Runs `command` on the node serving `key`'s slot by `deadline`, with
+    /// no metrics of its own.
     pub(super) fn exec_by<'a>(
         &'a self,
         deadline: Instant,
@@ -103,13 +105,7 @@ impl Shared {
                 match command {
                     Command::Plain(cmd) => node.call(cmd, asking, deadline).await,
                     Command::Script(write) => {
-                        node.learn_clock(deadline).await?;
-                        let on_node = node.deadline_on_node(deadline).ok_or_else(|| {
-                            StoreError::Unavailable(format!(
-                                "Redis node {}: connection dropped",
-                                node.addr
-                            ))
-                        })?;
+                        let on_node = node.deadline_on_node(deadline).await?;
                         node.call(&write(on_node), asking, deadline).await
                     }
                 }
@@ -248,10 +244,7 @@ impl Shared {
         let writes = nodes.iter().map(|(node, members)| async move {
             let refused = node.refuses();
             let answers = async {
-                node.learn_clock(deadline).await?;
-                let on_node = node.deadline_on_node(deadline).ok_or_else(|| {
-                    StoreError::Unavailable(format!("Redis node {}: connection dropped", node.addr))
-                })?;
+                let on_node = node.deadline_on_node(deadline).await?;
                 let cmds: Vec<redis::Cmd> = members.iter().map(|&i| writers[i](on_node)).collect();
                 node.call_many(&cmds, deadline).await
             }

@@ -200,11 +200,19 @@ impl Node {
 
     /// `deadline` on this node's clock (µs since the Unix epoch), early
     /// rather than late: a script call carries it so that one Redis runs
-    /// after its caller was answered applies nothing. `None` until the
-    /// node's clock is known ([`Node::learn_clock`]).
-    pub fn deadline_on_node(&self, deadline: Instant) -> Option<i64> {
+    /// after its caller was answered applies nothing. The clock is read
+    /// first when it is not known yet ([`Node::learn_clock`]).
+    pub async fn deadline_on_node(self: &Arc<Self>, deadline: Instant) -> Result<i64, StoreError> {
+        self.learn_clock(deadline).await?;
         let offset = self.clock_offset.load(Ordering::Relaxed);
-        (offset != UNKNOWN).then(|| local_micros(deadline).saturating_add(offset))
+        if offset == UNKNOWN {
+            // The connection that read it broke since.
+            return Err(StoreError::Unavailable(format!(
+                "Redis node {}: connection dropped",
+                self.addr
+            )));
+        }
+        Ok(local_micros(deadline).saturating_add(offset))
     }
 
     /// Learns this node's clock from `redis_now`, its `TIME` (µs) in a
@@ -220,7 +228,7 @@ impl Node {
 
     /// Reads the node's clock with `TIME` when it is not known yet (the
     /// first script call over a connection).
-    pub async fn learn_clock(self: &Arc<Self>, deadline: Instant) -> Result<(), StoreError> {
+    async fn learn_clock(self: &Arc<Self>, deadline: Instant) -> Result<(), StoreError> {
         if self.clock_offset.load(Ordering::Relaxed) != UNKNOWN {
             return Ok(());
         }
