@@ -19,6 +19,9 @@ fn main() -> Result<(), Box<dyn Error>> {
         // Malformed requests are the caller's mistake: answer INVALID_ARGUMENT,
         // not the INTERNAL that the stock prost codec uses.
         .codec_path("crate::api::codec::StrictProstCodec")
+        // An answer's header fields (two or three) as a sorted map: built and
+        // encoded on every decision, where a hash map would hash each name.
+        .btree_map(".tollgate.v1")
         .compile_with_config(
             config()?,
             &[

@@ -2,13 +2,13 @@
 
 use crate::common;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{TestServer, ask, micros, req, row};
 use tollgate::proto::v1::{BatchItem, ShouldAllowBatchRequest, ShouldAllowRequest};
 
-fn headers(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+fn headers(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -72,12 +72,13 @@ impl Decided {
         }
     }
 
-    /// The response for item `i`.
-    fn response(&self, i: usize) -> ShouldAllowResponse {
+    /// The response for item `i`, whose header fields move into it (each
+    /// item's response is built once).
+    fn response(&mut self, i: usize) -> ShouldAllowResponse {
         to_response(
             &self.answer.items[i],
             self.deciders[i].as_deref(),
-            &self.fields[i],
+            std::mem::take(&mut self.fields[i]),
         )
     }
 }
@@ -295,7 +296,7 @@ impl RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let d = self.decide(&asked, false, op, &span).await?;
+        let mut d = self.decide(&asked, false, op, &span).await?;
         Ok(d.response(0))
     }
 
@@ -326,7 +327,7 @@ impl RateLimiterService {
         let reserved = traced(&span, self.engine.reserve(&mut demand, asked_ttl, &span))
             .await
             .map_err(status::from_decide_error)?;
-        let d = Decided::new(reserved.answer, &line_rules, &demand, &self.engine);
+        let mut d = Decided::new(reserved.answer, &line_rules, &demand, &self.engine);
         Ok(ReserveResponse {
             decision: Some(d.response(0)),
             ttl: reserved
@@ -464,7 +465,7 @@ impl RateLimiter for RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let d = self.decide(&items, true, op, &span).await?;
+        let mut d = self.decide(&items, true, op, &span).await?;
         Ok(Response::new(ShouldAllowBatchResponse {
             allowed: d.answer.allowed,
             results: (0..d.answer.items.len()).map(|i| d.response(i)).collect(),
@@ -678,7 +679,7 @@ fn degraded(answer: &ItemAnswer) -> Degraded {
 pub fn to_response(
     answer: &ItemAnswer,
     rule: Option<&Rule>,
-    fields: &Fields,
+    fields: Fields,
 ) -> ShouldAllowResponse {
     let Some(rule) = rule else {
         // No rule applied: unlimited, so there is no budget to report.
@@ -689,6 +690,11 @@ pub fn to_response(
             ..Default::default()
         };
     };
+    // Inserted one by one: collecting sorts a vector first.
+    let mut headers = std::collections::BTreeMap::new();
+    for (name, value) in fields {
+        headers.insert(name.to_owned(), value);
+    }
     ShouldAllowResponse {
         allowed: answer.allowed,
         remaining: answer.remaining,
@@ -697,10 +703,7 @@ pub fn to_response(
         limit: rule.limit.burst(),
         limit_name: rule.name.to_string(),
         shadow: answer.shadow,
-        headers: fields
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), v.clone()))
-            .collect(),
+        headers,
         rate: rule.rate_text.to_string(),
         degraded: degraded(answer) as i32,
         debt: answer.debt,

@@ -67,7 +67,7 @@ impl RateLimiterService {
         .await
         .map_err(status::from_decide_error)?;
         let (ttl, in_flight, limit) = (acquired.ttl, acquired.in_flight, acquired.limit);
-        let d = Decided::new(acquired.answer, &line_rules, &demand, &self.engine);
+        let mut d = Decided::new(acquired.answer, &line_rules, &demand, &self.engine);
         let response = AcquireResponse {
             granted: d.answer.allowed,
             lease: acquired
