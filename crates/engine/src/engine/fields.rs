@@ -149,6 +149,14 @@ fn structured(demand: &Demand<'_>, answer: &Answer, item: Option<usize>) -> (Str
 fn push_sf_string(out: &mut String, s: &str) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     out.push('"');
+    // A rule name is nearly always plain: copied whole, not byte by byte.
+    if s.bytes()
+        .all(|b| matches!(b, 0x20..=0x7e) && !matches!(b, b'"' | b'\\' | b'%'))
+    {
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
     for b in s.bytes() {
         match b {
             b'"' | b'\\' => {
@@ -180,6 +188,12 @@ mod tests {
     #[test]
     fn names_are_structured_field_strings() {
         assert_eq!(sf_string("per-user"), "\"per-user\"");
+        assert_eq!(sf_string(""), "\"\"");
+        assert_eq!(
+            sf_string("plain ~!#$&'()*+,-./:;<=>?@[]^_`{|}"),
+            "\"plain ~!#$&'()*+,-./:;<=>?@[]^_`{|}\""
+        );
+        assert_eq!(sf_string("100%"), "\"100%25\"");
         assert_eq!(sf_string("a \"b\" \\c"), "\"a \\\"b\\\" \\\\c\"");
         assert_eq!(sf_string("édge 100%"), "\"%C3%A9dge 100%25\"");
         assert_eq!(sf_string("tab\there"), "\"tab%09here\"");
