@@ -113,7 +113,7 @@ fn main() -> ExitCode {
     // The same log subscriber as `tollgate serve` (RUST_LOG, default info):
     // with none installed, every trace span inside h2 and tonic falls back
     // to the `log` crate's path (sqlx turns on tracing's `log` feature),
-    // about 8 000 instructions per call that the product never pays.
+    // about 11 000 instructions per call that the product never pays.
     tollgate::telemetry::init_logs(tollgate::telemetry::LogFormat::Text);
     let keep_lifo_slot = matches!(
         cli.command,

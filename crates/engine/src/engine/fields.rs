@@ -148,23 +148,21 @@ fn structured(demand: &Demand<'_>, answer: &Answer, item: Option<usize>) -> (Str
 /// percent-encoded (and `%` itself, so the encoding reads back).
 fn push_sf_string(out: &mut String, s: &str) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let plain = |b: u8| matches!(b, 0x20..=0x7e) && !matches!(b, b'"' | b'\\' | b'%');
+    // A rule name is nearly always plain: its plain start is copied whole.
+    // (The first byte that is not plain is ASCII or begins a character, so
+    // the cut falls on a character boundary.)
+    let cut = s.bytes().position(|b| !plain(b)).unwrap_or(s.len());
     out.push('"');
-    // A rule name is nearly always plain: copied whole, not byte by byte.
-    if s.bytes()
-        .all(|b| matches!(b, 0x20..=0x7e) && !matches!(b, b'"' | b'\\' | b'%'))
-    {
-        out.push_str(s);
-        out.push('"');
-        return;
-    }
-    for b in s.bytes() {
+    out.push_str(&s[..cut]);
+    for b in s[cut..].bytes() {
         match b {
             b'"' | b'\\' => {
                 out.push('\\');
                 out.push(b as char);
             }
             b'%' => out.push_str("%25"),
-            0x20..=0x7e => out.push(b as char),
+            _ if plain(b) => out.push(b as char),
             _ => {
                 out.push('%');
                 out.push(HEX[usize::from(b >> 4)] as char);
