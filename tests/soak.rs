@@ -7,8 +7,9 @@
 //! answers, the slowest answer, the honest callers' latency on the
 //! attacked instance and on one nobody attacks, and admissions against the
 //! limit of two fail-closed limits (one native, one Envoy), and fails when
-//! a running instance returned an error, a health probe of the attacked
-//! instance went unanswered, or a limit admitted more than it allows.
+//! a running instance returned an error, the attacked instance missed as
+//! many health probes in a row as make the kubelet restart a container,
+//! or a limit admitted more than it allows.
 //!
 //! `TOLLGATE_SOAK_SECS` sets the length (default 24 s, what `scripts/test`
 //! runs); `scripts/soak` runs a longer one. Everything runs on loopback, and
@@ -322,21 +323,26 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
             hostile_peer(grpc, admin, deadline, Duration::from_secs(4), &attacks).await
         })
     };
-    // The kubelet's probe of the attacked instance, every 250 ms.
+    // The kubelet's probe of the attacked instance, every 250 ms: the
+    // probes sent, those unanswered, and the most unanswered in a row.
     let probes = {
         let admin = ports[1].1.clone();
         tokio::spawn(async move {
-            let (mut sent, mut unanswered) = (0u64, 0u64);
+            let (mut sent, mut unanswered, mut run, mut longest) = (0u64, 0u64, 0u64, 0u64);
             while Instant::now() < deadline {
                 sent += 1;
                 let probe = tokio::time::timeout(Duration::from_secs(2), healthz(&admin)).await;
-                if !matches!(probe, Ok(Ok(true))) {
+                if matches!(probe, Ok(Ok(true))) {
+                    run = 0;
+                } else {
                     unanswered += 1;
+                    run += 1;
+                    longest = longest.max(run);
                     eprintln!("soak: /healthz of the attacked instance: {probe:?}");
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            (sent, unanswered)
+            (sent, unanswered, longest)
         })
     };
 
@@ -379,7 +385,7 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
         w.await.unwrap();
     }
     hostile.await.unwrap();
-    let (probes_sent, probes_unanswered) = probes.await.unwrap();
+    let (probes_sent, probes_unanswered, probes_missed_in_a_row) = probes.await.unwrap();
     let elapsed = started.elapsed().as_secs_f64();
     let exact_bound = EXACT_BURST + (EXACT_RATE as f64 * elapsed).ceil() as u64;
     let envoy_bound = ENVOY_BURST + (ENVOY_RATE as f64 * elapsed).ceil() as u64;
@@ -411,9 +417,14 @@ async fn mixed_load_through_redis_outages_and_an_instance_restart() {
         probes_sent - probes_unanswered,
     );
     assert_eq!(load(&t.errors), 0, "errors from running instances");
-    assert_eq!(
-        probes_unanswered, 0,
-        "health probes of the attacked instance"
+    // A locked-out admin port misses every probe while the attack lasts
+    // (seconds: a dozen in a row and more); one probe lost to a stall of
+    // this shared machine is not a restart. The kubelet restarts a
+    // container after `failureThreshold` (3 by default) failures in a row.
+    assert!(
+        probes_missed_in_a_row < 3,
+        "the attacked instance missed {probes_missed_in_a_row} health probes in a row, \
+         enough for the kubelet to restart it"
     );
     assert!(
         load(&attacks.streams) >= 1024,
