@@ -37,6 +37,8 @@
 //! store-unavailable fallback is a layer around this store
 //! (`super::fallback`, composed in `super::stack`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -267,7 +269,10 @@ impl RedisStore {
         {
             // Reads and unconditional charges and refunds need no atomicity
             // across slots: each slot's part is applied on its own.
-            return self.decide_per_slot(buckets, charges, op, &keys).await;
+            // Boxed, as is the uncoalesced call in `send`: their state would
+            // otherwise enlarge every decision's future, which the store
+            // moves into a box of its own per decision.
+            return Box::pin(self.decide_per_slot(buckets, charges, op, &keys)).await;
         }
         let kind = match (op, attach) {
             (_, Some(Attachment::Lease(lease))) => {
@@ -324,12 +329,12 @@ impl RedisStore {
             }
             _ => None,
         };
-        let request = Request {
+        let request = Box::new(Request {
             keys,
             charges: charges.iter().copied().collect(),
             kind,
-        };
-        match shared.send(request).await? {
+        });
+        match shared.send(request).reply(shared.config.timeout).await? {
             Reply::Verdicts(v) => {
                 if let (true, Some((ttl, record))) = (v.allowed, tracked) {
                     shared.track(ttl, record);
@@ -380,12 +385,17 @@ impl RedisStore {
                 Op::Refund { since } => Kind::Refund { since },
                 _ => Kind::Charge,
             };
-            let request = Request {
+            let request = Box::new(Request {
                 keys: group.iter().map(|&i| keys[i].clone()).collect(),
                 charges: group.iter().map(|&i| charges[i]).collect(),
                 kind,
-            };
-            match self.shared.send(request).await? {
+            });
+            match self
+                .shared
+                .send(request)
+                .reply(self.shared.config.timeout)
+                .await?
+            {
                 Reply::Verdicts(v) => {
                     allowed &= v.allowed;
                     for (&i, verdict) in group.iter().zip(v.verdicts) {
@@ -411,12 +421,12 @@ impl RedisStore {
             },
             release => release,
         };
-        let request = Request {
+        let request = Box::new(Request {
             keys: smallvec::smallvec![shared.lease_key(id)],
             charges: SmallVec::new(),
             kind: Kind::Lease(op),
-        };
-        match shared.send(request).await? {
+        });
+        match shared.send(request).reply(shared.config.timeout).await? {
             Reply::Lease(answer) => {
                 if let (LeaseOp::Renew { ttl }, LeaseStatus::Done) = (op, answer.status) {
                     shared.track(ttl, shared.lease_key(id));
@@ -469,12 +479,12 @@ impl RedisStore {
 
     async fn settle_at(&self, id: &ReservationId, actual: u64) -> Result<Settled, StoreError> {
         let shared = &self.shared;
-        let request = Request {
+        let request = Box::new(Request {
             keys: smallvec::smallvec![shared.record_key(id)],
             charges: SmallVec::new(),
             kind: Kind::Settle { actual },
-        };
-        match shared.send(request).await? {
+        });
+        match shared.send(request).reply(shared.config.timeout).await? {
             Reply::Settled(s) => Ok(s),
             _ => Err(StoreError::Protocol(
                 "token_bucket.lua answered a settle as something else".into(),
@@ -556,19 +566,40 @@ impl Shared {
     }
 
     /// Sends one request, coalesced with others bound for the same node
-    /// when coalescing is on.
-    async fn send(self: &Arc<Self>, request: Request) -> Result<Reply, StoreError> {
+    /// when coalescing is on. What can be done before any wait (routing by
+    /// the current map, joining the node's queue) is done here, so the
+    /// request is moved once and the future holds no copy of it.
+    fn send(self: &Arc<Self>, request: Box<Request>) -> Sending<'_> {
         if self.config.coalesce > 1 {
             let deadline = Instant::now() + self.config.timeout;
-            let node = self
-                .routes
-                .route(slot_of(&request.keys[0]), deadline)
-                .await?;
-            if node.waiting.is_some() {
-                return coalesce::decide(self, node, request, deadline).await;
+            match self.routes.route_now(slot_of(&request.keys[0])) {
+                Some(node) if node.waiting.is_some() => {
+                    return Sending::Joined(coalesce::join(self, node, request, deadline));
+                }
+                Some(_) => {}
+                // No map names the slot's node yet: wait for one.
+                None => {
+                    return Sending::Other(Box::pin(async move {
+                        let node = self
+                            .routes
+                            .route(slot_of(&request.keys[0]), deadline)
+                            .await?;
+                        if node.waiting.is_some() {
+                            return coalesce::join(self, node, request, deadline)
+                                .answer(self.config.timeout)
+                                .await;
+                        }
+                        self.run_one(&request).await
+                    }));
+                }
             }
         }
-        let mut outcomes = self.run(std::slice::from_ref(&request)).await?;
+        Sending::Other(Box::pin(async move { self.run_one(&request).await }))
+    }
+
+    /// Sends one request in a call of its own.
+    async fn run_one(self: &Arc<Self>, request: &Request) -> Result<Reply, StoreError> {
+        let mut outcomes = self.run(std::slice::from_ref(request)).await?;
         Ok(outcomes.swap_remove(0))
     }
 
@@ -600,6 +631,26 @@ impl Shared {
         .await;
         metrics::store_call("redis", "ping", started.elapsed());
         result
+    }
+}
+
+/// A request on its way (see [`Shared::send`]).
+enum Sending<'a> {
+    /// In a node's coalescing.
+    Joined(coalesce::Joined<'a>),
+    /// Routed once the map names its node, or sent in a call of its own
+    /// (coalescing off): rarer, and boxed, so that their state does not
+    /// enlarge every decision's future.
+    Other(Pin<Box<dyn Future<Output = Result<Reply, StoreError>> + Send + 'a>>),
+}
+
+impl Sending<'_> {
+    /// The request's reply; `timeout` is the store's, for the message.
+    async fn reply(self, timeout: Duration) -> Result<Reply, StoreError> {
+        match self {
+            Sending::Joined(joined) => joined.answer(timeout).await,
+            Sending::Other(call) => call.await,
+        }
     }
 }
 

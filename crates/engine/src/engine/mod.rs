@@ -650,14 +650,14 @@ impl Engine {
                         .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
                         .map_err(Into::into),
                     None => {
-                        let store = &self.store;
-                        let op = demand.op;
-                        let held = attached.as_ref();
-                        let (merged, applied) = Box::pin(async move {
-                            let applied = store.apply(merged.request(op, held)).await;
-                            (merged, applied)
-                        })
-                        .await;
+                        // Boxed across the wait, so that this future (and
+                        // every one above it) holds a pointer, not the
+                        // merged charges, and they move into the box once.
+                        let merged = Box::new(merged);
+                        let applied = self
+                            .store
+                            .apply(merged.request(demand.op, attached.as_ref()))
+                            .await;
                         applied
                             .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
                             .map_err(Into::into)

@@ -105,6 +105,7 @@ impl Waiting {
         }
         // One pass: small ones straight into the batch, large ones after
         // them; what is not taken stays queued in its order.
+        batch.reserve(count - batch.len());
         let mut large: Vec<Queued> = Vec::new();
         let mut i = 0;
         for q in self.queue.extract_if(.., |_| {
@@ -121,9 +122,12 @@ impl Waiting {
     }
 }
 
-/// A decision waiting for a shared script call.
-struct Queued {
-    request: Request,
+/// A decision waiting for a shared script call. Its request is boxed from
+/// the start: a decision moves a few times on its way into a call (into
+/// the queue, the batch, the call's order), each a few words instead of
+/// the request's hundreds of bytes.
+pub(super) struct Queued {
+    request: Box<Request>,
     reply: oneshot::Sender<Result<Reply, StoreError>>,
     /// When its caller's wait ends (see the module docs).
     deadline: Instant,
@@ -140,16 +144,36 @@ const MIN_CALL_SHARE: u32 = 5;
 /// up to the configured maximum under pressure.
 const COALESCE_IN_FLIGHT: usize = 2;
 
-/// Decides `request` through a shared script call, answering by
-/// `deadline` (see the module docs).
-pub(super) async fn decide(
-    shared: &Arc<Shared>,
+/// A decision's place in its node's coalescing (see [`join`]).
+pub(super) enum Joined<'a> {
+    /// A free slot and nothing else waiting: the caller sends the call
+    /// itself, from its own task, with no hop. The slot's guard frees it
+    /// (or drains what queued meanwhile) even if the caller is cancelled
+    /// mid-call.
+    Alone {
+        slot: Slot<'a>,
+        batch: Vec<Queued>,
+        answer: Answer,
+    },
+    /// Queued for the next call, or carried by one that others' decisions
+    /// share: the answer comes from that call.
+    Carried(Answer),
+}
+
+/// Where a coalesced decision's answer arrives.
+type Answer = oneshot::Receiver<Result<Reply, StoreError>>;
+
+/// Puts `request` into `node`'s coalescing, to be answered by `deadline`
+/// (see the module docs). Done before any wait, so the request moves once,
+/// into the queue or the call, and no future holds a copy of it.
+pub(super) fn join<'a>(
+    shared: &'a Arc<Shared>,
     node: Arc<Node>,
-    request: Request,
+    request: Box<Request>,
     deadline: Instant,
-) -> Result<Reply, StoreError> {
+) -> Joined<'a> {
     let Some(coalesce) = &node.waiting else {
-        unreachable!("decide is called for nodes that coalesce")
+        unreachable!("join is called for nodes that coalesce")
     };
     let (reply, answer) = oneshot::channel();
     let mine = Queued {
@@ -171,43 +195,60 @@ pub(super) async fn decide(
         }
     };
     match batch {
-        // A free slot and nothing else waiting: send now from this task,
-        // with no hop. The guard frees the slot (or drains what queued
-        // meanwhile) even if this caller is cancelled mid-call.
-        Some(mut batch) if batch.len() == 1 => {
-            let _slot = Slot(shared, &node);
-            send_coalesced(shared, &mut batch).await;
-        }
+        Some(batch) if batch.len() == 1 => Joined::Alone {
+            slot: Slot(shared, node),
+            batch,
+            answer,
+        },
         // A free slot and others waiting: the call carries their
         // decisions too, so it runs in a task of its own, which a
         // cancelled caller cannot abandon half-way.
         Some(mut batch) => {
             let shared = shared.clone();
-            let node = node.clone();
             tokio::spawn(async move {
-                let _slot = Slot(&shared, &node);
+                let _slot = Slot(&shared, node);
                 send_coalesced(&shared, &mut batch).await;
             });
+            Joined::Carried(answer)
         }
         // Every slot busy: the next call takes this decision, or the take
         // after its deadline answers it.
-        None => {}
+        None => Joined::Carried(answer),
     }
-    answer.await.unwrap_or_else(|_| {
-        Err(StoreError::Unavailable(format!(
-            "no answer within {:?}",
-            shared.config.timeout
-        )))
-    })
+}
+
+impl Joined<'_> {
+    /// The decision's answer (the call sent first when alone), or
+    /// "unavailable" when its call ended without one; `timeout` is the
+    /// store's, for the message.
+    pub(super) async fn answer(self, timeout: std::time::Duration) -> Result<Reply, StoreError> {
+        let answer = match self {
+            Joined::Alone {
+                slot,
+                mut batch,
+                answer,
+            } => {
+                send_coalesced(slot.0, &mut batch).await;
+                drop(slot);
+                answer
+            }
+            Joined::Carried(answer) => answer,
+        };
+        answer.await.unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer within {timeout:?}"
+            )))
+        })
+    }
 }
 
 /// A coalescing slot held by a script call in flight; dropping it (after
 /// the call, or when the call is cancelled) hands it on.
-struct Slot<'a>(&'a Arc<Shared>, &'a Arc<Node>);
+pub(super) struct Slot<'a>(&'a Arc<Shared>, Arc<Node>);
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        release_or_drain(self.0, self.1);
+        release_or_drain(self.0, &self.1);
     }
 }
 
@@ -278,18 +319,13 @@ async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
     // per decision.
     let answers: SmallVec<[Result<Vec<Reply>, StoreError>; 1]> =
         if let [(_, _, deadline)] = &groups[..] {
-            let group: SmallVec<[&Request; 16]> = taken.iter().map(|q| &q.request).collect();
+            let group: SmallVec<[&Request; 16]> = taken.iter().map(|q| &*q.request).collect();
             let call = Box::pin(shared.run_refs_by(&group, (*deadline).max(floor)));
             smallvec::smallvec![call.await]
         } else {
             // Several tags share one write, and so its deadline.
             let deadline = groups.iter().map(|(.., d)| *d).min().unwrap_or(floor);
-            let requests: SmallVec<[SmallVec<[&Request; 8]>; 8]> = groups
-                .iter()
-                .map(|(_, members, _)| members.iter().map(|&i| &taken[i].request).collect())
-                .collect();
-            let calls: SmallVec<[&[&Request]; 8]> = requests.iter().map(|r| &r[..]).collect();
-            Box::pin(shared.run_many_by(&calls, deadline.max(floor)))
+            Box::pin(run_tags(shared, taken, &groups, deadline.max(floor)))
                 .await
                 .into()
         };
@@ -316,6 +352,22 @@ async fn send_coalesced(shared: &Shared, taken: &mut Vec<Queued>) {
     }
 }
 
+/// The script calls of several hash tags' `groups` of `taken`, in one
+/// write by `deadline`: each call's result in the groups' order.
+async fn run_tags(
+    shared: &Shared,
+    taken: &[Queued],
+    groups: &[(&str, Vec<usize>, Instant)],
+    deadline: Instant,
+) -> Vec<Result<Vec<Reply>, StoreError>> {
+    let requests: SmallVec<[SmallVec<[&Request; 8]>; 8]> = groups
+        .iter()
+        .map(|(_, members, _)| members.iter().map(|&i| &*taken[i].request).collect())
+        .collect();
+    let calls: SmallVec<[&[&Request]; 8]> = requests.iter().map(|r| &r[..]).collect();
+    shared.run_many_by(&calls, deadline).await
+}
+
 /// The `{…}` part of a Redis key (what Redis Cluster hashes).
 pub(super) fn hash_tag(key: &str) -> &str {
     key.split_once('{')
@@ -337,7 +389,7 @@ mod tests {
         let deadline = Instant::now() + std::time::Duration::from_secs(60);
         (
             Queued {
-                request,
+                request: Box::new(request),
                 reply,
                 deadline,
             },

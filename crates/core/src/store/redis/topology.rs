@@ -276,6 +276,11 @@ impl Topology {
         self.node(host, port)
     }
 
+    /// The node serving `slot` in the map as it is now, if one does.
+    pub fn route_now(&self, slot: u16) -> Option<Arc<Node>> {
+        self.map.load().node(slot)
+    }
+
     /// The node serving `slot`, waiting (until `deadline`) only when no map
     /// has been read yet.
     pub async fn route(
@@ -283,7 +288,7 @@ impl Topology {
         slot: u16,
         deadline: Instant,
     ) -> Result<Arc<Node>, StoreError> {
-        if let Some(node) = self.map.load().node(slot) {
+        if let Some(node) = self.route_now(slot) {
             return Ok(node);
         }
         // Subscribed before looking again, so a change in between is seen.

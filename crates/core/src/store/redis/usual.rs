@@ -24,8 +24,9 @@ const SHADOW: u8 = 128;
 
 /// One script call in the usual form, ready to be written.
 pub(super) struct UsualCall<'a> {
-    /// Each bucket key once, in the order first named.
-    keys: SmallVec<[&'a str; 16]>,
+    /// Each bucket key once, in the order first named, with its hash (a
+    /// key is compared in full only with those of the same hash).
+    keys: SmallVec<[(u64, &'a str); 16]>,
     /// Each limit once: (interval, burst).
     limits: SmallVec<[(Micros, u64); 4]>,
     /// Each cost other than 1 once.
@@ -65,7 +66,7 @@ impl<'a> UsualCall<'a> {
                 if !is_usual(charge) {
                     return None;
                 }
-                let key = index_of(&mut call.keys, key.as_str(), MOST_KEYS)?;
+                let key = index_of(&mut call.keys, (hash(key), key.as_str()), MOST_KEYS)?;
                 let limit = (charge.limit.interval(), charge.limit.burst());
                 let limit = index_of(&mut call.limits, limit, MOST_LIMITS)?;
                 let cost = match charge.cost {
@@ -91,7 +92,7 @@ impl<'a> UsualCall<'a> {
     ) -> redis::Cmd {
         let mut evalsha = redis::cmd("EVALSHA");
         evalsha.arg(sha).arg(self.keys.len());
-        for key in &self.keys {
+        for (_, key) in &self.keys {
             evalsha.arg(*key);
         }
         let mut field = String::with_capacity(48);
@@ -122,6 +123,14 @@ fn is_usual(charge: &Charge) -> bool {
     charge.limit.algorithm() == Algorithm::TokenBucket
         && charge.limit.debt() == 0
         && charge.need <= charge.cost
+}
+
+/// A bucket key's hash, for [`UsualCall::of`]'s lookup: tuples compare
+/// their hashes first, so keys sharing a long prefix (a tenant's, a
+/// resource's) are compared byte by byte only when they are likely equal.
+fn hash(key: &str) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x75_5a1).hash_one(key)
 }
 
 /// The 1-based index of `item` in `items`, added when new; `None` past
@@ -236,7 +245,8 @@ mod tests {
         shadow.enforce = false;
         let b = decide(&["k:b", "t:"], vec![shadow, Charge::new(ceiling, 5)]);
         let call = UsualCall::of(&[&a, &b]).unwrap();
-        assert_eq!(call.keys.as_slice(), ["k:a", "t:", "k:b"]);
+        let keys: Vec<&str> = call.keys.iter().map(|(_, k)| *k).collect();
+        assert_eq!(keys, ["k:a", "t:", "k:b"]);
         assert_eq!(call.limits.as_slice(), [(100_000, 10), (10_000, 100)]);
         assert_eq!(call.costs.as_slice(), [5]);
         assert_eq!(
