@@ -83,13 +83,17 @@ impl Decided {
     }
 }
 
-/// Awaits `f`, inside `span` when it is traced (a disabled span costs
-/// nothing).
-pub(super) async fn traced<T>(span: &tracing::Span, f: impl std::future::Future<Output = T>) -> T {
+/// `f`, inside `span` when it is traced (a disabled span costs nothing).
+/// A plain function rather than an async one: `f` moves once, into the
+/// future returned, instead of into an async block and again into its wait.
+pub(super) fn traced<F: std::future::Future>(
+    span: &tracing::Span,
+    f: F,
+) -> futures_util::future::Either<F, tracing::instrument::Instrumented<F>> {
     if span.is_disabled() {
-        f.await
+        futures_util::future::Either::Left(f)
     } else {
-        f.instrument(span.clone()).await
+        futures_util::future::Either::Right(f.instrument(span.clone()))
     }
 }
 
@@ -189,53 +193,70 @@ impl RateLimiterService {
     }
 
     /// Decides the items of one request (one item, or a batch's) with `op`
-    /// and returns each item's answer with the rule that decided it. Log
-    /// events inside belong to `span` when it is traced.
-    async fn decide(
+    /// and returns what `respond` makes of each item's answer with the rule
+    /// that decided it. Log events inside belong to `span` when it is
+    /// traced.
+    async fn decide<R>(
         &self,
         items: &[Asked<'_>],
         batch: bool,
         op: Op,
         span: &tracing::Span,
-    ) -> Result<Decided, Status> {
+        respond: impl FnOnce(&mut Decided) -> R,
+    ) -> Result<R, Status> {
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
-        let mut demand = self.demand(&rules, items, batch, op, false, &mut line_rules, span)?;
+        let mut demand = Demand::new(Api::Native, op, OverCapacity::Invalid);
+        self.demand(
+            &mut demand,
+            &rules,
+            items,
+            batch,
+            false,
+            &mut line_rules,
+            span,
+        )?;
         let answer = traced(span, self.engine.decide(&mut demand, span))
             .await
             .map_err(status::from_decide_error)?;
-        Ok(Decided::new(answer, &line_rules, &demand, &self.engine))
+        // The response is made here rather than the answer returned: the
+        // answer is hundreds of bytes, the response what the caller sends.
+        let mut decided = Decided::new(answer, &line_rules, &demand, &self.engine);
+        Ok(respond(&mut decided))
     }
 
-    /// The demand: per item, a line for each rule that applies, in the
-    /// order [`RuleSet::applicable`] gives them; with `caps` (an acquire),
-    /// the rate rules only when it spends tokens, then the concurrency
-    /// rules. A request that cannot be a demand is counted as refused.
+    /// Fills `demand` (new, of its operation): per item, a line for each
+    /// rule that applies, in the order [`RuleSet::applicable`] gives them;
+    /// with `caps` (an acquire), the rate rules only when it spends tokens,
+    /// then the concurrency rules. A request that cannot be a demand is
+    /// counted as refused. Filled in place: a demand is hundreds of bytes,
+    /// and every return by value would copy it.
     #[allow(clippy::too_many_arguments)]
     fn demand<'a>(
         &self,
+        demand: &mut Demand<'a>,
         rules: &'a RuleSet,
         items: &[Asked<'a>],
         batch: bool,
-        op: Op,
         caps: bool,
         line_rules: &mut LineRules,
         span: &tracing::Span,
-    ) -> Result<Demand<'a>, Status> {
-        Self::lines(rules, items, batch, op, caps, line_rules).map_err(|err| {
+    ) -> Result<(), Status> {
+        Self::lines(demand, rules, items, batch, caps, line_rules).map_err(|err| {
             engine::refused(Api::Native, items.len(), span);
             status::from_decide_error(err)
         })
     }
 
     fn lines<'a>(
+        demand: &mut Demand<'a>,
         rules: &'a RuleSet,
         items: &[Asked<'a>],
         batch: bool,
-        op: Op,
         caps: bool,
         line_rules: &mut LineRules,
-    ) -> Result<Demand<'a>, DecideError> {
+    ) -> Result<(), DecideError> {
+        let op = demand.op;
         let field = |i: usize, name: &str| {
             if batch {
                 format!("items[{i}].{name}")
@@ -244,7 +265,6 @@ impl RateLimiterService {
             }
         };
         caps::check_items("items", items.len())?;
-        let mut demand = Demand::new(Api::Native, op, OverCapacity::Invalid);
         for (i, req) in items.iter().enumerate() {
             if req.key.is_empty() {
                 return Err(DecideError::InvalidField(format!(
@@ -283,7 +303,7 @@ impl RateLimiterService {
                 line_rules.push(rule.clone());
             }
         }
-        Ok(demand)
+        Ok(())
     }
 
     async fn decide_one(
@@ -296,8 +316,8 @@ impl RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let mut d = self.decide(&asked, false, op, &span).await?;
-        Ok(d.response(0))
+        self.decide(&asked, false, op, &span, |d| d.response(0))
+            .await
     }
 
     async fn reserve_one(
@@ -314,11 +334,12 @@ impl RateLimiterService {
         }];
         let rules = self.limits.snapshot();
         let mut line_rules = LineRules::new();
-        let mut demand = self.demand(
+        let mut demand = Demand::new(Api::Native, Op::SPEND, OverCapacity::Invalid);
+        self.demand(
+            &mut demand,
             &rules,
             &asked,
             false,
-            Op::SPEND,
             false,
             &mut line_rules,
             &span,
@@ -353,20 +374,21 @@ impl RateLimiterService {
             tenant: &req.tenant,
             resource: &req.resource,
         }];
-        let d = self.decide(&asked, false, Op::Charge, &span).await?;
-        let (answer, rules) = (d.answer, d.deciders);
-        let item = &answer.items[0];
-        Ok(ChargeResponse {
-            remaining: item.remaining,
-            debt: item.debt,
-            forgiven: answer.lines.iter().map(|v| v.forgiven).sum(),
-            reset_after: Some(duration(item.reset_after)),
-            limit_name: rules[0]
-                .as_ref()
-                .map(|r| r.name.to_string())
-                .unwrap_or_default(),
-            degraded: degraded(item) as i32,
+        self.decide(&asked, false, Op::Charge, &span, |d| {
+            let item = &d.answer.items[0];
+            ChargeResponse {
+                remaining: item.remaining,
+                debt: item.debt,
+                forgiven: d.answer.lines.iter().map(|v| v.forgiven).sum(),
+                reset_after: Some(duration(item.reset_after)),
+                limit_name: d.deciders[0]
+                    .as_ref()
+                    .map(|r| r.name.to_string())
+                    .unwrap_or_default(),
+                degraded: degraded(item) as i32,
+            }
         })
+        .await
     }
 }
 
@@ -465,12 +487,14 @@ impl RateLimiter for RateLimiterService {
         let op = Op::Decide {
             spend: !req.dry_run,
         };
-        let mut d = self.decide(&items, true, op, &span).await?;
-        Ok(Response::new(ShouldAllowBatchResponse {
-            allowed: d.answer.allowed,
-            results: (0..d.answer.items.len()).map(|i| d.response(i)).collect(),
-            retry_after: Some(duration(d.answer.retry_after)),
-        }))
+        self.decide(&items, true, op, &span, |d| {
+            Response::new(ShouldAllowBatchResponse {
+                allowed: d.answer.allowed,
+                results: (0..d.answer.items.len()).map(|i| d.response(i)).collect(),
+                retry_after: Some(duration(d.answer.retry_after)),
+            })
+        })
+        .await
     }
 
     async fn reserve(

@@ -50,11 +50,12 @@ impl RateLimiterService {
         let mut line_rules = LineRules::new();
         // The engine makes the demand an acquire (or, without a cap, a
         // plain decision over the rate rules).
-        let mut demand = self.demand(
+        let mut demand = engine::Demand::new(Api::Native, Op::SPEND, engine::OverCapacity::Invalid);
+        self.demand(
+            &mut demand,
             &rules,
             &asked,
             false,
-            Op::SPEND,
             true,
             &mut line_rules,
             &span,

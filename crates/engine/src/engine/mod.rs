@@ -634,13 +634,16 @@ impl Engine {
         demand: &mut Demand<'_>,
         mut attached: Option<Attachment>,
     ) -> Result<(Answer, Option<Attachment>), DecideError> {
-        let result = match self.prepare(demand) {
+        // Filled in place: the merged charges are hundreds of bytes, and
+        // every return by value would copy them.
+        let mut merged = Merged::default();
+        let result = match self.prepare(demand, &mut merged) {
             Err(err) => Err(err),
-            Ok(merged) if merged.charges.is_empty() => {
+            Ok(()) if merged.charges.is_empty() => {
                 attached = None;
                 Ok(self.answer(demand, &merged, None))
             }
-            Ok(merged) => {
+            Ok(()) => {
                 if let Some(Attachment::Reservation(r)) = &mut attached {
                     r.lines = merged.lines.iter().map(|&n| u64::from(n)).collect();
                 }
@@ -695,8 +698,8 @@ impl Engine {
         self.answer(demand, merged, Some(applied))
     }
 
-    /// Validates the demand and merges its lines into charges.
-    fn prepare(&self, demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
+    /// Validates the demand and merges its lines into `merged`'s charges.
+    fn prepare(&self, demand: &mut Demand<'_>, merged: &mut Merged) -> Result<(), DecideError> {
         caps::check_demand(demand)?;
         if demand.lines.iter().any(|l| l.calendar.is_some()) {
             let now = self.clock.now();
@@ -724,7 +727,7 @@ impl Engine {
                 });
             }
         }
-        merge(demand)
+        merge(demand, merged)
     }
 
     /// The answer from the store's verdicts (`None`: nothing was charged).
@@ -886,6 +889,7 @@ pub fn refused(api: Api, n: usize, span: &tracing::Span) {
 }
 
 /// The demand's charges, one per distinct bucket.
+#[derive(Default)]
 struct Merged {
     buckets: SmallVec<[BucketKey; INLINE]>,
     charges: SmallVec<[Charge; INLINE]>,
@@ -932,14 +936,7 @@ fn record_id<K: crate::store::record_id::RecordKind>(
     }
 }
 
-fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
-    let mut merged = Merged {
-        buckets: SmallVec::new(),
-        charges: SmallVec::new(),
-        policies: SmallVec::new(),
-        lines: SmallVec::new(),
-        line_charge: SmallVec::new(),
-    };
+fn merge(demand: &mut Demand<'_>, merged: &mut Merged) -> Result<(), DecideError> {
     let deciding = demand.op.decides();
     let mut index = summary::BucketIndex::default();
     for n in 0..demand.lines.len() {
@@ -1033,5 +1030,5 @@ fn merge(demand: &mut Demand<'_>) -> Result<Merged, DecideError> {
         }
         merged.line_charge.push(Some(at));
     }
-    Ok(merged)
+    Ok(())
 }
