@@ -126,7 +126,7 @@ impl Engine {
         // Without a concurrency rule there is no slot to hold: a plain
         // decision over the rate rules.
         let caps = demand.lines.iter().any(|l| l.is_concurrency());
-        let attach = if caps {
+        let mut attached = if caps {
             demand.op = crate::algorithm::Op::Acquire { ttl };
             Some(Attachment::Lease(lease))
         } else {
@@ -134,7 +134,7 @@ impl Engine {
             None
         };
         let now = self.clock.now();
-        let (answer, attached) = self.decide_attached(demand, attach, span).await?;
+        let answer = self.decide_attached(demand, &mut attached, span).await?;
         let mut rules = Vec::new();
         let mut took = false;
         for (line, verdict) in demand.lines.iter().zip(&answer.lines) {

@@ -480,9 +480,7 @@ impl Engine {
         // Everything but a wait for a remote store happens synchronously:
         // the future holds the demand and, only when it must wait, a boxed
         // store call, so that the futures of the wings above stay small.
-        self.decide_attached(demand, None, span)
-            .await
-            .map(|(answer, _)| answer)
+        self.decide_attached(demand, &mut None, span).await
     }
 
     /// Decides a demand of one item and, when admitted with the store's
@@ -508,9 +506,8 @@ impl Engine {
             lines: Vec::new(),
             ttl,
         };
-        let (answer, recorded) = self
-            .decide_attached(demand, Some(Attachment::Reservation(reservation)), span)
-            .await?;
+        let mut recorded = Some(Attachment::Reservation(reservation));
+        let answer = self.decide_attached(demand, &mut recorded, span).await?;
         let reservation = match recorded {
             Some(Attachment::Reservation(r)) => {
                 metrics::reserved(demand.api.label(), r.estimate);
@@ -606,23 +603,23 @@ impl Engine {
     /// no top-limited entry, no recent decision.
     pub async fn dry_run(&self, demand: &mut Demand<'_>) -> Result<Answer, DecideError> {
         demand.op = Op::DRY;
-        self.apply_demand(demand, None)
-            .await
-            .map(|(answer, _)| answer)
+        self.apply_demand(demand, &mut None).await
     }
 
     /// Decides a demand and, when the store itself admits it (not a
-    /// fallback), writes what is attached: the attachment comes back, or
-    /// `None` when nothing was written.
+    /// fallback), writes what is attached: `attached` is left as it is, or
+    /// `None` when nothing was written. The answer alone is returned (and
+    /// the attachment kept by reference) so that it moves as few times as
+    /// it can: it is hundreds of bytes.
     async fn decide_attached(
         &self,
         demand: &mut Demand<'_>,
-        attached: Option<Attachment>,
+        attached: &mut Option<Attachment>,
         span: &tracing::Span,
-    ) -> Result<(Answer, Option<Attachment>), DecideError> {
+    ) -> Result<Answer, DecideError> {
         let result = self.apply_demand(demand, attached).await;
         match &result {
-            Ok((answer, _)) => self.record(demand, answer, span),
+            Ok(answer) => self.record(demand, answer, span),
             Err(_) => refused(demand.api, demand.items.len().max(1), span),
         }
         result
@@ -632,25 +629,25 @@ impl Engine {
     async fn apply_demand(
         &self,
         demand: &mut Demand<'_>,
-        mut attached: Option<Attachment>,
-    ) -> Result<(Answer, Option<Attachment>), DecideError> {
+        attached: &mut Option<Attachment>,
+    ) -> Result<Answer, DecideError> {
         // Filled in place: the merged charges are hundreds of bytes, and
         // every return by value would copy them.
         let mut merged = Merged::default();
-        let result = match self.prepare(demand, &mut merged) {
+        match self.prepare(demand, &mut merged) {
             Err(err) => Err(err),
             Ok(()) if merged.charges.is_empty() => {
-                attached = None;
+                *attached = None;
                 Ok(self.answer(demand, &merged, None))
             }
             Ok(()) => {
-                if let Some(Attachment::Reservation(r)) = &mut attached {
+                if let Some(Attachment::Reservation(r)) = attached {
                     r.lines = merged.lines.iter().map(|&n| u64::from(n)).collect();
                 }
                 let request = merged.request(demand.op, attached.as_ref());
                 match self.store.apply_now(request) {
                     Some(applied) => applied
-                        .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
+                        .map(|a| self.answer_attached(demand, &merged, a, attached))
                         .map_err(Into::into),
                     None => {
                         // Boxed across the wait, so that this future (and
@@ -662,13 +659,12 @@ impl Engine {
                             .apply(merged.request(demand.op, attached.as_ref()))
                             .await;
                         applied
-                            .map(|a| self.answer_attached(demand, &merged, a, &mut attached))
+                            .map(|a| self.answer_attached(demand, &merged, a, attached))
                             .map_err(Into::into)
                     }
                 }
             }
-        };
-        result.map(|answer| (answer, attached))
+        }
     }
 
     /// The answer to a decision, dropping the attachment unless the store

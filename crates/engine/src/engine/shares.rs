@@ -176,8 +176,8 @@ impl Engine {
         if member.ttl == 0 {
             return self.leave(table, member, demand.api).await;
         }
-        let answer = match self.apply_demand(demand, None).await {
-            Ok((answer, _)) => answer,
+        let answer = match self.apply_demand(demand, &mut None).await {
+            Ok(answer) => answer,
             Err(err) => {
                 super::refused(demand.api, 1, &tracing::Span::none());
                 return Err(err);
