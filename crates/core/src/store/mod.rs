@@ -292,9 +292,17 @@ impl std::hash::Hash for BucketKey {
     }
 }
 
+/// An empty name, which no bucket has: what a bucket moved out of a
+/// demand's line leaves behind. It allocates nothing (a decision takes one
+/// per bucket); its tenant, resource and key are empty.
 impl Default for BucketKey {
     fn default() -> Self {
-        Self::new("", BucketKind::KEY, "", "")
+        Self {
+            name: Box::default(),
+            kind: BucketKind::KEY,
+            tenant_len: 0,
+            key_at: 0,
+        }
     }
 }
 
@@ -641,6 +649,18 @@ mod tests {
         assert_eq!((t.as_str(), t.tenant(), t.key()), (":t::", "", ""));
         assert_eq!(t.resource(), "");
         assert!(!t.is_per_key());
+        // What a bucket moved out of a line leaves: no name, no parts.
+        let empty = BucketKey::default();
+        assert_eq!(
+            (
+                empty.as_str(),
+                empty.tenant(),
+                empty.resource(),
+                empty.key()
+            ),
+            ("", "", "", "")
+        );
+        assert!(!empty.is_per_key());
         // An Envoy override's bucket is apart from the rule's of the same
         // counter.
         let rule = BucketKey::new(

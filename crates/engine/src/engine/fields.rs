@@ -67,10 +67,14 @@ pub fn header_fields(
             fields.push(("RateLimit", state));
         }
     }
-    for (name, value) in legacy.pairs() {
-        if style != HeaderStyle::Draft11 || name == "Retry-After" {
-            fields.push((name, value));
-        }
+    match (style, legacy.retry_after) {
+        // Only `Retry-After` of the legacy set: the others are not made.
+        (HeaderStyle::Draft11, Some(seconds)) => fields.push((
+            "Retry-After",
+            itoa::Buffer::new().format(seconds).to_owned(),
+        )),
+        (HeaderStyle::Draft11, None) => {}
+        _ => fields.extend(legacy.pairs()),
     }
     fields
 }
