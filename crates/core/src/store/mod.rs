@@ -660,7 +660,6 @@ mod tests {
             ),
             ("", "", "", "")
         );
-        assert!(!empty.is_per_key());
         // An Envoy override's bucket is apart from the rule's of the same
         // counter.
         let rule = BucketKey::new(
