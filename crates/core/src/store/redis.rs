@@ -572,7 +572,12 @@ impl Shared {
     fn send(self: &Arc<Self>, request: Box<Request>) -> Sending<'_> {
         if self.config.coalesce > 1 {
             let deadline = Instant::now() + self.config.timeout;
-            match self.routes.route_now(slot_of(&request.keys[0])) {
+            // Outside a cluster one primary serves every slot.
+            let slot = match self.routes.is_cluster() {
+                true => slot_of(&request.keys[0]),
+                false => 0,
+            };
+            match self.routes.route_now(slot) {
                 Some(node) if node.waiting.is_some() => {
                     return Sending::Joined(coalesce::join(self, node, request, deadline));
                 }
@@ -580,10 +585,7 @@ impl Shared {
                 // No map names the slot's node yet: wait for one.
                 None => {
                     return Sending::Other(Box::pin(async move {
-                        let node = self
-                            .routes
-                            .route(slot_of(&request.keys[0]), deadline)
-                            .await?;
+                        let node = self.routes.route(slot, deadline).await?;
                         if node.waiting.is_some() {
                             return coalesce::join(self, node, request, deadline)
                                 .answer(self.config.timeout)
