@@ -568,7 +568,9 @@ impl Shared {
     /// Sends one request, coalesced with others bound for the same node
     /// when coalescing is on. What can be done before any wait (routing by
     /// the current map, joining the node's queue) is done here, so the
-    /// request is moved once and the future holds no copy of it.
+    /// request is moved once and the future holds no copy of it; callers
+    /// await [`Sending::reply`] at once. (Returning that future from here
+    /// instead would move it once more: 170 instructions per decision.)
     fn send(self: &Arc<Self>, request: Box<Request>) -> Sending<'_> {
         if self.config.coalesce > 1 {
             let deadline = Instant::now() + self.config.timeout;
