@@ -575,9 +575,10 @@ impl Shared {
         if self.config.coalesce > 1 {
             let deadline = Instant::now() + self.config.timeout;
             // Outside a cluster one primary serves every slot.
-            let slot = match self.routes.is_cluster() {
-                true => slot_of(&request.keys[0]),
-                false => 0,
+            let slot = if self.routes.is_cluster() {
+                slot_of(&request.keys[0])
+            } else {
+                0
             };
             match self.routes.route_now(slot) {
                 Some(node) if node.waiting.is_some() => {
