@@ -349,13 +349,9 @@ impl Drop for Shared {
     }
 }
 
-/// The address of a request's peer, in its extensions (for the services
-/// that bound what one peer may hold).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer(pub SocketAddr);
-
 /// A handle on one connection, found in each request's extensions (and, on
-/// the admin port, as axum's `ConnectInfo`).
+/// the admin port, as axum's `ConnectInfo`): the services that bound what
+/// one peer may hold read its address there.
 #[derive(Debug, Clone)]
 pub struct ConnectionHandle {
     /// The peer's address.
@@ -366,10 +362,10 @@ pub struct ConnectionHandle {
 impl ConnectionHandle {
     /// Marks a request as started; it ends when the guard is dropped. Also
     /// returns how many requests the connection held before it.
-    fn begin(self) -> (RequestGuard, u64) {
+    fn begin(&self) -> (RequestGuard, u64) {
         let before = self.shared.activity.begin();
         let guard = RequestGuard {
-            connection: Some(self.shared),
+            connection: Some(self.shared.clone()),
             cap: None,
         };
         (guard, before)
@@ -678,17 +674,15 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
-        // The request's own copy of the handle moves into the guard.
-        let extensions = request.extensions_mut();
-        let handle = extensions.remove::<ConnectionHandle>().or_else(|| {
+    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+        // The handle stays in the request's extensions (the services that
+        // bound what one peer may hold read its address there).
+        let extensions = request.extensions();
+        let handle = extensions.get::<ConnectionHandle>().or_else(|| {
             extensions
                 .get::<axum::extract::ConnectInfo<ConnectionHandle>>()
-                .map(|info| info.0.clone())
+                .map(|info| &info.0)
         });
-        if let Some(handle) = &handle {
-            extensions.insert(Peer(handle.peer));
-        }
         let (mut guard, held) = match handle {
             Some(handle) => handle.begin(),
             None => (

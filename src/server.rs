@@ -546,7 +546,6 @@ fn serve_grpc(
         .tcp_nodelay(true)
         .max_concurrent_streams(limits.max_concurrent_streams)
         .concurrency_limit_per_connection(limits.connection_concurrency)
-        .timeout(limits.request_timeout)
         .http2_max_header_list_size(limits.max_header_bytes)
         .initial_connection_window_size(limits.connection_window_bytes)
         .initial_stream_window_size((limits.connection_window_bytes / 4).max(65_535))
@@ -556,6 +555,11 @@ fn serve_grpc(
         .http2_keepalive_timeout(Some(limits.keepalive_timeout))
         .layer(InFlightLayer::capped(in_flight))
         .layer(crate::api::observe::ObserveLayer)
+        // The request timeout, without tonic's timer per request (tonic
+        // keeps one for a caller's own `grpc-timeout`).
+        .layer(crate::api::timeout::RequestTimeoutLayer::new(
+            limits.request_timeout,
+        ))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(crate::api::frames::SkipOversized::new(

@@ -9,7 +9,8 @@
 //!
 //! Each wing maps its wire format to an [`crate::engine::Demand`] and the
 //! engine's answer back. What they share lives here: the protobuf codec,
-//! the one error → status mapping, the request-latency layer.
+//! the one error → status mapping, the request-latency and request-timeout
+//! layers.
 
 pub mod admin;
 pub mod codec;
@@ -21,6 +22,7 @@ pub mod observe;
 pub mod quota_view;
 pub mod rlqs;
 pub mod status;
+pub mod timeout;
 pub mod usage;
 
 use crate::algorithm::Micros;

@@ -32,11 +32,10 @@ pub struct Observe<S> {
 impl<S, B> Service<http::Request<B>> for Observe<S>
 where
     S: Service<http::Request<B>>,
-    S::Future: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    type Future = Observed<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -45,67 +44,65 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let method = method_label(request.uri().path());
         let started = Instant::now();
-        let response = self.inner.call(request);
-        Box::pin(async move {
-            let result = response.await;
-            metrics::grpc_request(method, started.elapsed());
-            result
-        })
+        Observed {
+            inner: self.inner.call(request),
+            method,
+            started,
+        }
     }
 }
 
-/// Every method the gRPC port serves, by service: the `method` label's
-/// values (anything else is `other`).
-const METHODS: &[(&str, &[&str])] = &[
-    (
-        "tollgate.v1.RateLimiter",
-        &[
-            "ShouldAllow",
-            "ShouldAllowBatch",
-            "ShouldAllowStream",
-            "Reserve",
-            "Settle",
-            "Charge",
-            "Acquire",
-            "Release",
-            "Renew",
-            "Hold",
-            "GetUsage",
-            "ListUsage",
-        ],
-    ),
-    (
-        "tollgate.v1.Admin",
-        &["TopLimited", "LimitsStatus", "Explain"],
-    ),
-    (
-        "envoy.service.ratelimit.v3.RateLimitService",
-        &["ShouldRateLimit"],
-    ),
-    (
-        "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
-        &["StreamRateLimitQuotas"],
-    ),
-];
+pin_project_lite::pin_project! {
+    /// The future of [`Observe`]: the inner call's, timed from when it was
+    /// made until it is ready.
+    pub struct Observed<F> {
+        #[pin]
+        inner: F,
+        method: &'static str,
+        started: Instant,
+    }
+}
 
-/// The bounded `method` label of a gRPC path.
+impl<F: Future> Future for Observed<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let output = std::task::ready!(this.inner.poll(cx));
+        metrics::grpc_request(this.method, this.started.elapsed());
+        Poll::Ready(output)
+    }
+}
+
+/// The bounded `method` label of a gRPC path: each method the gRPC port
+/// serves has its own (anything else is `other`). Matched whole, as one
+/// `match`: this runs for every request.
 pub fn method_label(path: &str) -> &'static str {
     match path {
-        "/grpc.health.v1.Health/Check" => return "HealthCheck",
-        "/grpc.health.v1.Health/Watch" => return "HealthWatch",
-        p if p.starts_with("/grpc.reflection.") => return "Reflection",
-        _ => {}
+        "/tollgate.v1.RateLimiter/ShouldAllow" => "ShouldAllow",
+        "/tollgate.v1.RateLimiter/ShouldAllowBatch" => "ShouldAllowBatch",
+        "/tollgate.v1.RateLimiter/ShouldAllowStream" => "ShouldAllowStream",
+        "/tollgate.v1.RateLimiter/Reserve" => "Reserve",
+        "/tollgate.v1.RateLimiter/Settle" => "Settle",
+        "/tollgate.v1.RateLimiter/Charge" => "Charge",
+        "/tollgate.v1.RateLimiter/Acquire" => "Acquire",
+        "/tollgate.v1.RateLimiter/Release" => "Release",
+        "/tollgate.v1.RateLimiter/Renew" => "Renew",
+        "/tollgate.v1.RateLimiter/Hold" => "Hold",
+        "/tollgate.v1.RateLimiter/GetUsage" => "GetUsage",
+        "/tollgate.v1.RateLimiter/ListUsage" => "ListUsage",
+        "/tollgate.v1.Admin/TopLimited" => "TopLimited",
+        "/tollgate.v1.Admin/LimitsStatus" => "LimitsStatus",
+        "/tollgate.v1.Admin/Explain" => "Explain",
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" => "ShouldRateLimit",
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas" => {
+            "StreamRateLimitQuotas"
+        }
+        "/grpc.health.v1.Health/Check" => "HealthCheck",
+        "/grpc.health.v1.Health/Watch" => "HealthWatch",
+        p if p.starts_with("/grpc.reflection.") => "Reflection",
+        _ => "other",
     }
-    let Some((service, method)) = path.strip_prefix('/').and_then(|p| p.split_once('/')) else {
-        return "other";
-    };
-    METHODS
-        .iter()
-        .filter(|(s, _)| *s == service)
-        .flat_map(|(_, methods)| methods.iter())
-        .find(|m| **m == method)
-        .copied()
-        .unwrap_or("other")
 }
 
 #[cfg(test)]

@@ -434,8 +434,9 @@ pub struct GrpcLimits {
         default_value_t = 128
     )]
     pub connection_concurrency: usize,
-    /// Longest a gRPC request may take before it is cancelled; also how
-    /// long a ShouldAllowStream may wait for its first message.
+    /// Longest a gRPC request may take before it is cancelled (to within a
+    /// twentieth more); also how long a ShouldAllowStream may wait for its
+    /// first message.
     #[arg(id = "grpc_request_timeout", long = "grpc-request-timeout", env = "TOLLGATE_GRPC_REQUEST_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
     pub request_timeout: Duration,
     /// Open gRPC connections at most (half from one peer address); at the

@@ -32,7 +32,7 @@ pub use options::RlqsOptions;
 use caps::{StreamSlot, Streams};
 
 use crate::algorithm::Op;
-use crate::connections::Peer;
+use crate::connections::ConnectionHandle;
 use crate::engine::shares::{Assignment, Member, Shared, Usage};
 use crate::engine::{Api, Demand, Engine, Item, Line, OverCapacity};
 use crate::limits::watch::LiveLimits;
@@ -171,7 +171,10 @@ impl RateLimitQuotaService for RlqsService {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        let peer = request.extensions().get::<Peer>().map(|p| p.0.ip());
+        let peer = request
+            .extensions()
+            .get::<ConnectionHandle>()
+            .map(|c| c.peer.ip());
         let envoy = match request.metadata().get(ENVOY_ID_METADATA) {
             None => None,
             Some(v) => match v.to_str() {
