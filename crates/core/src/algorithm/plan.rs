@@ -147,7 +147,8 @@ pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -
         }
     };
     let mut verdicts = Vec::with_capacity(charges.len());
-    let mut next = Vec::with_capacity(charges.len());
+    // The next states, then (in place, one allocation) the writes.
+    let mut writes = Vec::with_capacity(charges.len());
     let mut allowed = true;
     for (state, charge) in states.iter().zip(charges) {
         let decided = if charge.limit.is_concurrency() {
@@ -175,17 +176,14 @@ pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -
         });
         allowed &= verdict.allowed || !charge.enforce;
         verdicts.push(verdict);
-        next.push(state);
+        writes.push(Some(state));
     }
-    let writes = if allowed && spend {
-        verdicts
-            .iter()
-            .zip(next)
-            .zip(charges)
-            .map(|((v, s), c)| {
-                (v.allowed && (grant.is_some() || !c.limit.is_concurrency())).then_some(s)
-            })
-            .collect()
+    if allowed && spend {
+        for ((write, v), c) in writes.iter_mut().zip(&verdicts).zip(charges) {
+            if !(v.allowed && (grant.is_some() || !c.limit.is_concurrency())) {
+                *write = None;
+            }
+        }
     } else {
         if !allowed {
             // Nothing is spent: report what the admitting buckets hold now.
@@ -195,8 +193,8 @@ pub fn plan(states: &[Option<State>], charges: &[Charge], now: Micros, op: Op) -
                 }
             }
         }
-        vec![None; charges.len()]
-    };
+        writes.fill(None);
+    }
     Plan {
         verdicts,
         writes,

@@ -369,6 +369,12 @@ impl MemoryStore {
         buckets: &[BucketKey],
         extra: Option<&BucketKey>,
     ) -> SmallVec<[parking_lot::MutexGuard<'_, ()>; INLINE]> {
+        if let ([bucket], None) = (buckets, extra) {
+            // The usual decision: one bucket, one stripe, nothing to order.
+            let mut guards = SmallVec::new();
+            guards.push(self.stripes[self.stripe_of(bucket)].lock());
+            return guards;
+        }
         let mut stripes: SmallVec<[usize; INLINE]> =
             buckets.iter().map(|b| self.stripe_of(b)).collect();
         if let Some(name) = extra {
