@@ -128,7 +128,10 @@ fn structured(demand: &Demand<'_>, answer: &Answer, item: Option<usize>) -> (Str
             policy.push_str(", ");
             state.push_str(", ");
         }
+        // Encoded once, for both fields.
+        let name_at = policy.len();
         push_sf_string(&mut policy, m.name);
+        state.push_str(&policy[name_at..]);
         policy.push_str(";q=");
         policy.push_str(digits.format(m.quota));
         match m.window {
@@ -138,7 +141,6 @@ fn structured(demand: &Demand<'_>, answer: &Answer, item: Option<usize>) -> (Str
             }
             None => policy.push_str(";qu=\"concurrent-requests\""),
         }
-        push_sf_string(&mut state, m.name);
         state.push_str(";r=");
         state.push_str(digits.format(m.remaining));
         state.push_str(";t=");
