@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::journal::journal_of;
-use super::node::{Answer, Node};
+use super::node::{Answer, Node, Packed, Wire};
 use super::script::{self, Reply, Request, parse_reply};
 use super::topology::slot_of;
 use super::usual::{self, UsualCall};
@@ -27,7 +27,32 @@ pub(super) enum Command<'a> {
     /// The decision script, written for the node that runs it: given the
     /// call's deadline on that node's clock, so that a call Redis runs
     /// after its caller was answered applies nothing.
-    Script(&'a (dyn Fn(i64) -> redis::Cmd + Sync)),
+    Script(&'a (dyn Fn(i64) -> Written + Sync)),
+}
+
+/// A script call as written for one node: the usual call straight in
+/// RESP, any other as a command.
+pub(super) enum Written {
+    /// The general form.
+    Cmd(redis::Cmd),
+    /// The usual call.
+    Packed(Packed),
+}
+
+impl Wire for Written {
+    fn write_to(&self, out: &mut Vec<u8>) {
+        match self {
+            Written::Cmd(cmd) => cmd.write_to(out),
+            Written::Packed(packed) => packed.write_to(out),
+        }
+    }
+
+    fn packed(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self {
+            Written::Cmd(cmd) => cmd.packed(),
+            Written::Packed(packed) => packed.packed(),
+        }
+    }
 }
 
 /// Most redirects (and `TRYAGAIN` pauses) one call follows.
@@ -221,7 +246,7 @@ impl Shared {
     /// simply answer (a redirect, `TRYAGAIN`, `NOSCRIPT`, a run past its
     /// deadline on a clock that stepped) had nothing applied; it is asked
     /// again on its own, as [`Shared::exec_by`] asks.
-    async fn exec_scripts_by<W: Fn(i64) -> redis::Cmd + Sync>(
+    async fn exec_scripts_by<W: Fn(i64) -> Written + Sync>(
         &self,
         deadline: Instant,
         keys: &[&str],
@@ -245,7 +270,7 @@ impl Shared {
             let refused = node.refuses();
             let answers = async {
                 let on_node = node.deadline_on_node(deadline).await?;
-                let cmds: Vec<redis::Cmd> = members.iter().map(|&i| writers[i](on_node)).collect();
+                let cmds: Vec<Written> = members.iter().map(|&i| writers[i](on_node)).collect();
                 node.call_many(&cmds, deadline).await
             }
             .await;
@@ -383,17 +408,17 @@ impl Prepared<'_> {
     }
 
     /// The call as written for a node, given the deadline on its clock.
-    fn write(&self, deadline_on_node: i64) -> redis::Cmd {
+    fn write(&self, deadline_on_node: i64) -> Written {
         let shared = self.shared;
         let margin_ms = shared.config.expiry_margin.as_millis() as u64;
         match &self.usual {
-            Some(usual) => usual.evalsha(
+            Some(usual) => Written::Packed(Packed(usual.evalsha(
                 shared.script.get_hash(),
                 &self.now,
                 deadline_on_node,
                 margin_ms,
-            ),
-            None => script::evalsha(
+            ))),
+            None => Written::Cmd(script::evalsha(
                 shared.script.get_hash(),
                 self.requests,
                 &self.now,
@@ -401,7 +426,7 @@ impl Prepared<'_> {
                 margin_ms,
                 shared.config.max_records_per_tenant,
                 self.journal.as_deref(),
-            ),
+            )),
         }
     }
 

@@ -25,6 +25,39 @@ use crate::store::StoreError;
 use crate::store::breaker::{Breaker, BreakerState, Open};
 use crate::telemetry::metrics;
 
+/// A command as it goes on the wire (RESP): a [`Cmd`], or the usual
+/// script call, written straight into its bytes ([`Packed`]).
+pub(super) trait Wire: Sync {
+    /// Appends the command's bytes to `out`.
+    fn write_to(&self, out: &mut Vec<u8>);
+
+    /// The command's bytes.
+    fn packed(&self) -> std::borrow::Cow<'_, [u8]>;
+}
+
+impl Wire for Cmd {
+    fn write_to(&self, out: &mut Vec<u8>) {
+        self.write_packed_command(out);
+    }
+
+    fn packed(&self) -> std::borrow::Cow<'_, [u8]> {
+        self.get_packed_command().into()
+    }
+}
+
+/// A command already written in RESP.
+pub(super) struct Packed(pub Vec<u8>);
+
+impl Wire for Packed {
+    fn write_to(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.0);
+    }
+
+    fn packed(&self) -> std::borrow::Cow<'_, [u8]> {
+        (&self.0[..]).into()
+    }
+}
+
 /// How a node answered a command, as routing needs to know it.
 pub(super) enum Answer {
     /// The reply.
@@ -256,7 +289,7 @@ impl Node {
     /// open breaker refuses at once.
     pub async fn call(
         self: &Arc<Self>,
-        cmd: &Cmd,
+        cmd: &dyn Wire,
         asking: bool,
         deadline: Instant,
     ) -> Result<Answer, StoreError> {
@@ -277,7 +310,7 @@ impl Node {
     /// commands whose replies had not arrived.
     pub async fn call_many(
         self: &Arc<Self>,
-        cmds: &[Cmd],
+        cmds: &[impl Wire],
         deadline: Instant,
     ) -> Result<Vec<Result<Answer, StoreError>>, StoreError> {
         let pending = self.admit()?;
@@ -331,17 +364,17 @@ impl Node {
 
     async fn send(
         self: &Arc<Self>,
-        cmd: &Cmd,
+        cmd: &dyn Wire,
         asking: bool,
         deadline: Instant,
     ) -> Result<Answer, Failure> {
         let (conn, generation) = self.connection_by(deadline).await?;
         let (packed, skip) = if asking {
             let mut packed = redis::cmd("ASKING").get_packed_command();
-            cmd.write_packed_command(&mut packed);
-            (packed, 1)
+            cmd.write_to(&mut packed);
+            (packed.into(), 1)
         } else {
-            (cmd.get_packed_command(), 0)
+            (cmd.packed(), 0)
         };
         match tokio::time::timeout_at(deadline, conn.send(&packed, skip)).await {
             Err(_) => Err(self.late()),
@@ -352,13 +385,13 @@ impl Node {
 
     async fn send_many(
         self: &Arc<Self>,
-        cmds: &[Cmd],
+        cmds: &[impl Wire],
         deadline: Instant,
     ) -> Result<Vec<Result<Answer, Failure>>, Failure> {
         let (conn, generation) = self.connection_by(deadline).await?;
         let mut packed = Vec::new();
         for cmd in cmds {
-            cmd.write_packed_command(&mut packed);
+            cmd.write_to(&mut packed);
         }
         let values =
             match tokio::time::timeout_at(deadline, conn.send_many(&packed, cmds.len())).await {

@@ -82,39 +82,52 @@ impl<'a> UsualCall<'a> {
     }
 
     /// The `EVALSHA` of script `sha` (see `script::evalsha` for `now`,
-    /// `deadline` and `margin_ms`).
-    pub(super) fn evalsha(
-        &self,
-        sha: &str,
-        now: &str,
-        deadline: i64,
-        margin_ms: u64,
-    ) -> redis::Cmd {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(sha).arg(self.keys.len());
+    /// `deadline` and `margin_ms`), written straight in RESP: an array of
+    /// bulk strings, as `redis::Cmd` would write it, without first copying
+    /// each argument into a command.
+    pub(super) fn evalsha(&self, sha: &str, now: &str, deadline: i64, margin_ms: u64) -> Vec<u8> {
+        let args = 3 + self.keys.len() + 3 + self.limits.len() + self.costs.len();
+        let key_bytes: usize = self.keys.iter().map(|(_, k)| k.len() + 16).sum();
+        let mut out = Vec::with_capacity(96 + key_bytes + self.plan.len() + 48 * args);
+        let mut digits = itoa::Buffer::new();
+        out.push(b'*');
+        out.extend_from_slice(digits.format(args).as_bytes());
+        out.extend_from_slice(b"\r\n");
+        bulk(&mut out, b"EVALSHA");
+        bulk(&mut out, sha.as_bytes());
+        bulk(&mut out, digits.format(self.keys.len()).as_bytes());
         for (_, key) in &self.keys {
-            evalsha.arg(*key);
+            bulk(&mut out, key.as_bytes());
         }
         let mut field = String::with_capacity(48);
         field.push_str(now);
         field.push('@');
-        field.push_str(itoa::Buffer::new().format(deadline));
-        evalsha
-            .arg(field.as_str())
-            .arg(&self.plan[..])
-            .arg(margin_ms);
+        field.push_str(digits.format(deadline));
+        bulk(&mut out, field.as_bytes());
+        bulk(&mut out, &self.plan);
+        bulk(&mut out, digits.format(margin_ms).as_bytes());
         for &(interval, burst) in &self.limits {
             field.clear();
-            field.push_str(itoa::Buffer::new().format(interval));
+            field.push_str(digits.format(interval));
             field.push(':');
-            field.push_str(itoa::Buffer::new().format(burst));
-            evalsha.arg(field.as_str());
+            field.push_str(digits.format(burst));
+            bulk(&mut out, field.as_bytes());
         }
-        for cost in &self.costs {
-            evalsha.arg(*cost);
+        for &cost in &self.costs {
+            bulk(&mut out, digits.format(cost).as_bytes());
         }
-        evalsha
+        out
     }
+}
+
+/// Appends `bytes` as a RESP bulk string.
+fn bulk(out: &mut Vec<u8>, bytes: &[u8]) {
+    let mut digits = itoa::Buffer::new();
+    out.push(b'$');
+    out.extend_from_slice(digits.format(bytes.len()).as_bytes());
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
 }
 
 /// A charge the usual form carries: a token bucket without a debt floor
@@ -253,6 +266,37 @@ mod tests {
             call.plan,
             b"=\x02\x02\x01\x01\x00\x02\x02\x00\x02\x03\x81\x01\x02\x02\x01"
         );
+    }
+
+    /// The call written straight in RESP is byte for byte what
+    /// `redis::Cmd` writes for the same arguments.
+    #[test]
+    fn the_call_is_written_as_a_redis_command_would_be() {
+        let ceiling = per_second(100);
+        let a = decide(
+            &["k:a", "t:"],
+            vec![Charge::new(per_second(10), 1), Charge::new(ceiling, 1)],
+        );
+        let b = decide(
+            &["k:ü", "t:"],
+            vec![Charge::new(per_second(10), 7), Charge::new(ceiling, 7)],
+        );
+        let call = UsualCall::of(&[&a, &b]).unwrap();
+        let sha = "0123456789abcdef0123456789abcdef01234567";
+        let written = call.evalsha(sha, "1700000000123456", -3, 2000);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(sha)
+            .arg(3)
+            .arg("k:a")
+            .arg("t:")
+            .arg("k:ü")
+            .arg("1700000000123456@-3")
+            .arg(&call.plan[..])
+            .arg(2000)
+            .arg("100000:10")
+            .arg("10000:100")
+            .arg(7);
+        assert_eq!(written, cmd.get_packed_command());
     }
 
     #[test]
