@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::journal::journal_of;
-use super::node::{Answer, Node, Packed, Wire};
+use super::node::{Answer, Node, Wire};
 use super::script::{self, Reply, Request, parse_reply};
 use super::topology::slot_of;
 use super::usual::{self, UsualCall};
@@ -35,8 +35,8 @@ pub(super) enum Command<'a> {
 pub(super) enum Written {
     /// The general form.
     Cmd(redis::Cmd),
-    /// The usual call.
-    Packed(Packed),
+    /// The usual call, in RESP.
+    Packed(Vec<u8>),
 }
 
 impl Wire for Written {
@@ -412,12 +412,12 @@ impl Prepared<'_> {
         let shared = self.shared;
         let margin_ms = shared.config.expiry_margin.as_millis() as u64;
         match &self.usual {
-            Some(usual) => Written::Packed(Packed(usual.evalsha(
+            Some(usual) => Written::Packed(usual.evalsha(
                 shared.script.get_hash(),
                 &self.now,
                 deadline_on_node,
                 margin_ms,
-            ))),
+            )),
             None => Written::Cmd(script::evalsha(
                 shared.script.get_hash(),
                 self.requests,

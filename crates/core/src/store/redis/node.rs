@@ -25,8 +25,8 @@ use crate::store::StoreError;
 use crate::store::breaker::{Breaker, BreakerState, Open};
 use crate::telemetry::metrics;
 
-/// A command as it goes on the wire (RESP): a [`Cmd`], or the usual
-/// script call, written straight into its bytes ([`Packed`]).
+/// A command as it goes on the wire (RESP): a [`Cmd`], or the bytes of
+/// one already written (the usual script call).
 pub(super) trait Wire: Sync {
     /// Appends the command's bytes to `out`.
     fn write_to(&self, out: &mut Vec<u8>);
@@ -45,16 +45,13 @@ impl Wire for Cmd {
     }
 }
 
-/// A command already written in RESP.
-pub(super) struct Packed(pub Vec<u8>);
-
-impl Wire for Packed {
+impl Wire for Vec<u8> {
     fn write_to(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.0);
+        out.extend_from_slice(self);
     }
 
     fn packed(&self) -> std::borrow::Cow<'_, [u8]> {
-        (&self.0[..]).into()
+        self[..].into()
     }
 }
 
